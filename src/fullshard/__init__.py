@@ -1,0 +1,28 @@
+"""fullshard: train Hugging Face models across many devices with PyTorch FSDP2."""
+
+from .distributed import ParallelDims, build_mesh, get_rank, get_world_size, init_distributed, is_main_process
+from .engine import EngineConfig, FSDP2Engine, apply_activation_checkpointing, apply_fsdp2, reshard_all
+from .plan import PlanError, ShardingPlan, UnitSpec, auto_plan, build_plan, find_blocks, get_transformer_layer_cls
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "EngineConfig",
+    "FSDP2Engine",
+    "ParallelDims",
+    "PlanError",
+    "ShardingPlan",
+    "UnitSpec",
+    "apply_activation_checkpointing",
+    "apply_fsdp2",
+    "auto_plan",
+    "build_mesh",
+    "build_plan",
+    "find_blocks",
+    "get_rank",
+    "get_transformer_layer_cls",
+    "get_world_size",
+    "init_distributed",
+    "is_main_process",
+    "reshard_all",
+]

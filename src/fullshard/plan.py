@@ -1,0 +1,447 @@
+"""Which modules become FSDP units, and with what policy: decided and checked before any `fully_shard`.
+
+A plan is a list of units; each unit is one `fully_shard` call over one or more modules, whose
+parameters are all-gathered together. Everything no unit claims falls to the root unit (the
+model itself). The plan is plain data, so it can be printed, compared in tests and validated
+against the model before a single collective runs, which is what lets every rank raise the
+same error instead of hanging.
+
+Rules the auto plan follows, each for a reason:
+- one unit per transformer block (the repeated layer): the memory/communication sweet spot;
+  only the outermost block when blocks nest (an MoE sparse block inside a decoder layer);
+- the input embedding is its own unit when untied, so its (often largest) weight is freed
+  during the layers;
+- the final norm and the output head form a tail unit that keeps its full weight after forward,
+  because backward needs it immediately;
+- a weight shared by several modules (tied embedding / head) lives in exactly one unit, else the
+  two ends are sharded into two different tensors and drift apart from the second step.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+POLICIES = {
+    "free_full_weight": ("reshard_after_forward", True),
+    "keep_full_weight": ("reshard_after_forward", False),
+    "cpu_offload": ("cpu_offload", True),
+    "no_cpu_offload": ("cpu_offload", False),
+    "mixed_precision": ("mixed_precision", True),
+    "full_precision": ("mixed_precision", False),
+}
+
+BLOCK_CONTAINER_PATHS = ("layers", "model.layers", "h", "transformer.h", "blocks", "model.blocks", "encoder.layer")
+FINAL_NORM_NAMES = ("norm", "final_layernorm", "final_layer_norm", "ln_f", "norm_f", "final_norm")
+
+
+class PlanError(ValueError):
+    """A sharding plan that cannot be applied to this model; the message names the entry."""
+
+
+@dataclass(frozen=True)
+class UnitSpec:
+    """One `fully_shard` call. `None` policies take the engine's defaults."""
+
+    modules: tuple[str, ...]
+    reshard_after_forward: bool | int | None = None
+    mixed_precision: bool | None = None
+    cpu_offload: bool | None = None
+    source: str = ""  # the plan entry this unit came from, for error messages
+
+    @property
+    def name(self) -> str:
+        return " + ".join(self.modules)
+
+
+@dataclass
+class ShardingPlan:
+    """The units to shard, innermost first; the root unit (the whole model) is implicit and last."""
+
+    units: list[UnitSpec] = field(default_factory=list)
+    mode: str = "manual"
+
+    def unit_index_of(self, module_name: str) -> int | None:
+        """The innermost unit that holds `module_name` (itself or an ancestor); None means the root."""
+        best, best_depth = None, -1
+        for index, unit in enumerate(self.units):
+            for root in unit.modules:
+                if _is_within(module_name, root) and len(root) > best_depth:
+                    best, best_depth = index, len(root)
+        return best
+
+    def sharding_order(self) -> list[UnitSpec]:
+        """The units in an order `fully_shard` accepts: a unit nested inside another goes first."""
+        remaining, ordered = list(self.units), []
+        while remaining:
+            for unit in remaining:
+                if not any(other is not unit and _contains(unit, other) for other in remaining):
+                    ordered.append(unit)
+                    remaining.remove(unit)
+                    break
+            else:
+                raise PlanError(f"units {[u.name for u in remaining]} nest inside each other; no order can shard them")
+        return ordered
+
+    def unit_names(self) -> list[str]:
+        return [unit.name for unit in self.units]
+
+    def parameter_units(self, model: nn.Module) -> dict[str, str]:
+        """Each parameter's unit ("<root>" for the root), by its first (canonical) name."""
+        owners = _parameter_owners(model)
+        return {
+            names[0]: self._unit_label(self.unit_index_of(_module_of(names[0]))) for names in owners.values()
+        }
+
+    def _unit_label(self, index: int | None) -> str:
+        return "<root>" if index is None else self.units[index].name
+
+    def validate(self, model: nn.Module) -> None:
+        """Raise `PlanError` naming the entry for anything `fully_shard` would get wrong or reject."""
+        modules = dict(model.named_modules())
+        claimed: dict[str, str] = {}
+        for unit in self.units:
+            if not unit.modules:
+                raise PlanError(f"plan entry {unit.source or unit.name!r} has no modules")
+            for name in unit.modules:
+                if name not in modules:
+                    raise PlanError(f"plan entry {unit.source or name!r}: model has no module {name!r}")
+                if name == "":
+                    raise PlanError("the root module is always the last unit; do not list it in the plan")
+                if name in claimed:
+                    raise PlanError(
+                        f"module {name!r} is claimed by two plan entries: {claimed[name]!r} and {unit.source or unit.name!r}"
+                    )
+                claimed[name] = unit.source or unit.name
+            if isinstance(unit.reshard_after_forward, int) and not isinstance(unit.reshard_after_forward, bool):
+                if unit.reshard_after_forward < 1:
+                    raise PlanError(f"plan entry {unit.name!r}: reshard_after_forward must be >= 1")
+
+        for names in _parameter_owners(model).values():
+            units = {self.unit_index_of(_module_of(n)) for n in names}
+            if len(units) > 1:
+                labels = sorted(self._unit_label(u) for u in units)
+                raise PlanError(
+                    f"parameter {names[0]!r} is shared by {names[1:]} and would be claimed by two units "
+                    f"{labels}; put the modules that share it in one unit"
+                )
+
+        by_unit: dict[int | None, list[tuple[str, nn.Parameter]]] = {}
+        for name, param in model.named_parameters():
+            by_unit.setdefault(self.unit_index_of(_module_of(name)), []).append((name, param))
+        for index, params in by_unit.items():
+            label = self._unit_label(index)
+            dtypes = sorted({str(p.dtype) for _, p in params})
+            if len(dtypes) > 1:
+                examples = {str(p.dtype): n for n, p in params}
+                raise PlanError(
+                    f"unit {label!r} mixes parameter dtypes {dtypes} (e.g. {examples}); "
+                    "one unit is all-gathered as one buffer, so give each dtype its own unit"
+                )
+            trainable = {p.requires_grad for _, p in params}
+            if len(trainable) > 1:
+                warnings.warn(
+                    f"unit {label!r} holds both frozen and trainable parameters; it works, but gradients "
+                    "are reduce-scattered for the whole unit. Give frozen modules their own unit to save memory.",
+                    stacklevel=2,
+                )
+
+    def describe(self, model: nn.Module, shard_size: int = 1) -> str:
+        """A table: unit, policies, parameter count and bytes each rank holds of it."""
+        rows = [("unit", "reshard", "mp", "offload", "params", "bytes/rank")]
+        totals: dict[int | None, list[int]] = {}
+        for name, param in model.named_parameters():
+            numel, per_rank = _shard_bytes(param, shard_size)
+            acc = totals.setdefault(self.unit_index_of(_module_of(name)), [0, 0])
+            acc[0] += numel
+            acc[1] += per_rank
+        for index in [*range(len(self.units)), None]:
+            unit = self.units[index] if index is not None else None
+            count, per_rank = totals.get(index, [0, 0])
+            rows.append(
+                (
+                    self._unit_label(index),
+                    _fmt(unit.reshard_after_forward if unit else None),
+                    _fmt(unit.mixed_precision if unit else None),
+                    _fmt(unit.cpu_offload if unit else None),
+                    f"{count:,}",
+                    f"{per_rank:,}",
+                )
+            )
+        total_count = sum(v[0] for v in totals.values())
+        total_bytes = sum(v[1] for v in totals.values())
+        rows.append(("total", "", "", "", f"{total_count:,}", f"{total_bytes:,}"))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        return "\n".join(lines)
+
+
+def _fmt(value: Any) -> str:
+    return "default" if value is None else str(value)
+
+
+def _shard_bytes(param: torch.Tensor, shard_size: int) -> tuple[int, int]:
+    """(numel, bytes of the largest per-rank shard): FSDP2 shards dim 0, rounding up."""
+    if param.dim() == 0:
+        return 1, param.element_size()
+    rows = -(-param.shape[0] // shard_size)
+    return param.numel(), rows * (param.numel() // max(param.shape[0], 1)) * param.element_size()
+
+
+def _is_within(module_name: str, root: str) -> bool:
+    return module_name == root or module_name.startswith(root + ".")
+
+
+def _contains(outer: UnitSpec, inner: UnitSpec) -> bool:
+    return any(_is_within(i, o) and i != o for i in inner.modules for o in outer.modules)
+
+
+def _module_of(param_name: str) -> str:
+    return param_name.rpartition(".")[0]
+
+
+def _parameter_owners(model: nn.Module) -> dict[int, list[str]]:
+    """Every parameter (by identity) with all the names it is reachable under; ties have several."""
+    owners: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(param), []).append(name)
+    return owners
+
+
+# --------------------------------------------------------------------------- block detection
+
+
+def get_transformer_block_classes(model: nn.Module) -> set[type[nn.Module]]:
+    """The classes of the repeated blocks, by the first source that names any.
+
+    Order: the model's `_no_split_modules`, then transformers' `GradientCheckpointingLayer`
+    subclasses, then the class of the children of a `layers` / `model.layers` / `h` / `blocks`
+    ModuleList.
+    """
+    present = {type(m) for m in model.modules()}
+    by_name = {cls.__name__: cls for cls in present}
+    no_split = getattr(model, "_no_split_modules", None) or []
+    classes = {by_name[n] for n in no_split if n in by_name}
+    if classes:
+        return classes
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+
+        classes = {cls for cls in present if issubclass(cls, GradientCheckpointingLayer)}
+    except ImportError:
+        classes = set()
+    if classes:
+        return classes
+    container = _block_container(model)
+    return {type(m) for m in container} if container is not None else set()
+
+
+def get_transformer_layer_cls(model: nn.Module) -> type[nn.Module] | None:
+    """The block class to wrap (seed 000's single answer): the one with the most instances."""
+    blocks = find_blocks(model)
+    if not blocks:
+        return None
+    modules = dict(model.named_modules())
+    counts: dict[type, int] = {}
+    for name in blocks:
+        counts[type(modules[name])] = counts.get(type(modules[name]), 0) + 1
+    return max(counts, key=counts.get)
+
+
+def find_blocks(model: nn.Module) -> list[str]:
+    """Names of the outermost block modules, in model order."""
+    classes = get_transformer_block_classes(model)
+    blocks: list[str] = []
+    for name, module in model.named_modules():
+        if name and isinstance(module, tuple(classes)) and not any(_is_within(name, b) for b in blocks):
+            blocks.append(name)
+    return blocks
+
+
+def _block_container(model: nn.Module) -> nn.ModuleList | None:
+    for path in BLOCK_CONTAINER_PATHS:
+        module = _get_submodule(model, path)
+        if isinstance(module, nn.ModuleList) and len(module) > 0:
+            return module
+    return None
+
+
+def _get_submodule(model: nn.Module, name: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        return None
+
+
+def _module_name(model: nn.Module, target: nn.Module | None) -> str | None:
+    if target is None:
+        return None
+    for name, module in model.named_modules():
+        if module is target:
+            return name
+    return None
+
+
+def find_final_norm(model: nn.Module, blocks: list[str]) -> str | None:
+    """The norm applied after the last block: a sibling of the block list named like a final norm."""
+    if not blocks:
+        return None
+    parent = blocks[-1].rpartition(".")[0].rpartition(".")[0]  # "model.layers.3" -> "model"
+    for candidate in FINAL_NORM_NAMES:
+        name = f"{parent}.{candidate}" if parent else candidate
+        if _get_submodule(model, name) is not None:
+            return name
+    return None
+
+
+# --------------------------------------------------------------------------- plans
+
+
+def auto_plan(model: nn.Module, cpu_offload: bool | None = None, mixed_precision: bool | None = None) -> ShardingPlan:
+    """The default plan (see the module docstring for the rules)."""
+    blocks = find_blocks(model)
+    get_in = getattr(model, "get_input_embeddings", None)
+    get_out = getattr(model, "get_output_embeddings", None)
+    embed = _module_name(model, _safe_call(get_in))
+    head = _module_name(model, _safe_call(get_out))
+    norm = find_final_norm(model, blocks)
+
+    def unit(names, reshard=None, source="auto"):
+        names = tuple(n for n in names if n is not None)
+        return UnitSpec(names, reshard, mixed_precision, cpu_offload, source) if names else None
+
+    units = []
+    if embed is not None and embed != "" and not _shares_parameters(model, embed, head):
+        units.append(unit([embed], source="auto: input embeddings"))
+    units += [unit([b], source=f"auto: block {b}") for b in blocks]
+    tail = [norm, head]
+    if embed is not None and _shares_parameters(model, embed, head):
+        tail = [embed, norm, head]
+    units.append(unit(tail, reshard=False, source="auto: tail"))
+    plan = ShardingPlan([u for u in units if u is not None], mode="auto")
+    return _merge_shared(model, plan)
+
+
+def _safe_call(fn):
+    try:
+        return fn() if fn is not None else None
+    except (NotImplementedError, AttributeError):
+        return None
+
+
+def _shares_parameters(model: nn.Module, a: str | None, b: str | None) -> bool:
+    if a is None or b is None:
+        return False
+    pa = {id(p) for p in model.get_submodule(a).parameters()}
+    return any(id(p) in pa for p in model.get_submodule(b).parameters())
+
+
+def _merge_shared(model: nn.Module, plan: ShardingPlan) -> ShardingPlan:
+    """Make every shared parameter live in one unit: merge the units its owners fall in.
+
+    An owner that falls in the root joins the unit of the other owners (its module is added to
+    that unit). A merged unit keeps its full weight after forward if any part did.
+    """
+    units = list(plan.units)
+    changed = True
+    while changed:
+        changed = False
+        current = ShardingPlan(units, plan.mode)
+        for names in _parameter_owners(model).values():
+            owner_modules = [_module_of(n) for n in names]
+            indices = {current.unit_index_of(m) for m in owner_modules}
+            if len(indices) <= 1:
+                continue
+            targets = sorted(i for i in indices if i is not None)
+            merged_modules = [m for i in targets for m in units[i].modules]
+            merged_modules += [m for m in owner_modules if current.unit_index_of(m) is None]
+            merged_modules = [m for m in dict.fromkeys(merged_modules) if not any(
+                _is_within(m, other) and m != other for other in merged_modules)]
+            reshard_values = [units[i].reshard_after_forward for i in targets]
+            merged = replace(
+                units[targets[0]],
+                modules=tuple(merged_modules),
+                reshard_after_forward=False if False in reshard_values else units[targets[0]].reshard_after_forward,
+                source=" & ".join(units[i].source for i in targets),
+            )
+            units = [u for i, u in enumerate(units) if i not in targets[1:]]
+            units[targets[0]] = merged
+            changed = True
+            break
+    return ShardingPlan(units, plan.mode)
+
+
+def _glob_to_regex(pattern: str) -> re.Pattern:
+    """`*` matches one name segment (no dots), `**` any number of segments."""
+    out = []
+    for part in re.split(r"(\*\*|\*)", pattern):
+        out.append(".*" if part == "**" else "[^.]+" if part == "*" else re.escape(part))
+    return re.compile("".join(out) + r"\Z")
+
+
+def manual_plan(model: nn.Module, modules: dict[str, list[str] | str]) -> ShardingPlan:
+    """A plan from glob patterns to policies, in the dict form of transformers' `fsdp_plan`.
+
+    Each pattern makes one unit per module it matches. A key naming several patterns joined by
+    `+` (e.g. `"model.embed_tokens + lm_head"`) makes one unit over all their matches: the way
+    to keep a tied pair together.
+    """
+    names = [n for n, _ in model.named_modules() if n]
+    units: list[UnitSpec] = []
+    for key, policies in modules.items():
+        if isinstance(policies, str):
+            policies = [policies]
+        settings: dict[str, Any] = {}
+        for policy in policies:
+            if policy not in POLICIES:
+                raise PlanError(f"plan entry {key!r}: unknown policy {policy!r}; known: {sorted(POLICIES)}")
+            attr, value = POLICIES[policy]
+            settings[attr] = value
+        matched_groups = []
+        for pattern in (p.strip() for p in key.split("+")):
+            regex = _glob_to_regex(pattern)
+            matches = [n for n in names if regex.match(n)]
+            if not matches:
+                raise PlanError(f"plan entry {key!r}: pattern {pattern!r} matches no module of {type(model).__name__}")
+            matched_groups.append(matches)
+        if len(matched_groups) == 1:
+            units += [UnitSpec((m,), source=key, **settings) for m in matched_groups[0]]
+        else:
+            units.append(UnitSpec(tuple(m for group in matched_groups for m in group), source=key, **settings))
+    return ShardingPlan(units, mode="manual")
+
+
+def build_plan(model: nn.Module, spec: ShardingPlan | dict | str | None = None) -> ShardingPlan:
+    """Turn any accepted plan form into a validated `ShardingPlan`.
+
+    Accepted: None or "auto"; {"mode": "auto", "cpu_offload": ..., "mixed_precision": ...};
+    {"mode": "manual", "modules": {pattern: [policy, ...]}}; a `ShardingPlan`.
+    """
+    if spec is None or spec == "auto":
+        plan = auto_plan(model)
+    elif isinstance(spec, ShardingPlan):
+        plan = spec
+    elif isinstance(spec, dict):
+        mode = spec.get("mode")
+        allowed = {"auto": {"mode", "cpu_offload", "mixed_precision"}, "manual": {"mode", "modules"}}
+        if mode not in allowed:
+            raise PlanError(f"fsdp_plan 'mode' must be 'auto' or 'manual', got {mode!r}")
+        unknown = set(spec) - allowed[mode]
+        if unknown:
+            raise PlanError(f"fsdp_plan ({mode}) has unknown keys {sorted(unknown)}; allowed: {sorted(allowed[mode])}")
+        if mode == "auto":
+            plan = auto_plan(model, cpu_offload=spec.get("cpu_offload"), mixed_precision=spec.get("mixed_precision"))
+        else:
+            if not isinstance(spec.get("modules"), dict) or not spec["modules"]:
+                raise PlanError("fsdp_plan manual mode needs a non-empty 'modules' dict of pattern -> policies")
+            plan = manual_plan(model, spec["modules"])
+    else:
+        raise PlanError(f"cannot read a sharding plan from {type(spec).__name__}: {spec!r}")
+    plan.validate(model)
+    return plan

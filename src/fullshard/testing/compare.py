@@ -1,0 +1,86 @@
+"""Train a sharded model and a single-process reference side by side and report how far apart they are."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from ..distributed import get_rank, get_world_size
+from .zoo import build_model, make_batch
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter gathered to a plain tensor (a collective: call on all ranks)."""
+    return {name: full_tensor(p.detach()).clone() for name, p in model.named_parameters()}
+
+
+def grad_norm(params) -> torch.Tensor:
+    """The global L2 grad norm, for plain and sharded parameters alike (a collective)."""
+    params = [p for p in params if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm=float("inf"))
+    return full_tensor(norm)
+
+
+def data_slice(batch: dict, rank: int, world: int) -> dict:
+    size = next(iter(batch.values())).shape[0] // world
+    return {k: v[rank * size:(rank + 1) * size] for k, v in batch.items()}
+
+
+def train_against_reference(
+    name: str,
+    shard: Callable[[torch.nn.Module], torch.nn.Module],
+    steps: int = 5,
+    lr: float = 1e-3,
+    batch_size: int = 4,
+    dp_rank: int | None = None,
+    dp_size: int | None = None,
+    check_tie: bool = True,
+) -> dict:
+    """Train `name` sharded (each dp rank a slice of the batch) and whole in this process.
+
+    Returns the per-step losses and grad norms of both and the largest weight difference.
+    """
+    dp_rank = get_rank() if dp_rank is None else dp_rank
+    dp_size = get_world_size() if dp_size is None else dp_size
+    reference = build_model(name)
+    model = shard(build_model(name))
+    # eps=1e-6: Adam's first step moves a weight by about lr * g / (|g| + eps), so with the default
+    # 1e-8 a gradient that is 1e-9 in both runs but differs in its last bits (a sum taken in another
+    # order) moves the weight by different multiples of lr. That is Adam amplifying rounding, not
+    # a sharding error; a larger eps keeps the comparison about sharding.
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=lr, weight_decay=0.01, eps=1e-6)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, eps=1e-6)
+    out = {"loss": [], "ref_loss": [], "norm": [], "ref_norm": [], "tied": []}
+    for step in range(steps):
+        batch = make_batch(name, batch_size=batch_size, seed=100)
+        ref_loss = reference(**batch).loss
+        ref_loss.backward()
+        out["ref_norm"].append(float(grad_norm(reference.parameters())))
+        ref_opt.step()
+        ref_opt.zero_grad()
+        out["ref_loss"].append(float(ref_loss.detach()))
+
+        loss = model(**data_slice(batch, dp_rank, dp_size)).loss
+        loss.backward()
+        out["norm"].append(float(grad_norm(model.parameters())))
+        opt.step()
+        opt.zero_grad()
+        global_loss = loss.detach().clone()
+        dist.all_reduce(global_loss)
+        out["loss"].append(float(global_loss) / get_world_size())
+        if check_tie:
+            head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+            out["tied"].append(head is None or head.weight is embed.weight)
+    sharded, ref = full_state(model), dict(reference.named_parameters())
+    diffs = {k: (sharded[k] - ref[k].detach()).abs().max().item() for k in sharded}
+    out["worst_weight"] = max(diffs, key=diffs.get)
+    out["max_weight_diff"] = diffs[out["worst_weight"]]
+    out["missing"] = sorted(set(ref) ^ set(sharded))
+    return out

@@ -1,0 +1,66 @@
+"""Tiny random models built from configs, one per architecture family fullshard must handle.
+
+Sizes are chosen to exercise sharding edge cases: a vocabulary of 101 (prime, so every world
+size gets uneven shards), grouped-query attention, tied and untied heads, Conv1D (GPT-2), MoE
+experts inside decoder layers, and an encoder with a `position_ids` buffer. Dropout is zero so a
+sharded run and a single-process run do the same math.
+"""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+VOCAB = 101
+COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+
+# name -> (config class, model class, config kwargs)
+ZOO: dict[str, tuple[str, str, dict]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(COMMON, tie_word_embeddings=False)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(COMMON, tie_word_embeddings=False)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(COMMON, head_dim=8, tie_word_embeddings=True)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(COMMON, tie_word_embeddings=False)),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(COMMON, head_dim=8, tie_word_embeddings=True)),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                                                    bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                                    tie_word_embeddings=True)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(COMMON, pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(COMMON, num_local_experts=4, num_experts_per_tok=2,
+                                                             tie_word_embeddings=False)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(COMMON, head_dim=8, num_experts=4,
+                                                                 num_experts_per_tok=2, moe_intermediate_size=32,
+                                                                 decoder_sparse_step=1, mlp_only_layers=[],
+                                                                 tie_word_embeddings=False)),
+    "bert": ("BertConfig", "BertForMaskedLM", dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                                  num_attention_heads=4, intermediate_size=64,
+                                                  max_position_embeddings=64, hidden_dropout_prob=0.0,
+                                                  attention_probs_dropout_prob=0.0, tie_word_embeddings=True)),
+}
+
+TIED = {name for name, (_, _, kw) in ZOO.items() if kw.get("tie_word_embeddings")}
+MOE = {"mixtral", "qwen3_moe"}
+
+
+def tiny_config(name: str, **overrides):
+    config_cls, _, kwargs = ZOO[name]
+    return getattr(transformers, config_cls)(**{**kwargs, **overrides})
+
+
+def model_class(name: str):
+    return getattr(transformers, ZOO[name][1])
+
+
+def build_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides) -> torch.nn.Module:
+    """The same random weights for the same seed, in any process."""
+    torch.manual_seed(seed)
+    model = model_class(name)._from_config(tiny_config(name, **overrides), dtype=dtype)
+    model.train()
+    return model
+
+
+def make_batch(name: str, batch_size: int = 4, seq_len: int = 16, seed: int = 1) -> dict[str, torch.Tensor]:
+    """Inputs and labels with no padding, so every rank's slice holds the same number of targets."""
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(1, VOCAB, (batch_size, seq_len), generator=generator)
+    return {"input_ids": input_ids, "labels": input_ids.clone()}
