@@ -1,0 +1,38 @@
+"""Write one benchmark's table into its own section of BENCHMARKS.md.
+
+Each benchmark owns the text between `<!-- bench:NAME -->` and `<!-- /bench:NAME -->`, so several
+benchmarks can update the file independently; a missing section is appended.
+"""
+
+from __future__ import annotations
+
+import platform
+import re
+import time
+from pathlib import Path
+
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "BENCHMARKS.md"
+
+
+def machine_line() -> str:
+    import os
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {os.cpu_count()} cores"
+    return f"{time.strftime('%Y-%m-%d')}, torch {torch.__version__}, {device}, {platform.python_version()}"
+
+
+def markdown_table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_section(name: str, body: str) -> None:
+    start, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
+    block = f"{start}\n{body.strip()}\n\n_measured {machine_line()}_\n{end}"
+    text = BENCHMARKS.read_text() if BENCHMARKS.exists() else "# Benchmarks\n"
+    pattern = re.compile(re.escape(start) + ".*?" + re.escape(end), re.S)
+    text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip() + "\n\n" + block + "\n"
+    BENCHMARKS.write_text(text)
