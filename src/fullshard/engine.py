@@ -206,3 +206,26 @@ def reshard_all(model: nn.Module) -> None:
 def apply_fsdp2(model: nn.Module, device_mesh: DeviceMesh | None = None, fsdp_plan: dict | str | None = None, **config):
     """Seed 003's entry point: shard `model` over `device_mesh` following `fsdp_plan`."""
     return FSDP2Engine(dict(config, plan=fsdp_plan or "auto"), device_mesh=device_mesh).prepare_model(model)
+
+
+def fsdp_units(model: nn.Module) -> dict[tuple[str, ...], list[nn.Parameter]]:
+    """What `fully_shard` actually built: each unit's module names and the parameters it manages.
+
+    Read back from FSDP's own state rather than from the plan, so tests can prove the plan was
+    applied as printed.
+    """
+    names = {id(m): n for n, m in model.named_modules()}
+    units: dict[tuple[str, ...], list[nn.Parameter]] = {}
+    seen_groups: set[int] = set()
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        group = module._get_fsdp_state()._fsdp_param_group
+        if group is None:  # a unit left with no parameters of its own (e.g. a root whose children took all)
+            units[(names[id(module)],)] = []
+            continue
+        if id(group) in seen_groups:
+            continue
+        seen_groups.add(id(group))
+        units[tuple(names[id(m)] for m in group.modules)] = [p.sharded_param for p in group.fsdp_params]
+    return units

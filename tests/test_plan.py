@@ -1,0 +1,159 @@
+"""Plans decided from the model alone: which modules become units, and every validation error."""
+
+import warnings
+
+import pytest
+import torch
+
+from fullshard import PlanError, ShardingPlan, UnitSpec, build_plan, find_blocks, get_transformer_layer_cls
+from fullshard.distributed import ParallelDims
+from fullshard.testing import ZOO, build_model
+
+EXPECTED_UNITS = {
+    "llama": ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm + lm_head"],
+    "mixtral": ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm + lm_head"],
+    "qwen3": ["model.layers.0", "model.layers.1", "model.embed_tokens + model.norm + lm_head"],
+    "gemma": ["model.layers.0", "model.layers.1", "model.embed_tokens + model.norm + lm_head"],
+    "gpt2": ["transformer.h.0", "transformer.h.1", "transformer.wte + transformer.ln_f + lm_head"],
+    "bert": ["bert.embeddings", "bert.encoder.layer.0", "bert.encoder.layer.1",
+             "bert.embeddings.word_embeddings + cls.predictions"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_UNITS))
+def test_auto_plan_units(name):
+    model = build_model(name)
+    plan = build_plan(model, "auto")
+    assert plan.unit_names() == EXPECTED_UNITS[name]
+    tail = plan.units[-1]
+    assert tail.reshard_after_forward is False, "the tail keeps its full weight after forward"
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_every_parameter_in_exactly_one_unit_and_ties_together(name):
+    model = build_model(name)
+    plan = build_plan(model)
+    owner = plan.parameter_units(model)
+    assert set(owner) == {n for n, _ in model.named_parameters()}
+    # every name a tied parameter is reachable under resolves to the same unit
+    names_by_param = {}
+    for pname, param in model.named_parameters(remove_duplicate=False):
+        names_by_param.setdefault(id(param), []).append(pname)
+    for names in names_by_param.values():
+        units = {plan.unit_index_of(n.rpartition(".")[0]) for n in names}
+        assert len(units) == 1, f"{names} split over units {units}"
+    layer_cls = get_transformer_layer_cls(model)
+    assert sum(isinstance(model.get_submodule(b), layer_cls) for b in find_blocks(model)) == 2
+
+
+def test_moe_blocks_are_outermost_decoder_layers():
+    for name in ("mixtral", "qwen3_moe"):
+        model = build_model(name)
+        blocks = find_blocks(model)
+        assert blocks == ["model.layers.0", "model.layers.1"], blocks
+
+
+def test_block_detection_without_hf_metadata():
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.inner(x)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([Block(), Block()])
+            self.out = torch.nn.Linear(4, 2)
+
+    assert find_blocks(Net()) == ["blocks.0", "blocks.1"]
+
+
+def test_manual_plan_globs_and_policies():
+    model = build_model("llama")
+    plan = build_plan(model, {"mode": "manual", "modules": {
+        "model.layers.*": ["free_full_weight", "cpu_offload"],
+        "model.layers.*.mlp": ["keep_full_weight", "full_precision"],
+        "model.norm + lm_head": "keep_full_weight",
+    }})
+    names = plan.unit_names()
+    assert names[:2] == ["model.layers.0", "model.layers.1"]
+    assert "model.layers.0.mlp" in names and "model.norm + lm_head" in names
+    order = [u.name for u in plan.sharding_order()]
+    assert order.index("model.layers.0.mlp") < order.index("model.layers.0"), "inner units shard first"
+    mlp = plan.units[names.index("model.layers.0.mlp")]
+    assert (mlp.reshard_after_forward, mlp.mixed_precision) == (False, False)
+    layer = plan.units[0]
+    assert (layer.reshard_after_forward, layer.cpu_offload) == (True, True)
+    table = plan.describe(model, shard_size=2)
+    assert "model.layers.0.mlp" in table and "<root>" in table and "total" in table
+
+
+BAD_PLANS = {
+    "no match": ("llama", {"mode": "manual", "modules": {"model.nothing.*": ["free_full_weight"]}},
+                 "pattern 'model.nothing.*' matches no module"),
+    "unknown policy": ("llama", {"mode": "manual", "modules": {"model.layers.*": ["fre_full_weight"]}},
+                       "unknown policy 'fre_full_weight'"),
+    "claimed twice": ("llama", {"mode": "manual", "modules": {"model.layers.*": [], "model.layers.0": []}},
+                      "module 'model.layers.0' is claimed by two plan entries"),
+    "tie split": ("gemma", {"mode": "manual", "modules": {"model.embed_tokens": [], "lm_head": []}},
+                  "parameter 'model.embed_tokens.weight' is shared"),
+    "bad mode": ("llama", {"mode": "smart"}, "'mode' must be 'auto' or 'manual'"),
+    "unknown key": ("llama", {"mode": "auto", "offload": True}, "unknown keys ['offload']"),
+    "empty manual": ("llama", {"mode": "manual"}, "non-empty 'modules'"),
+}
+
+
+def check_bad_plan(case):
+    name, spec, expected = BAD_PLANS[case]
+    with pytest.raises(PlanError, match=expected.replace("[", r"\[").replace("(", r"\(").replace("*", r"\*")):
+        build_plan(build_model(name), spec)
+
+
+@pytest.mark.parametrize("case", sorted(BAD_PLANS))
+def test_bad_plans_name_the_entry(case):
+    check_bad_plan(case)
+
+
+def test_mixed_dtypes_in_one_unit_is_an_error_naming_it():
+    model = build_model("llama")
+    model.model.layers[0].mlp.to(torch.bfloat16)
+    with pytest.raises(PlanError, match=r"unit 'model.layers.0' mixes parameter dtypes"):
+        build_plan(model)
+    # giving the bf16 part its own unit is the fix
+    build_plan(model, {"mode": "manual", "modules": {"model.layers.*": [], "model.layers.0.mlp": []}})
+
+
+def test_frozen_and_trainable_in_one_unit_warns():
+    model = build_model("llama")
+    model.model.layers[0].self_attn.requires_grad_(False)
+    with pytest.warns(UserWarning, match="'model.layers.0' holds both frozen and trainable"):
+        build_plan(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        build_plan(model, {"mode": "manual", "modules": {"model.layers.*": [], "model.layers.0.self_attn": []}})
+
+
+def test_nesting_cycle_is_an_error():
+    model = build_model("llama")
+    plan = ShardingPlan([UnitSpec(("model.layers.0", "model.layers.1.mlp")),
+                         UnitSpec(("model.layers.1", "model.layers.0.mlp"))])
+    with pytest.raises(PlanError, match="nest inside each other"):
+        plan.sharding_order()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(dp_replicate=3, world_size=4), "world size 4 is not divisible by dp_replicate=3"),
+    (dict(dp_replicate=2, dp_shard=3, world_size=4), "dp_replicate=2 x dp_shard=3 = 6, but the world size is 4"),
+    (dict(dp_replicate=0, world_size=4), "dp_replicate must be >= 1"),
+])
+def test_parallel_dims_errors_say_the_numbers(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ParallelDims(**kwargs)
+
+
+def test_parallel_dims_infers_shard():
+    dims = ParallelDims(dp_replicate=2, world_size=8)
+    assert (dims.dp_shard, dims.hsdp, dims.dp_size) == (4, True, 8)
