@@ -74,9 +74,17 @@ def _bad_plans_on_every_rank():
     return messages
 
 
+def _mesh_error():
+    try:
+        FSDP2Engine({"dp_replicate": 3})
+    except ValueError as error:
+        return str(error)
+    return None
+
+
 def _world_2_checks():
     return {"structure": _structure(), "variants": _variants(VARIANTS_2, ["llama", "gemma"]),
-            "bf16": _bf16(), "bad_plans": _bad_plans_on_every_rank()}
+            "bf16": _bf16(), "bad_plans": _bad_plans_on_every_rank(), "mesh_error": _mesh_error()}
 
 
 def _world_4_checks():
@@ -145,3 +153,28 @@ def test_bf16_runs_close_to_fp32(world_2):
 def test_plan_errors_raised_on_every_rank(world_2):
     for rank_result in world_2:
         assert set(rank_result["bad_plans"]) == set(BAD_PLANS)
+
+
+def test_mesh_that_does_not_divide_the_world_fails_on_every_rank(world_2):
+    for rank_result in world_2:
+        assert rank_result["mesh_error"] == "world size 2 is not divisible by dp_replicate=3"
+
+
+WORLD_1_SCRIPT = """
+from fullshard import FSDP2Engine
+from fullshard.testing.compare import train_against_reference
+r = train_against_reference("gemma", FSDP2Engine().prepare_model, steps=2)
+assert max(abs(a - b) for a, b in zip(r["loss"], r["ref_loss"])) < 1e-6, r
+assert all(r["tied"]) and r["max_weight_diff"] < 1e-6, r
+print("ok")
+"""
+
+
+def test_world_size_one_without_a_launcher():
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    done = subprocess.run([sys.executable, "-c", WORLD_1_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
