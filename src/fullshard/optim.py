@@ -1,0 +1,360 @@
+"""Optimizers, learning-rate schedules, gradient clipping, loss scaling and optimizer offload for sharded models.
+
+Every piece here has to be right for parameters that are `DTensor`s on one mesh (FSDP), on a 2-D
+mesh (HSDP) or plain tensors (a module left unsharded), in any mix: a norm taken per shard and
+not summed across ranks, or a decision to skip a step made by one rank only, silently breaks
+training or hangs it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from .engine import reshard_all
+
+SCHEDULES = ("constant", "linear", "cosine")
+
+
+# ---------------------------------------------------------------------------------------------- groups
+
+
+def _placement_key(param: torch.Tensor) -> tuple:
+    """Fused and foreach kernels need every tensor of a call on one mesh, placement and dtype."""
+    if isinstance(param, DTensor):
+        return (id(param.device_mesh), str(param.device_mesh), tuple(str(p) for p in param.placements), param.dtype)
+    return (None, str(param.device), (), param.dtype)
+
+
+def is_no_decay(name: str, param: torch.Tensor, embeddings: set[int]) -> bool:
+    """Biases, norm weights (all 1-D) and, by choice, embedding tables are not decayed:
+    decaying a norm's scale or a bias pulls it towards zero, which is not regularisation."""
+    return param.ndim < 2 or name.endswith(".bias") or id(param) in embeddings
+
+
+def param_groups(
+    model: nn.Module, weight_decay: float, decay_embeddings: bool = False, extra_no_decay: Iterable[str] = ()
+) -> list[dict]:
+    """Trainable parameters split by (weight decay or not, mesh, placement, dtype)."""
+    embeddings: set[int] = set()
+    if not decay_embeddings:
+        for module in model.modules():
+            if isinstance(module, nn.Embedding):
+                embeddings.add(id(module.weight))
+    extra = tuple(extra_no_decay)
+    groups: dict[tuple, dict] = {}
+    seen: set[int] = set()
+    for name, param in model.named_parameters():
+        if not param.requires_grad or id(param) in seen:
+            continue
+        seen.add(id(param))
+        no_decay = is_no_decay(name, param, embeddings) or any(token in name for token in extra)
+        key = (no_decay, *_placement_key(param))
+        group = groups.setdefault(key, {"params": [], "param_names": [], "weight_decay": 0.0 if no_decay else weight_decay})
+        group["params"].append(param)
+        group["param_names"].append(name)
+    if not groups:
+        raise ValueError("the model has no trainable parameters (every requires_grad is False)")
+    return list(groups.values())
+
+
+OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
+
+
+def create_optimizer(
+    model: nn.Module,
+    lr: float = 1e-4,
+    weight_decay: float = 0.0,
+    name: str = "adamw",
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    decay_embeddings: bool = False,
+    **kwargs,
+) -> torch.optim.Optimizer:
+    """An optimizer over the model's sharded parameters, grouped so fused/foreach kernels apply.
+
+    Every FSDP unit is resharded first: an optimizer built while a unit is still unsharded (after
+    a `no_grad` forward) would hold the unsharded tensors and never update the real parameters.
+    """
+    if name not in OPTIMIZERS:
+        raise ValueError(f"optimizer name must be one of {sorted(OPTIMIZERS)}, got {name!r}")
+    reshard_all(model)
+    groups = param_groups(model, weight_decay, decay_embeddings)
+    if name == "sgd":
+        kwargs.setdefault("momentum", 0.0)
+        return torch.optim.SGD(groups, lr=lr, **kwargs)
+    return OPTIMIZERS[name](groups, lr=lr, betas=tuple(betas), eps=eps, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------- schedules
+
+
+def lr_lambda(schedule: str, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0):
+    """The multiplier of the base lr at each step: linear warmup from 0, then the named decay
+    down to `min_lr_ratio` at `total_steps` (constant stays at 1)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"lr schedule must be one of {SCHEDULES}, got {schedule!r}")
+    if warmup_steps < 0 or total_steps < 1:
+        raise ValueError(f"need warmup_steps >= 0 and total_steps >= 1, got {warmup_steps} and {total_steps}")
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / (warmup_steps + 1)
+        if schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        if schedule == "linear":
+            decay = 1.0 - progress
+        else:
+            decay = 0.5 * (1.0 + math.cos(math.pi * progress))
+        return min_lr_ratio + (1.0 - min_lr_ratio) * decay
+
+    return factor
+
+
+def create_scheduler(
+    optimizer: torch.optim.Optimizer, schedule: str = "constant", warmup_steps: int = 0, total_steps: int = 1,
+    min_lr_ratio: float = 0.0,
+) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(schedule, warmup_steps, total_steps, min_lr_ratio))
+
+
+# ---------------------------------------------------------------------------------------------- norms
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _grads(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    return [p.grad for p in params if p.grad is not None]
+
+
+def global_grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+    """The norm of all gradients together, as one plain tensor equal on every rank.
+
+    Gradients are grouped by mesh and placement; each group's norm is a DTensor whose
+    `full_tensor()` reduces the per-shard pieces over that group's mesh (both dims of an HSDP
+    mesh), and the groups' norms are then combined like one vector. `clip_grad_norm_` alone
+    fails on a mix of meshes and returns a DTensor the caller must remember to reduce.
+    """
+    norm_type = float(norm_type)
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for grad in _grads(params):
+        groups.setdefault(_placement_key(grad)[:3], []).append(grad)
+    norms = []
+    for grads in groups.values():
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=norm_type)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        norms.append(norm.float())
+    if not norms:
+        return torch.tensor(0.0)
+    device = norms[0].device
+    return torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), ord=norm_type)
+
+
+def scale_grads_(params: Iterable[torch.Tensor], factor: float) -> None:
+    """Multiply every gradient in place; each rank touches only its own shards (no communication)."""
+    by_key: dict[tuple, list[torch.Tensor]] = {}
+    for grad in _grads(params):
+        local = _local(grad)
+        by_key.setdefault((local.device, local.dtype), []).append(local)
+    for grads in by_key.values():
+        torch._foreach_mul_(grads, factor)
+
+
+def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> float:
+    """Clip to `max_norm` by the global norm and return that norm (before clipping).
+
+    `max_norm <= 0` means no clipping: the norm is still measured (it is logged), gradients are
+    left exactly as they are. A non-finite norm leaves gradients alone too; the caller skips the step.
+    """
+    params = list(params)
+    norm = float(global_grad_norm(params, norm_type))
+    if max_norm > 0 and math.isfinite(norm):
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1.0:
+            scale_grads_(params, coef)
+    return norm
+
+
+def optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+# ---------------------------------------------------------------------------------------------- fp16
+
+
+class ShardedGradScaler:
+    """Dynamic loss scaling for fp16 that works on sharded gradients.
+
+    `torch.amp.GradScaler` checks for infs per tensor on each rank; with sharded gradients one
+    rank can see an inf the others do not and only that rank would skip its step. Here the
+    check is the global gradient norm, which every rank computes identically, so all ranks skip
+    (and back off) together.
+    """
+
+    def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                 growth_interval: int = 2000, enabled: bool = True):
+        self.scale = float(init_scale)
+        self.growth_factor = growth_factor
+        self.backoff_factor = backoff_factor
+        self.growth_interval = growth_interval
+        self.enabled = enabled
+        self.growth_tracker = 0
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.scale if self.enabled else loss
+
+    def unscale_(self, params: Iterable[torch.Tensor]) -> None:
+        if self.enabled:
+            scale_grads_(params, 1.0 / self.scale)
+
+    def update(self, found_inf: bool) -> None:
+        if not self.enabled:
+            return
+        if found_inf:
+            self.scale *= self.backoff_factor
+            self.growth_tracker = 0
+            return
+        self.growth_tracker += 1
+        if self.growth_tracker >= self.growth_interval:
+            self.scale *= self.growth_factor
+            self.growth_tracker = 0
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "growth_tracker": self.growth_tracker, "growth_factor": self.growth_factor,
+                "backoff_factor": self.backoff_factor, "growth_interval": self.growth_interval}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, value in state.items():
+            setattr(self, key, value)
+
+
+# ---------------------------------------------------------------------------------------------- one step
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step did: the global grad norm (before clipping) and whether it was skipped."""
+
+    grad_norm: float
+    skipped: bool
+
+
+def clip_and_step(
+    optimizer: torch.optim.Optimizer,
+    max_norm: float = 0.0,
+    scheduler=None,
+    scaler: ShardedGradScaler | None = None,
+) -> StepResult:
+    """Unscale (fp16), clip by the global norm, step, and zero the gradients.
+
+    A non-finite norm (a NaN or inf on any rank reaches every rank through the reduction) skips
+    the optimizer and scheduler step on all ranks alike; the gradients are dropped either way.
+    """
+    params = optimizer_params(optimizer)
+    if scaler is not None:
+        scaler.unscale_(params)
+    norm = clip_grad_norm(params, max_norm)
+    skipped = not math.isfinite(norm)
+    if not skipped:
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+    if scaler is not None:
+        scaler.update(found_inf=skipped)
+    optimizer.zero_grad(set_to_none=True)
+    return StepResult(norm, skipped)
+
+
+# ---------------------------------------------------------------------------------------------- offload
+
+
+def _move(t: torch.Tensor, device: torch.device, pin: bool) -> torch.Tensor:
+    """A copy of `t` on `device` (a new storage, so the old one is freed), DTensor layout kept."""
+    if isinstance(t, DTensor):
+        local = _move(t.to_local(), device, pin)
+        return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
+    moved = t.to(device, copy=True)
+    if pin and moved.device.type == "cpu":
+        moved = moved.pin_memory()
+    return moved
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    local = _local(t)
+    return local.numel() * local.element_size()
+
+
+def _accelerator_allocated() -> int:
+    if torch.accelerator.is_available():
+        return torch.accelerator.memory_allocated()
+    return 0
+
+
+def _move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device, pin: bool) -> dict:
+    before = _accelerator_allocated()
+    moved = 0
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            # Adam's `step` is a CPU scalar by design (capturable=False); leave it where it is
+            if isinstance(value, torch.Tensor) and not (key == "step" and value.ndim == 0):
+                state[key] = _move(value, device, pin)
+                moved += _tensor_bytes(value)
+    if torch.accelerator.is_available():
+        torch.accelerator.synchronize()
+        torch.accelerator.empty_cache()
+    return {"bytes_moved": moved, "accelerator_freed": before - _accelerator_allocated()}
+
+
+def offload_optimizer(optimizer: torch.optim.Optimizer) -> dict:
+    """Move the optimizer state to CPU (for a generation phase that needs the device memory).
+
+    Returns the bytes moved and the accelerator memory freed (0 on a CPU-only host).
+    """
+    from .distributed import has_accelerator
+
+    return _move_optimizer_state(optimizer, torch.device("cpu"), pin=has_accelerator())
+
+
+def reload_optimizer(optimizer: torch.optim.Optimizer, device: torch.device | str | None = None) -> dict:
+    """Move the optimizer state back next to its parameters (or to `device`)."""
+    if device is None:
+        params = optimizer_params(optimizer)
+        device = _local(params[0]).device if params else torch.device("cpu")
+    return _move_optimizer_state(optimizer, torch.device(device), pin=False)
+
+
+def _move_model(model: nn.Module, device: torch.device) -> dict:
+    """Move every sharded parameter (and buffer) of a model, freeing the old storages.
+
+    Gradients are dropped first: a generation phase does not need them and they would pin the
+    memory. FSDP2 keeps its view of each sharded parameter in step with `module.to()`.
+    """
+    before = _accelerator_allocated()
+    for param in model.parameters():
+        param.grad = None
+    moved = sum(_tensor_bytes(p) for p in model.parameters())
+    reshard_all(model)
+    model.to(device)
+    if torch.accelerator.is_available():
+        torch.accelerator.synchronize()
+        torch.accelerator.empty_cache()
+    return {"bytes_moved": moved, "accelerator_freed": before - _accelerator_allocated()}
+
+
+def offload_model(model: nn.Module) -> dict:
+    return _move_model(model, torch.device("cpu"))
+
+
+def reload_model(model: nn.Module, device: torch.device | str | None = None) -> dict:
+    from .distributed import current_device
+
+    return _move_model(model, torch.device(device) if device is not None else current_device())

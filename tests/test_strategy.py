@@ -1,0 +1,182 @@
+"""The strategy API trains like one big batch, clips by the true global norm and skips bad steps together.
+
+Everything distributed runs in one spawned group of 2 ranks; the parent asserts on what it returns.
+"""
+
+import math
+
+import torch
+
+from fullshard import FSDPStrategy
+from fullshard.optim import (clip_grad_norm, global_grad_norm, offload_model, offload_optimizer, reload_model,
+                             reload_optimizer)
+from fullshard.testing import build_model, make_batch, run_distributed
+from fullshard.testing.compare import data_slice, full_state, full_tensor
+from fullshard.train.loss import IGNORE_INDEX
+from fullshard.train.step import train_step
+
+TOL = 1e-6
+NAME = "llama"
+
+
+def masked_batch(step: int, batch_size: int = 8) -> dict:
+    """Rows with different numbers of ignored labels, so micro-batches hold different token counts."""
+    batch = make_batch(NAME, batch_size=batch_size, seq_len=16, seed=step)
+    for row in range(batch_size):
+        batch["labels"][row, : (row * 3) % 11] = IGNORE_INDEX
+    return batch
+
+
+def split(batch: dict, parts: int) -> list[dict]:
+    size = next(iter(batch.values())).shape[0] // parts
+    return [{k: v[i * size:(i + 1) * size] for k, v in batch.items()} for i in range(parts)]
+
+
+def make_strategy(micro: int, train: int = 8, **args) -> FSDPStrategy:
+    strategy = FSDPStrategy(seed=0, max_norm=args.pop("max_norm", 1.0), micro_train_batch_size=micro,
+                            train_batch_size=train, bf16=False, args=args)
+    strategy.setup_distributed()
+    return strategy
+
+
+def run(strategy: FSDPStrategy, steps: int = 3, rank_batch=None, hook=None):
+    """Train a fresh model; returns losses, norms and the gathered weights."""
+    model = strategy.prepare_model(build_model(NAME), is_training=True)
+    optimizer = strategy.create_optimizer(model, lr=1e-2, weight_decay=0.0, eps=1e-6)
+    losses, norms = [], []
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    for step in range(steps):
+        batch = rank_batch(step) if rank_batch else data_slice(masked_batch(step), rank, world)
+        if hook:
+            hook(step, model, optimizer)
+        out = train_step(strategy, model, optimizer, None, split(batch, strategy.accumulated_gradient))
+        losses.append(out.loss)
+        norms.append(out.result.grad_norm)
+    return {"loss": losses, "norm": norms, "weights": full_state(model), "model": model, "optimizer": optimizer}
+
+
+def reference_run(steps: int = 3, max_norm: float = 1.0):
+    """The same training in this process on the whole batch, with torch's own clipping."""
+    model = build_model(NAME)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0, eps=1e-6)
+    losses, norms = [], []
+    for step in range(steps):
+        batch = masked_batch(step)
+        logits = model(input_ids=batch["input_ids"]).logits[:, :-1].float()
+        labels = batch["labels"][:, 1:]
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1))
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    return {"loss": losses, "norm": norms}
+
+
+def max_diff(a: dict, b: dict) -> float:
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def _strategy_checks():
+    out = {}
+    rank = torch.distributed.get_rank()
+
+    # ---- accumulation: 2 micro-batches of 2 equal 1 micro-batch of 4, both policies, FSDP and HSDP
+    for layout in ({}, {"dp_replicate": 2}):
+        big = run(make_strategy(micro=4, **layout))
+        for policy in ("reduce_scatter_every", "defer_sync"):
+            small = run(make_strategy(micro=2, accumulation_policy=policy, **layout))
+            key = f"accum/{policy}/{'hsdp' if layout else 'fsdp'}"
+            out[key] = {
+                "loss": max(abs(a - b) for a, b in zip(small["loss"], big["loss"])),
+                "norm": max(abs(a - b) for a, b in zip(small["norm"], big["norm"])),
+                "weights": max_diff(small["weights"], big["weights"]),
+            }
+        if not layout:
+            out["fsdp_losses"], out["fsdp_norms"] = big["loss"], big["norm"]
+
+    # ---- clipping on a model with two meshes: the body sharded, the head a plain replicated tensor
+    strategy = make_strategy(micro=8, train=16)
+    model = build_model(NAME)
+    strategy.engine().prepare_model(model.model)  # lm_head stays a plain tensor
+    batch = masked_batch(0)
+    model(**batch).loss.backward()  # same batch on both ranks: the plain head's grad is the same everywhere
+    mixed_norm = float(global_grad_norm(model.parameters()))
+    clip_grad_norm(model.parameters(), max_norm=0.05)
+    clipped = {n: full_tensor(p.grad).numpy().copy() for n, p in model.named_parameters()}  # tensors do not survive the queue
+    out["mixed_mesh_norm"] = mixed_norm
+    out["mixed_mesh_clipped"] = clipped
+
+    # ---- max_norm=0.0 leaves gradients exactly as they are
+    model.zero_grad()
+    model(**batch).loss.backward()
+    before = {n: full_tensor(p.grad).clone() for n, p in model.named_parameters()}
+    clip_grad_norm(model.parameters(), max_norm=0.0)
+    after = {n: full_tensor(p.grad).clone() for n, p in model.named_parameters()}
+    out["max_norm_0_untouched"] = all(torch.equal(before[n], after[n]) for n in before)
+
+    # ---- NaN in one rank's loss skips the step on every rank, then training goes on
+    strategy = make_strategy(micro=2)
+    model = strategy.prepare_model(build_model(NAME), is_training=True)
+    optimizer = strategy.create_optimizer(model, lr=1e-2)
+    weights_before = full_state(model)
+    batches = split(data_slice(masked_batch(0), rank, 2), 2)
+    if rank == 1:
+        poisoned = model.model.embed_tokens.register_forward_hook(lambda m, i, o: o * float("nan"))
+    step = train_step(strategy, model, optimizer, None, batches)
+    if rank == 1:
+        poisoned.remove()
+    out["nan_skipped"] = step.result.skipped
+    out["nan_weights_unchanged"] = max_diff(full_state(model), weights_before) == 0.0
+    out["nan_grads_cleared"] = all(p.grad is None for p in model.parameters())
+    step = train_step(strategy, model, optimizer, None, batches)
+    out["after_nan_finite"] = math.isfinite(step.loss) and not step.result.skipped
+    out["skipped_steps"] = strategy.skipped_steps
+
+    # ---- optimizer (and parameter) offload and reload: bit-identical training
+    plain = run(make_strategy(micro=2), steps=3)
+    moves = []
+
+    def offload_between_steps(step, model, optimizer):
+        if step:
+            def states():
+                return [v.to_local() for s in optimizer.state.values() for k, v in s.items() if k != "step"]
+
+            on_device = states()
+            moves.append(offload_optimizer(optimizer)["bytes_moved"])
+            # the state really left its storage (on a CPU host "cpu" is the same device, so check the copy)
+            moves.append(all(a.data_ptr() != b.data_ptr() for a, b in zip(on_device, states())))
+            offload_model(model)
+            reload_model(model)
+            reload_optimizer(optimizer)
+
+    offloaded = run(make_strategy(micro=2), steps=3, hook=offload_between_steps)
+    out["offload_bit_identical"] = all(torch.equal(plain["weights"][k], offloaded["weights"][k]) for k in plain["weights"])
+    out["offload_losses_equal"] = plain["loss"] == offloaded["loss"]
+    out["offload_moves"] = moves
+    return out
+
+
+def test_strategy_distributed():
+    results = run_distributed(_strategy_checks, 2)
+    reference = reference_run()
+    single = build_model(NAME)
+    single(**masked_batch(0)).loss.backward()
+    ref_norm = float(torch.nn.utils.clip_grad_norm_(single.parameters(), max_norm=0.05))
+    ref_clipped = {n: p.grad for n, p in single.named_parameters()}
+    for rank, r in enumerate(results):
+        for policy in ("reduce_scatter_every", "defer_sync"):
+            for layout in ("fsdp", "hsdp"):
+                diffs = r[f"accum/{policy}/{layout}"]
+                assert max(diffs.values()) < TOL, (rank, policy, layout, diffs)
+        # the FSDP run with token-normalised loss and global clipping is the single-process run
+        assert max(abs(a - b) for a, b in zip(r["fsdp_losses"], reference["loss"])) < 1e-5
+        assert max(abs(a - b) for a, b in zip(r["fsdp_norms"], reference["norm"])) < 1e-5
+        assert abs(r["mixed_mesh_norm"] - ref_norm) < 1e-5 * ref_norm
+        worst = max((torch.from_numpy(r["mixed_mesh_clipped"][n]) - ref_clipped[n]).abs().max().item() for n in ref_clipped)
+        assert worst < 1e-7, worst
+        assert r["max_norm_0_untouched"]
+        assert r["nan_skipped"] and r["nan_weights_unchanged"] and r["nan_grads_cleared"], r
+        assert r["after_nan_finite"] and r["skipped_steps"] == 1
+        assert r["offload_bit_identical"] and r["offload_losses_equal"]
+        assert r["offload_moves"][0] > 0 and all(r["offload_moves"][1::2])
