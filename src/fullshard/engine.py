@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
@@ -130,6 +131,7 @@ class FSDP2Engine:
             fully_shard(
                 targets if len(targets) > 1 else targets[0],
                 mesh=self.mesh,
+                shard_placement_fn=self._placement,
                 reshard_after_forward=self._reshard(unit.reshard_after_forward),
                 mp_policy=self.get_mp_policy(unit.mixed_precision),
                 offload_policy=self.get_offload_policy(unit.cpu_offload),
@@ -137,6 +139,7 @@ class FSDP2Engine:
         fully_shard(
             model,
             mesh=self.mesh,
+            shard_placement_fn=self._placement,
             reshard_after_forward=self._reshard(None),
             mp_policy=self.get_mp_policy(),
             offload_policy=self.get_offload_policy(),
@@ -144,6 +147,15 @@ class FSDP2Engine:
         self.plan = plan
         model.fullshard_plan = plan
         return model
+
+    def _placement(self, param: nn.Parameter) -> Shard | None:
+        """Shard dim 0 unless it is shorter than the shard group (e.g. 8 experts over 16 ranks,
+        which would leave half the ranks holding nothing); then the longest dim that is not."""
+        size = self.shard_size
+        if param.dim() < 2 or param.shape[0] >= size:
+            return None
+        longest = max(range(param.dim()), key=lambda d: param.shape[d])
+        return Shard(longest) if param.shape[longest] >= size else None
 
     def _reshard(self, value: bool | int | None) -> bool | int:
         value = self.config.reshard_after_forward if value is None else value

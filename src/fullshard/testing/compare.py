@@ -42,15 +42,22 @@ def train_against_reference(
     dp_rank: int | None = None,
     dp_size: int | None = None,
     check_tie: bool = True,
+    model_kwargs: dict | None = None,
+    prepare: Callable[[torch.nn.Module], None] | None = None,
 ) -> dict:
     """Train `name` sharded (each dp rank a slice of the batch) and whole in this process.
 
+    `model_kwargs` override the zoo config; `prepare` is applied to both models before sharding.
     Returns the per-step losses and grad norms of both and the largest weight difference.
     """
     dp_rank = get_rank() if dp_rank is None else dp_rank
     dp_size = get_world_size() if dp_size is None else dp_size
-    reference = build_model(name)
-    model = shard(build_model(name))
+    model_kwargs = model_kwargs or {}
+    reference, model = build_model(name, **model_kwargs), build_model(name, **model_kwargs)
+    for m in (reference, model):
+        if prepare is not None:
+            prepare(m)
+    model = shard(model)
     # eps=1e-6: Adam's first step moves a weight by about lr * g / (|g| + eps), so with the default
     # 1e-8 a gradient that is 1e-9 in both runs but differs in its last bits (a sum taken in another
     # order) moves the weight by different multiples of lr. That is Adam amplifying rounding, not
