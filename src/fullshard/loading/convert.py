@@ -1,0 +1,224 @@
+"""From checkpoint keys to model tensors, as lazy recipes that read only the rows a rank needs.
+
+transformers 5 checkpoints do not always store a tensor under its module's name or in its
+layout: keys are renamed (`block_sparse_moe` -> `mlp`, a `model.` prefix added or dropped) and
+MoE experts stored one per key are fused into one 3-D tensor on load (`experts.*.w1` and
+`experts.*.w3` stacked, then concatenated into `experts.gate_up_proj`). The same conversion
+tables transformers uses decide the mapping here, so whatever its `from_pretrained` accepts
+loads the same way.
+
+Each model tensor becomes a `Lazy` recipe. `read(index)` returns just the region `index` of the
+converted tensor: a stack of experts reads only the experts in the requested rows, a
+concatenation along a later dim reads the same rows of every part. Conversions with no sliceable
+form fall back to converting the whole tensor (reported as such), never to a wrong answer.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from .readers import TensorReader
+
+
+class Lazy:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    sources: list[str]  # checkpoint keys it reads
+
+    def read(self, index: tuple[slice, ...]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def read_all(self) -> torch.Tensor:
+        return self.read(tuple(slice(0, n) for n in self.shape))
+
+
+def _empty(shape, dtype, index) -> torch.Tensor:
+    return torch.empty([len(range(*s.indices(n))) for n, s in zip(shape, index)], dtype=dtype)
+
+
+@dataclass
+class Stored(Lazy):
+    reader: TensorReader
+    key: str
+
+    def __post_init__(self) -> None:
+        info = self.reader.infos[self.key]
+        self.shape, self.dtype, self.sources = info.shape, info.dtype, [self.key]
+
+    def read(self, index):
+        if math.prod(len(range(*s.indices(n))) for n, s in zip(self.shape, index)) == 0:
+            return _empty(self.shape, self.dtype, index)
+        return self.reader.read(self.key, index)
+
+
+@dataclass
+class Stack(Lazy):
+    """`torch.stack(parts, dim)`, reading only the parts (and the region of each) that `index` covers."""
+
+    parts: list[Lazy]
+    dim: int
+
+    def __post_init__(self) -> None:
+        first = self.parts[0].shape
+        self.shape = (*first[: self.dim], len(self.parts), *first[self.dim:])
+        self.dtype, self.sources = self.parts[0].dtype, [k for p in self.parts for k in p.sources]
+
+    def read(self, index):
+        chosen = range(*index[self.dim].indices(len(self.parts)))
+        inner = index[: self.dim] + index[self.dim + 1:]
+        if len(chosen) == 0:
+            return _empty(self.shape, self.dtype, index)
+        return torch.stack([self.parts[i].read(inner) for i in chosen], dim=self.dim)
+
+
+@dataclass
+class Concat(Lazy):
+    """`torch.cat(parts, dim)`: a region along `dim` maps onto the parts it overlaps."""
+
+    parts: list[Lazy]
+    dim: int
+
+    def __post_init__(self) -> None:
+        first = list(self.parts[0].shape)
+        first[self.dim] = sum(p.shape[self.dim] for p in self.parts)
+        self.shape, self.dtype = tuple(first), self.parts[0].dtype
+        self.sources = [k for p in self.parts for k in p.sources]
+
+    def read(self, index):
+        start, stop, _ = index[self.dim].indices(self.shape[self.dim])
+        pieces, offset = [], 0
+        for part in self.parts:
+            size = part.shape[self.dim]
+            lo, hi = max(start, offset), min(stop, offset + size)
+            if lo < hi:
+                sub = index[: self.dim] + (slice(lo - offset, hi - offset),) + index[self.dim + 1:]
+                pieces.append(part.read(sub))
+            offset += size
+        if not pieces:
+            return _empty(self.shape, self.dtype, index)
+        return torch.cat(pieces, dim=self.dim)
+
+
+@dataclass
+class Converted(Lazy):
+    """A conversion with no sliceable form: the whole result is built once, then sliced."""
+
+    converter: object
+    inputs: dict[str, list[Lazy]]
+    target: str
+    cache: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.sources = [k for parts in self.inputs.values() for p in parts for k in p.sources]
+        self.shape, self.dtype = None, None  # known only once converted
+
+    def convert(self) -> torch.Tensor:
+        if "tensor" not in self.cache:
+            tensors = {pattern: [p.read_all() for p in parts] for pattern, parts in self.inputs.items()}
+            for op in self.converter.operations:
+                tensors = op.convert(tensors, source_patterns=self.converter.source_patterns,
+                                     target_patterns=self.converter.target_patterns, full_layer_name=self.target)
+            if len(tensors) != 1:
+                raise NotImplementedError(f"conversion of {self.target!r} gives {len(tensors)} tensors")
+            self.cache["tensor"] = next(iter(tensors.values()))
+        return self.cache["tensor"]
+
+    def read(self, index):
+        return self.convert()[index]
+
+
+SLICEABLE_OPS = {"MergeModulelist", "Concatenate"}
+
+
+def plan_conversion(converter, inputs: dict[str, list[Lazy]], target: str) -> Lazy:
+    """The recipe for one converter target: lazy when every op is a stack or a concatenation."""
+    names = [type(op).__name__ for op in converter.operations]
+    if not set(names) <= SLICEABLE_OPS or names.count("MergeModulelist") > 1:
+        return Converted(converter, inputs, target)
+    merged = {}
+    for pattern in converter.source_patterns:
+        if pattern not in inputs:
+            continue
+        parts = inputs[pattern]
+        if "MergeModulelist" in names:
+            merged[pattern] = Stack(parts, converter.operations[names.index("MergeModulelist")].dim)
+        elif len(parts) == 1:
+            merged[pattern] = parts[0]
+        else:
+            return Converted(converter, inputs, target)
+    if "Concatenate" in names:
+        return Concat(list(merged.values()), converter.operations[names.index("Concatenate")].dim)
+    if len(merged) != 1:
+        return Converted(converter, inputs, target)
+    return next(iter(merged.values()))
+
+
+@dataclass
+class KeyPlan:
+    """Which recipe fills each model key, and which checkpoint keys matched no model key."""
+
+    recipes: dict[str, Lazy]
+    unexpected: list[str]
+
+
+def natural_key(key: str):
+    return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in key.split(".")]
+
+
+def transformers_conversions(model, key_mapping: dict[str, str] | None = None) -> list:
+    """The renamings and converters transformers would apply when loading `model`; none for a plain module."""
+    try:
+        from transformers import PreTrainedModel
+        from transformers.conversion_mapping import get_model_conversion_mapping
+    except ImportError:
+        return []
+    if not isinstance(model, PreTrainedModel):
+        return []
+    return get_model_conversion_mapping(model, key_mapping)
+
+
+def plan_keys(reader: TensorReader, model_keys: dict[str, object], conversions: list,
+              base_model_prefix: str | None) -> KeyPlan:
+    """Map every checkpoint key onto a model key the way transformers' loader does."""
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
+    converters = [c for c in conversions if isinstance(c, WeightConverter)]
+    by_pattern = {p: c for c in converters for p in c.source_patterns}
+    direct: dict[str, Lazy] = {}
+    grouped: dict[str, tuple[object, dict[str, list[Lazy]]]] = {}
+    unexpected = []
+    for key in sorted(reader.infos, key=natural_key):
+        target, pattern = rename_source_key(key, renamings, converters, base_model_prefix or None, model_keys)
+        if target not in model_keys and key in model_keys:
+            target, pattern = key, None
+        if target not in model_keys:
+            unexpected.append(key)
+            continue
+        if pattern is None:
+            direct[target] = Stored(reader, key)
+        else:
+            converter, inputs = grouped.setdefault(target, (by_pattern[pattern], {}))
+            inputs.setdefault(pattern, []).append(Stored(reader, key))
+    recipes = dict(direct)
+    for target, (converter, inputs) in grouped.items():
+        recipes[target] = plan_conversion(converter, inputs, target)
+    return KeyPlan(recipes, unexpected)
+
+
+def ignored_unexpected(model, keys: list[str], has_buffer_named) -> list[str]:
+    """Checkpoint keys transformers drops silently: old per-layer `inv_freq` / `position_ids`, and
+    the model's `_keys_to_ignore_on_load_unexpected`."""
+    patterns = set(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])
+    if has_buffer_named("rotary_emb.inv_freq"):
+        patterns.add(r"rotary_emb\.inv_freq")
+    if has_buffer_named("position_ids"):
+        patterns.add(r"(^|\.)position_ids$")
+    if not patterns:
+        return []
+    regex = re.compile("|".join(f"({p})" for p in patterns))
+    return [k for k in keys if regex.search(k)]
