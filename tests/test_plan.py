@@ -100,6 +100,8 @@ BAD_PLANS = {
                       "module 'model.layers.0' is claimed by two plan entries"),
     "tie split": ("gemma", {"mode": "manual", "modules": {"model.embed_tokens": [], "lm_head": []}},
                   "parameter 'model.embed_tokens.weight' is shared"),
+    "container": ("llama", {"mode": "manual", "modules": {"model.layers": []}},
+                  "'model.layers' is a container whose forward never runs"),
     "bad mode": ("llama", {"mode": "smart"}, "'mode' must be 'auto' or 'manual'"),
     "unknown key": ("llama", {"mode": "auto", "offload": True}, "unknown keys ['offload']"),
     "empty manual": ("llama", {"mode": "manual"}, "non-empty 'modules'"),
@@ -126,14 +128,17 @@ def test_mixed_dtypes_in_one_unit_is_an_error_naming_it():
     build_plan(model, {"mode": "manual", "modules": {"model.layers.*": [], "model.layers.0.mlp": []}})
 
 
-def test_frozen_and_trainable_in_one_unit_warns():
+def test_frozen_and_trainable_in_one_unit_warns_and_auto_splits_them():
     model = build_model("llama")
     model.model.layers[0].self_attn.requires_grad_(False)
     with pytest.warns(UserWarning, match="'model.layers.0' holds both frozen and trainable"):
-        build_plan(model)
+        build_plan(model, {"mode": "manual", "modules": {"model.layers.*": []}})
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        build_plan(model, {"mode": "manual", "modules": {"model.layers.*": [], "model.layers.0.self_attn": []}})
+        plan = build_plan(model)
+    split = [u for u in plan.units if u.source == "auto: block model.layers.0: trainable part"]
+    assert len(split) == 1 and "model.layers.0.mlp.up_proj" in split[0].modules
+    assert not any(m.startswith("model.layers.0.self_attn") for m in split[0].modules)
 
 
 def test_nesting_cycle_is_an_error():

@@ -98,8 +98,13 @@ class ShardingPlan:
             names[0]: self._unit_label(self.unit_index_of(_module_of(names[0]))) for names in owners.values()
         }
 
-    def _unit_label(self, index: int | None) -> str:
-        return "<root>" if index is None else self.units[index].name
+    def _unit_label(self, index: int | None, short: bool = False) -> str:
+        if index is None:
+            return "<root>"
+        modules = self.units[index].modules
+        if short and len(modules) > 3:
+            return f"{modules[0]} (+{len(modules) - 1} more)"
+        return self.units[index].name
 
     def validate(self, model: nn.Module) -> None:
         """Raise `PlanError` naming the entry for anything `fully_shard` would get wrong or reject."""
@@ -113,6 +118,11 @@ class ShardingPlan:
                     raise PlanError(f"plan entry {unit.source or name!r}: model has no module {name!r}")
                 if name == "":
                     raise PlanError("the root module is always the last unit; do not list it in the plan")
+                if isinstance(modules[name], (nn.ModuleList, nn.ModuleDict)):
+                    raise PlanError(
+                        f"plan entry {unit.source or name!r}: {name!r} is a container whose forward never runs, "
+                        "so its unit would never be gathered; name its children (e.g. with '.*')"
+                    )
                 if name in claimed:
                     raise PlanError(
                         f"module {name!r} is claimed by two plan entries: {claimed[name]!r} and {unit.source or unit.name!r}"
@@ -165,7 +175,7 @@ class ShardingPlan:
             count, per_rank = totals.get(index, [0, 0])
             rows.append(
                 (
-                    self._unit_label(index),
+                    self._unit_label(index, short=True),
                     _fmt(unit.reshard_after_forward if unit else None),
                     _fmt(unit.mixed_precision if unit else None),
                     _fmt(unit.cpu_offload if unit else None),
@@ -325,7 +335,7 @@ def auto_plan(model: nn.Module, cpu_offload: bool | None = None, mixed_precision
         tail = [embed, norm, head]
     units.append(unit(tail, reshard=False, source="auto: tail"))
     plan = ShardingPlan([u for u in units if u is not None], mode="auto")
-    return _merge_shared(model, plan)
+    return _split_trainable(model, _merge_shared(model, plan))
 
 
 def _safe_call(fn):
@@ -375,6 +385,29 @@ def _merge_shared(model: nn.Module, plan: ShardingPlan) -> ShardingPlan:
             changed = True
             break
     return ShardingPlan(units, plan.mode)
+
+
+def _split_trainable(model: nn.Module, plan: ShardingPlan) -> ShardingPlan:
+    """Give the trainable part of a unit that also holds frozen parameters a unit of its own.
+
+    With LoRA every block holds a frozen base and trainable adapters. Apart, the frozen unit
+    never needs gradient buffers or a reduce-scatter, and the adapters may keep another dtype
+    (fp32 adapters on a bf16 base). The trainable part is all the outermost modules in the unit
+    whose parameters are all trainable, sharded together as one group: one extra all-gather per
+    block, not one per adapter.
+    """
+    modules = dict(model.named_modules())
+    extra = []
+    for index, unit in enumerate(plan.units):
+        names = [n for n in modules if plan.unit_index_of(n) == index]
+        flags = {p.requires_grad for n in names for p in modules[n].parameters(recurse=False)}
+        if flags != {True, False}:
+            continue
+        # modules that own parameters directly are the ones whose forward runs (a ModuleDict of
+        # adapters is only indexed, so hooks on it would never fire)
+        trainable = [n for n in names if {p.requires_grad for p in modules[n].parameters(recurse=False)} == {True}]
+        extra.append(replace(unit, modules=tuple(trainable), source=f"{unit.source}: trainable part"))
+    return ShardingPlan(plan.units + extra, plan.mode)
 
 
 def _glob_to_regex(pattern: str) -> re.Pattern:

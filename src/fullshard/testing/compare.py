@@ -43,20 +43,21 @@ def train_against_reference(
     dp_size: int | None = None,
     check_tie: bool = True,
     model_kwargs: dict | None = None,
-    prepare: Callable[[torch.nn.Module], None] | None = None,
+    prepare: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
+    inspect: Callable[[torch.nn.Module], object] | None = None,
 ) -> dict:
     """Train `name` sharded (each dp rank a slice of the batch) and whole in this process.
 
-    `model_kwargs` override the zoo config; `prepare` is applied to both models before sharding.
+    `model_kwargs` override the zoo config; `prepare` turns each freshly built model into the one to
+    train (a PEFT wrapper, a hooked router), for the reference and before sharding alike;
+    `inspect(sharded_model)` runs after training and its result is returned as "inspect".
     Returns the per-step losses and grad norms of both and the largest weight difference.
     """
     dp_rank = get_rank() if dp_rank is None else dp_rank
     dp_size = get_world_size() if dp_size is None else dp_size
     model_kwargs = model_kwargs or {}
-    reference, model = build_model(name, **model_kwargs), build_model(name, **model_kwargs)
-    for m in (reference, model):
-        if prepare is not None:
-            prepare(m)
+    prepare = prepare or (lambda m: m)
+    reference, model = prepare(build_model(name, **model_kwargs)), prepare(build_model(name, **model_kwargs))
     model = shard(model)
     # eps=1e-6: Adam's first step moves a weight by about lr * g / (|g| + eps), so with the default
     # 1e-8 a gradient that is 1e-9 in both runs but differs in its last bits (a sum taken in another
@@ -90,4 +91,6 @@ def train_against_reference(
     out["worst_weight"] = max(diffs, key=diffs.get)
     out["max_weight_diff"] = diffs[out["worst_weight"]]
     out["missing"] = sorted(set(ref) ^ set(sharded))
+    if inspect is not None:
+        out["inspect"] = inspect(model)
     return out
