@@ -130,9 +130,9 @@ class FSDPStrategy:
         allocated, and `prepare_model` loads each rank's slice after sharding."""
         if not meta_init:
             return contextlib.nullcontext()
-        from .loading import init_on_meta
+        from .loading import meta_init
 
-        return init_on_meta()
+        return meta_init()
 
     def prepare_model(self, model: nn.Module, is_training: bool = False, shard_size: int = -1,
                       reshard_after_forward: bool | int = True) -> nn.Module:

@@ -1,0 +1,163 @@
+"""Training metrics: throughput, MFU, peak memory; logged to the console, JSONL and TensorBoard; the loss plot.
+
+MFU (model FLOPs utilisation) uses the PaLM paper's count (Chowdhery et al. 2022, appendix B):
+training a token costs `6 * N + 12 * L * H * S` FLOPs, N the parameter count (weights only:
+6 = forward 2 + backward 4 multiply-adds per weight), L layers, H the hidden size, S the sequence
+length (the attention score and value matmuls, forward and backward). Activation recomputation
+is not counted, as the definition requires. MFU = tokens/s x FLOPs/token / (devices x peak FLOP/s).
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+# dense bf16 tensor-core peak per device, TFLOP/s (vendor data sheets, SXM parts)
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "L4": 121.0,
+               "V100": 125.0, "MI300X": 1307.0}
+
+
+def flops_per_token(num_params: int, num_layers: int, hidden_size: int, seq_len: int) -> float:
+    return 6.0 * num_params + 12.0 * num_layers * hidden_size * seq_len
+
+
+def model_flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
+    """FLOPs per trained token for a transformers model (embedding lookups are not matmuls and are excluded)."""
+    config = model.config
+    embedding = model.get_input_embeddings()
+    num_params = sum(p.numel() for p in model.parameters())
+    if embedding is not None and embedding.weight is not getattr(model.get_output_embeddings(), "weight", None):
+        num_params -= embedding.weight.numel()
+    return flops_per_token(num_params, config.num_hidden_layers, config.hidden_size, seq_len)
+
+
+def peak_device_flops(configured_tflops: float | None = None) -> float | None:
+    """Peak FLOP/s of one device: the configured value, or a known GPU's; None on CPU (no MFU)."""
+    if configured_tflops:
+        return configured_tflops * 1e12
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name()
+        for key, tflops in PEAK_TFLOPS.items():
+            if key in name:
+                return tflops * 1e12
+    return None
+
+
+def peak_memory_gb() -> float:
+    """Peak accelerator memory allocated by this process, or its peak resident set on a CPU host."""
+    if torch.accelerator.is_available():
+        return torch.accelerator.max_memory_allocated() / 2**30
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return rss / (2**30 if sys.platform == "darwin" else 2**20)
+
+
+class Throughput:
+    """Tokens per second between two `tick`s, and MFU from it."""
+
+    def __init__(self, flops_per_token: float, num_devices: int, peak_flops: float | None):
+        self.flops_per_token = flops_per_token
+        self.num_devices = num_devices
+        self.peak_flops = peak_flops
+        self._start = time.perf_counter()
+        self._tokens = 0
+
+    def add(self, tokens: int) -> None:
+        self._tokens += tokens
+
+    def tick(self) -> dict:
+        if torch.accelerator.is_available():
+            torch.accelerator.synchronize()
+        now = time.perf_counter()
+        elapsed, tokens = now - self._start, self._tokens
+        self._start, self._tokens = now, 0
+        rate = tokens / elapsed if elapsed > 0 else 0.0
+        mfu = rate * self.flops_per_token / (self.num_devices * self.peak_flops) if self.peak_flops else None
+        return {"tokens_per_s": rate, "mfu": mfu}
+
+
+class MetricsLogger:
+    """Rank 0 writes every record to `metrics.jsonl`, to TensorBoard when it is installed, and
+    shows a progress bar with the latest values; other ranks write nothing."""
+
+    def __init__(self, output_dir: Path, total_steps: int, initial_step: int = 0, enabled: bool = True):
+        self.enabled = enabled
+        self.path = Path(output_dir) / "metrics.jsonl"
+        self._bar = self._tensorboard = None
+        if not enabled:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # a resumed run appends to the log of the run it continues; a fresh run starts a new one
+        self._file = self.path.open("a" if initial_step else "w")
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tensorboard = SummaryWriter(str(Path(output_dir) / "tensorboard"))
+        except ImportError:
+            pass
+        from tqdm import tqdm
+
+        self._bar = tqdm(total=total_steps, initial=initial_step, desc="train", dynamic_ncols=True, file=sys.stdout,
+                         mininterval=1.0)
+
+    def step(self, n: int = 1) -> None:
+        if self._bar is not None:
+            self._bar.update(n)
+
+    def log(self, record: dict, show: tuple[str, ...] = ("loss", "lr", "grad_norm", "tokens_per_s")) -> None:
+        if not self.enabled:
+            return
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tensorboard is not None:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key != "step":
+                    self._tensorboard.add_scalar(key, value, record["step"])
+        shown = {k: record[k] for k in show if record.get(k) is not None}
+        if self._bar is not None and shown:
+            self._bar.set_postfix({k: f"{v:.4g}" for k, v in shown.items()}, refresh=False)
+            self._bar.write(f"step {record['step']:>5}  " + "  ".join(f"{k} {v:.4g}" for k, v in shown.items()))
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.close()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+        self._file.close()
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def plot_loss(metrics_path: str | Path, png_path: str | Path) -> Path | None:
+    """The training (and eval) loss against the step, as a PNG; None when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    records = read_metrics(metrics_path)
+    train = [(r["step"], r["loss"]) for r in records if r.get("kind") == "train"]
+    evals = [(r["step"], r["eval_loss"]) for r in records if r.get("kind") == "eval"]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if train:
+        ax.plot(*zip(*train), label="train loss")
+    if evals:
+        ax.plot(*zip(*evals), "o-", label="eval loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats / token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+    return Path(png_path)
