@@ -26,7 +26,7 @@ JSONL_SUFFIXES = {".jsonl", ".json"}
 # ---------------------------------------------------------------------------------------------- text
 
 
-def builtin_corpus(num_docs: int = 1500, seed: int = 0) -> list[str]:
+def builtin_corpus(num_docs: int = 5000, seed: int = 0) -> list[str]:
     """A generated corpus for the default run: short arithmetic facts, counting and templated
     sentences. It ships with the code (nothing to download) and has structure a tiny model
     learns within minutes, so the loss visibly falls."""

@@ -102,7 +102,7 @@ class MetricsLogger:
         from tqdm import tqdm
 
         self._bar = tqdm(total=total_steps, initial=initial_step, desc="train", dynamic_ncols=True, file=sys.stdout,
-                         mininterval=1.0)
+                         mininterval=1.0, disable=None)  # None: no bar when stdout is not a terminal
 
     def step(self, n: int = 1) -> None:
         if self._bar is not None:
