@@ -75,12 +75,15 @@ def cmd_train(argv: list[str]) -> int:
 
         train(config)
         return 0
+    # the ranks take their world size from torchrun, so --nproc is not passed on (torchrun's own
+    # parser would also read it as an abbreviation of its --nproc-per-node)
+    forwarded = ([config_path] if config_path else []) + overrides
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-               "-m", "fullshard.cli", "train", *argv]
+               "-m", "fullshard.cli", "train", *forwarded]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     print(f"[fullshard] launching {world} processes: torchrun --standalone --nproc_per_node={world} "
-          f"-m fullshard.cli train {' '.join(argv)}", flush=True)
+          f"-m fullshard.cli train {' '.join(forwarded)}", flush=True)
     return subprocess.call(command, env=env)
 
 
