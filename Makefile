@@ -15,7 +15,7 @@ export OMP_NUM_THREADS ?= 1
 setup: .venv/.installed
 
 demo: setup
-	.venv/bin/torchrun --nproc_per_node 2 examples/demo.py
+	.venv/bin/fullshard train
 
 test: setup
 	$(PY) -m pytest -q tests
