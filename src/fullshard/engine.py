@@ -150,12 +150,13 @@ class FSDP2Engine:
 
     def _placement(self, param: nn.Parameter) -> Shard | None:
         """Shard dim 0 unless it is shorter than the shard group (e.g. 8 experts over 16 ranks,
-        which would leave half the ranks holding nothing); then the longest dim that is not."""
+        which would leave half the ranks holding nothing); then the longest dim that is not.
+        fully_shard splits dims other than 0 only evenly, so such a dim must divide by the group."""
         size = self.shard_size
         if param.dim() < 2 or param.shape[0] >= size:
             return None
         longest = max(range(param.dim()), key=lambda d: param.shape[d])
-        return Shard(longest) if param.shape[longest] >= size else None
+        return Shard(longest) if param.shape[longest] >= size and param.shape[longest] % size == 0 else None
 
     def _reshard(self, value: bool | int | None) -> bool | int:
         value = self.config.reshard_after_forward if value is None else value
