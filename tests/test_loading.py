@@ -270,3 +270,134 @@ def test_sharded_load_equals_plain_transformers(checkpoints, world_size):
     full = tensor_bytes(checkpoints["llama"])
     llama_reads = [per_case[0]["bytes_read"] for per_case in results]
     assert sum(llama_reads) == full, (llama_reads, full)
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+class _Payload:
+    """A pickle that would create a file if unpickled without weights_only."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.marker),))
+
+
+def _edited(src: str, directory: Path, edit) -> str:
+    """A copy of checkpoint `src` whose tensors went through `edit(dict)`."""
+    from safetensors.torch import save_file
+
+    shutil.copytree(src, directory)
+    state = load_file(Path(src) / "model.safetensors")
+    edit(state)
+    save_file(state, directory / "model.safetensors", metadata={"format": "pt"})
+    return str(directory)
+
+
+@pytest.fixture(scope="module")
+def bad_checkpoints(checkpoints, tmp_path_factory):
+    root = tmp_path_factory.mktemp("bad")
+    good = checkpoints["llama"]
+    bad = {
+        "missing": _edited(good, root / "missing", lambda s: s.pop("model.norm.weight")),
+        "unexpected": _edited(good, root / "unexpected", lambda s: s.update({"model.extra.weight": torch.ones(3)})),
+        "shape": _edited(good, root / "shape", lambda s: s.update(
+            {"model.layers.0.mlp.up_proj.weight": torch.ones(63, 32)})),
+        "both": _edited(good, root / "both", lambda s: (s.pop("model.norm.weight"),
+                                                        s.update({"model.extra.weight": torch.ones(3)}))),
+    }
+    shutil.copytree(good, root / "truncated")
+    data = (root / "truncated" / "model.safetensors").read_bytes()
+    (root / "truncated" / "model.safetensors").write_bytes(data[:-100])
+    shutil.copytree(good, root / "corrupt")
+    (root / "corrupt" / "model.safetensors").write_bytes(b"\x00garbage" * 64)
+    rewrite_as_bin(good, root / "malicious")
+    marker = root / "pwned"
+    torch.save({"model.norm.weight": torch.ones(32), "x": _Payload(str(marker))}, root / "malicious" / "pytorch_model.bin")
+    rewrite_as_bin(good, root / "bad_index", files=2)
+    (root / "bad_index" / "pytorch_model-00002-of-00002.bin").unlink()
+    bad.update(truncated=str(root / "truncated"), corrupt=str(root / "corrupt"), malicious=str(root / "malicious"),
+               bad_index=str(root / "bad_index"), not_dcp=good, marker=str(marker), good=good,
+               hub_cache=checkpoints["hub_cache"])
+    return bad
+
+
+def _bad_inputs(bad: dict) -> dict:
+    import torch.distributed as dist
+    import transformers
+
+    from fullshard import FSDP2Engine
+    from fullshard.loading import CheckpointError, from_pretrained, init_empty_model
+
+    engine = FSDP2Engine({"mixed_precision": "fp32"})
+    config = transformers.AutoConfig.from_pretrained(bad["good"])
+    out = {}
+
+    def attempt(label, load):
+        model = init_empty_model(config)
+        try:
+            load(model)
+            out[label] = ("no error", "", False)
+        except CheckpointError as exc:
+            untouched = all(p.is_meta for p in model.parameters())
+            out[label] = ("CheckpointError", str(exc), untouched)
+
+    for label in ("missing", "unexpected", "shape", "truncated", "corrupt", "malicious", "bad_index"):
+        attempt(label, lambda m, label=label: engine.shard_model(m, bad[label]))
+    attempt("not_dcp", lambda m: FSDP2Engine({"dcp_path": bad["not_dcp"]}).shard_model(m))
+    try:
+        from_pretrained("fake-org/absent", engine=engine, cache_dir=bad["hub_cache"])
+        out["hub_absent"] = ("no error", "", False)
+    except CheckpointError as exc:
+        out["hub_absent"] = ("CheckpointError", str(exc), True)
+
+    # strict=False loads what fits, gives the rest the model's own init, and lists both
+    model = engine.shard_model(init_empty_model(config), bad["both"], strict=False, verify=True)
+    report = model.fullshard_load_report
+    norm = model.model.norm.weight.full_tensor()
+    out["lenient"] = dict(missing=report.missing, unexpected=report.unexpected, verified=report.verified,
+                          norm_is_init=bool(torch.equal(norm, torch.ones_like(norm))))
+    flag = torch.ones(1)
+    dist.all_reduce(flag)  # every rank is still in step after all of the above
+    out["in_step"] = float(flag) == dist.get_world_size()
+    return out
+
+
+def test_bad_input_fails_on_every_rank_with_names(bad_checkpoints):
+    results = run_distributed(_bad_inputs, 2, bad_checkpoints)
+    expected = {  # label -> what the message must name
+        "missing": ["missing keys", "model.norm.weight"],
+        "unexpected": ["unexpected keys", "model.extra.weight"],
+        "shape": ["model.layers.0.mlp.up_proj.weight", "[63, 32]", "[64, 32]"],
+        "truncated": ["truncated", "model.safetensors"],
+        "corrupt": ["corrupt", "model.safetensors"],
+        "malicious": ["refused", "pytorch_model.bin", "weights_only"],
+        "bad_index": ["pytorch_model-00002-of-00002.bin", "do not exist"],
+        "not_dcp": ["not a DCP checkpoint"],
+        "hub_absent": ["fake-org/absent", "rank 0:", "HF_HUB_OFFLINE"],  # only the downloading rank fails
+    }
+    problems = []
+    for rank, out in enumerate(results):
+        for label, needles in expected.items():
+            kind, message, untouched = out[label]
+            if kind != "CheckpointError":
+                problems.append(f"rank {rank} {label}: {kind}")
+                continue
+            absent = [n for n in needles if n not in message]
+            if absent:
+                problems.append(f"rank {rank} {label}: message lacks {absent}: {message}")
+            if not untouched:
+                problems.append(f"rank {rank} {label}: the model was touched before the error")
+            if label != "hub_absent" and ("rank 0:" not in message or "rank 1:" not in message):
+                problems.append(f"rank {rank} {label}: not every rank's failure is reported: {message}")
+        lenient = out["lenient"]
+        if lenient["missing"] != ["model.norm.weight"] or lenient["unexpected"] != ["model.extra.weight"]:
+            problems.append(f"rank {rank} strict=False lists {lenient}")
+        if not (lenient["verified"] and lenient["norm_is_init"]):
+            problems.append(f"rank {rank} strict=False left a missing key uninitialised: {lenient}")
+        if not out["in_step"]:
+            problems.append(f"rank {rank} fell out of step")
+    assert not problems, "\n".join(problems)
+    assert not Path(bad_checkpoints["marker"]).exists(), "the malicious pickle ran code"
