@@ -2,6 +2,7 @@
 
 from .distributed import ParallelDims, build_mesh, get_rank, get_world_size, init_distributed, is_main_process
 from .engine import EngineConfig, FSDP2Engine, apply_activation_checkpointing, apply_fsdp2, reshard_all
+from .loading import CheckpointError, from_pretrained, init_empty_model, materialize_and_load, meta_init
 from .optim import ShardedGradScaler, clip_grad_norm, create_optimizer, create_scheduler, global_grad_norm
 from .plan import PlanError, ShardingPlan, UnitSpec, auto_plan, build_plan, find_blocks, get_transformer_layer_cls
 from .strategy import FSDPStrategy
@@ -9,6 +10,11 @@ from .strategy import FSDPStrategy
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointError",
+    "from_pretrained",
+    "init_empty_model",
+    "materialize_and_load",
+    "meta_init",
     "EngineConfig",
     "FSDPStrategy",
     "ShardedGradScaler",
