@@ -380,3 +380,17 @@ def test_export_loads_in_plain_transformers(first_life, name):
     assert reloaded_half.dtype == torch.bfloat16
     torch.testing.assert_close(reloaded_half.get_input_embeddings().weight.float(),
                                reloaded.get_input_embeddings().weight, atol=1e-2, rtol=1e-2)
+
+
+def test_export_of_an_unsharded_model_needs_no_process_group(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = build_model("gpt2", seed=4)
+    export_hf(model, tmp_path / "gpt2", dtype="bf16")
+    with safe_open(tmp_path / "gpt2" / "model.safetensors", "pt") as f:
+        assert "lm_head.weight" not in f.keys() and f.get_tensor("transformer.wte.weight").dtype == torch.bfloat16
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "gpt2", dtype=torch.float32)
+    assert reloaded.lm_head.weight is reloaded.transformer.wte.weight
+    expected = {k: v.to(torch.bfloat16).float() for k, v in model.state_dict().items()}
+    for key, value in reloaded.state_dict().items():
+        assert torch.equal(value, expected[key]), key

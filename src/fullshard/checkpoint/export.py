@@ -1,9 +1,10 @@
 """Write a plain Hugging Face directory (safetensors + index + config) from a sharded model or checkpoint.
 
 No rank ever holds the whole model. Live, the output files are dealt round-robin to the ranks;
-each tensor is gathered once (one tensor at a time) and kept only by the rank that writes its
-file, so a rank holds at most one output file plus one tensor and all ranks write in parallel.
-Offline, one process reads the DCP checkpoint one output file at a time, with no process group.
+tensors are gathered one at a time and the rank that owns the tensor's file appends it to the
+file at once (safetensors headers are known from shapes up front), so a rank holds at most one
+full tensor. Offline, one process streams the DCP checkpoint the same way, tensor by tensor,
+with no process group.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import json
 import os
 import re
 import shutil
+import struct
 import uuid
 import warnings
 from dataclasses import dataclass
@@ -155,10 +157,48 @@ def _staging_dir(output_dir: Path) -> Path:
     return output_dir.parent / f".{output_dir.name}{layout.TMP_PREFIX}{uuid.uuid4().hex[:8]}"
 
 
-def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    from safetensors.torch import save_file
+_SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                       torch.uint8: "U8", torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3",
+                       torch.float8_e5m2: "F8_E5M2"}
 
-    save_file(tensors, str(path), metadata={"format": "pt"})
+
+class _SafetensorsStream:
+    """Writes one safetensors file a tensor at a time.
+
+    The header (names, dtypes, shapes, offsets) follows from the plan alone, so it goes first and
+    each tensor's bytes are appended as the tensor arrives: the writer never holds more than the
+    tensor in hand, whatever `max_shard_size` is.
+    """
+
+    def __init__(self, path: Path, entries: list[_Entry]):
+        header: dict = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for entry in entries:
+            if entry.dtype not in _SAFETENSORS_DTYPES:
+                raise TypeError(f"tensor {entry.name!r} has dtype {entry.dtype}, which safetensors cannot store")
+            header[entry.name] = {"dtype": _SAFETENSORS_DTYPES[entry.dtype], "shape": list(entry.shape),
+                                  "data_offsets": [offset, offset + entry.nbytes]}
+            offset += entry.nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+        self.path = path
+        self.pending = [(entry.name, entry.nbytes) for entry in entries]
+        self.handle = open(path, "wb")
+        self.handle.write(struct.pack("<Q", len(raw)) + raw)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        expected, nbytes = self.pending.pop(0)
+        if name != expected or tensor.numel() * tensor.element_size() != nbytes:
+            raise RuntimeError(f"{self.path}: got {name!r} ({tuple(tensor.shape)}) where {expected!r} of {nbytes} bytes belongs")
+        self.handle.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+
+    def close(self) -> None:
+        if self.pending:
+            raise RuntimeError(f"{self.path}: {len(self.pending)} tensors never arrived, first {self.pending[0][0]!r}")
+        self.handle.flush()
+        os.fsync(self.handle.fileno())
+        self.handle.close()
 
 
 def _finish_directory(staging: Path, output_dir: Path, files: list[tuple[str, list[_Entry]]], config: str | None,
@@ -244,20 +284,31 @@ def export_hf(model: torch.nn.Module, output_dir: str | os.PathLike, tokenizer=N
     staging = Path(broadcast_from_rank0(str(_staging_dir(output_dir)) if get_rank() == 0 else None))
     _run_agreed(lambda: staging.mkdir(parents=True), on_rank=0)
     rank, world = get_rank(), get_world_size()
+    error = ""
     try:
-        for first in range(0, len(files), world):
-            # one round: every rank gathers the next `world` files, then all write at once
-            mine: dict[str, torch.Tensor] = {}
-            my_file = None
-            for offset, (fname, group) in enumerate(files[first:first + world]):
-                for entry in group:
-                    full = _gather_full(state[entry.name])
-                    if offset == rank:
-                        mine[entry.name] = full.to("cpu", entry.dtype).contiguous()
-                        my_file = fname
-                    del full
-            _run_agreed(lambda: my_file is not None and _write_safetensors(staging / my_file, mine))
-            mine.clear()
+        for number, (fname, group) in enumerate(files):
+            # files are dealt round-robin; every rank takes part in every gather, and a rank whose
+            # write failed keeps gathering (so no rank hangs) and reports at the end
+            stream = None
+            if number % world == rank and not error:
+                try:
+                    stream = _SafetensorsStream(staging / fname, group)
+                except Exception as err:  # noqa: BLE001
+                    error = f"{type(err).__name__}: {err}"
+            for entry in group:
+                full = _gather_full(state[entry.name])
+                if stream is not None and not error:
+                    try:
+                        stream.write(entry.name, full.to("cpu", entry.dtype))
+                    except Exception as err:  # noqa: BLE001
+                        error = f"{type(err).__name__}: {err}"
+                del full
+            if stream is not None and not error:
+                try:
+                    stream.close()
+                except Exception as err:  # noqa: BLE001
+                    error = f"{type(err).__name__}: {err}"
+        all_ranks_agree_ok(not error, error)
         _run_agreed(lambda: _finish_directory(staging, output_dir, files, _export_config(config, type(model).__name__, out_dtype),
                                               generation_config_json(model), tokenizer), on_rank=0)
     except BaseException:
@@ -272,7 +323,7 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, output_dir: str | os.Pa
     """Turn a fullshard checkpoint (any world size) into an HF directory in this one process.
 
     `checkpoint_dir` is one checkpoint or a save directory (its newest complete checkpoint). No
-    process group is needed; tensors are read from the DCP shards one output file at a time.
+    process group is needed; tensors are read from the DCP shards and written one at a time.
     """
     import torch.distributed.checkpoint as dcp
 
@@ -298,12 +349,14 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, output_dir: str | os.Pa
     staging.mkdir(parents=True)
     try:
         for fname, group in files:
-            buffers = {f"model.{e.name}": torch.empty(e.shape, dtype=stored[e.name]) for e in group}
-            with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-                warnings.simplefilter("ignore", UserWarning)
-                dcp.load(buffers, storage_reader=dcp.FileSystemReader(str(state_dir)), no_dist=True)
-            _write_safetensors(staging / fname, {e.name: buffers[f"model.{e.name}"].to(e.dtype).contiguous() for e in group})
-            del buffers
+            stream = _SafetensorsStream(staging / fname, group)
+            for entry in group:
+                buffer = {f"model.{entry.name}": torch.empty(entry.shape, dtype=stored[entry.name])}
+                with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+                    warnings.simplefilter("ignore", UserWarning)
+                    dcp.load(buffer, storage_reader=dcp.FileSystemReader(str(state_dir)), no_dist=True)
+                stream.write(entry.name, buffer[f"model.{entry.name}"].to(entry.dtype))
+            stream.close()
         generation = checkpoint / layout.GENERATION_CONFIG
         _finish_directory(staging, output_dir, files,
                           _export_config((checkpoint / layout.CONFIG).read_text(), meta["class_name"], out_dtype),

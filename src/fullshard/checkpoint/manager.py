@@ -8,6 +8,7 @@ directories are ever loaded, and rotation runs only after the new checkpoint is 
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -114,6 +115,7 @@ class CheckpointManager:
                     self._async_group = dist.new_group(backend="gloo")
                 future = dcp.async_save(state, checkpoint_id=str(tmp / layout.STATE_DIR), process_group=self._async_group)
                 self._pending = _PendingSave(future, tmp, final, step)
+                atexit.register(self._wait_at_exit)
                 return final
             dcp.save(state, checkpoint_id=str(tmp / layout.STATE_DIR))
         except CheckpointException as err:
@@ -130,6 +132,7 @@ class CheckpointManager:
         pending, self._pending = self._pending, None
         if pending is None:
             return
+        atexit.unregister(self._wait_at_exit)
         try:
             _run_agreed(pending.future.result)
         except RuntimeError as err:
@@ -139,6 +142,14 @@ class CheckpointManager:
             self._abandon(pending.tmp)
             raise
         self._commit(pending.tmp, pending.final, pending.step)
+
+    def _wait_at_exit(self) -> None:
+        """A script that ends without `wait()` still commits its last async save (rank 0 commits
+        alone once the process group is gone: its DCP future finishing means every rank wrote)."""
+        try:
+            self.wait()
+        except Exception:  # noqa: BLE001 - nothing left to raise to at exit
+            logger.exception("the async checkpoint save pending at exit failed; it was not committed")
 
     def _begin_save(self, tag: str) -> Path:
         self.save_dir.mkdir(parents=True, exist_ok=True)
