@@ -1,5 +1,6 @@
 """fullshard: train Hugging Face models across many devices with PyTorch FSDP2."""
 
+from .checkpoint import CheckpointManager, export_checkpoint, export_hf, load_ckpt, save_ckpt, save_model
 from .distributed import ParallelDims, build_mesh, get_rank, get_world_size, init_distributed, is_main_process
 from .engine import EngineConfig, FSDP2Engine, apply_activation_checkpointing, apply_fsdp2, reshard_all
 from .loading import CheckpointError, from_pretrained, init_empty_model, materialize_and_load, meta_init
@@ -10,6 +11,12 @@ from .strategy import FSDPStrategy
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointManager",
+    "export_checkpoint",
+    "export_hf",
+    "load_ckpt",
+    "save_ckpt",
+    "save_model",
     "CheckpointError",
     "from_pretrained",
     "init_empty_model",
