@@ -88,6 +88,9 @@ class ShardingPlan:
                 raise PlanError(f"units {[u.name for u in remaining]} nest inside each other; no order can shard them")
         return ordered
 
+    def unit_index_of_parameter(self, param_name: str) -> int | None:
+        return self.unit_index_of(_module_of(param_name))
+
     def unit_names(self) -> list[str]:
         return [unit.name for unit in self.units]
 
@@ -95,7 +98,7 @@ class ShardingPlan:
         """Each parameter's unit ("<root>" for the root), by its first (canonical) name."""
         owners = _parameter_owners(model)
         return {
-            names[0]: self._unit_label(self.unit_index_of(_module_of(names[0]))) for names in owners.values()
+            names[0]: self._unit_label(self.unit_index_of_parameter(names[0])) for names in owners.values()
         }
 
     def _unit_label(self, index: int | None, short: bool = False) -> str:
@@ -133,7 +136,7 @@ class ShardingPlan:
                     raise PlanError(f"plan entry {unit.name!r}: reshard_after_forward must be >= 1")
 
         for names in _parameter_owners(model).values():
-            units = {self.unit_index_of(_module_of(n)) for n in names}
+            units = {self.unit_index_of_parameter(n) for n in names}
             if len(units) > 1:
                 labels = sorted(self._unit_label(u) for u in units)
                 raise PlanError(
@@ -143,7 +146,7 @@ class ShardingPlan:
 
         by_unit: dict[int | None, list[tuple[str, nn.Parameter]]] = {}
         for name, param in model.named_parameters():
-            by_unit.setdefault(self.unit_index_of(_module_of(name)), []).append((name, param))
+            by_unit.setdefault(self.unit_index_of_parameter(name), []).append((name, param))
         for index, params in by_unit.items():
             label = self._unit_label(index)
             dtypes = sorted({str(p.dtype) for _, p in params})
@@ -166,8 +169,8 @@ class ShardingPlan:
         rows = [("unit", "reshard", "mp", "offload", "params", "bytes/rank")]
         totals: dict[int | None, list[int]] = {}
         for name, param in model.named_parameters():
-            numel, per_rank = _shard_bytes(param, shard_size)
-            acc = totals.setdefault(self.unit_index_of(_module_of(name)), [0, 0])
+            numel, per_rank = shard_bytes(param, shard_size)
+            acc = totals.setdefault(self.unit_index_of_parameter(name), [0, 0])
             acc[0] += numel
             acc[1] += per_rank
         for index in [*range(len(self.units)), None]:
@@ -196,7 +199,7 @@ def _fmt(value: Any) -> str:
     return "default" if value is None else str(value)
 
 
-def _shard_bytes(param: torch.Tensor, shard_size: int) -> tuple[int, int]:
+def shard_bytes(param: torch.Tensor, shard_size: int) -> tuple[int, int]:
     """(numel, bytes of the largest per-rank shard): FSDP2 shards dim 0, rounding up."""
     if param.dim() == 0:
         return 1, param.element_size()

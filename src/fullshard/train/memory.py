@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..plan import ShardingPlan, _module_of, _shard_bytes
+from ..plan import ShardingPlan, shard_bytes
 
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0}
 
@@ -68,11 +68,11 @@ def estimate_memory(model: nn.Module, plan: ShardingPlan, shard_size: int, micro
     shard = trainable = 0
     unit_full: dict[int | None, int] = {}
     for name, param in model.named_parameters():
-        per_rank = _shard_bytes(param, shard_size)[1]
+        per_rank = shard_bytes(param, shard_size)[1]
         shard += per_rank
         if param.requires_grad:
             trainable += per_rank
-        unit = plan.unit_index_of(_module_of(name))
+        unit = plan.unit_index_of_parameter(name)
         unit_full[unit] = unit_full.get(unit, 0) + param.numel() * compute_dtype.itemsize
     largest = sorted(unit_full.values(), reverse=True)[:2]
     compute_bytes = compute_dtype.itemsize
