@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import threading
@@ -125,7 +126,7 @@ def _plain_io(path: Path, nbytes: int):
     return write, read
 
 
-def measure(root: str, hidden: int, layers: int, vocab: int) -> dict:
+def measure(root: str, hidden: int, layers: int, vocab: int, repeats: int) -> dict:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from fullshard.checkpoint import CheckpointManager, export_checkpoint, export_hf
@@ -136,14 +137,20 @@ def measure(root: str, hidden: int, layers: int, vocab: int) -> dict:
     params = sum(p.numel() for p in model.parameters())
     manager = CheckpointManager(root / "ckpt", max_num=1)
     out = {"params": params}
-    out["save_s"], out["save_rss"] = _timed(lambda: manager.save(1, model, optimizer))
-    out["load_s"], out["load_rss"] = _timed(lambda: manager.load(model, optimizer))
-    checkpoint = manager.latest()
-    own_bytes = sum(f.stat().st_size for f in (checkpoint / "state").glob(f"__{rank}_*.distcp"))
+    runs: dict[str, list[float]] = {}
+    for _ in range(repeats):
+        # interleaved, so a burst of disk traffic from elsewhere hits both sides alike
+        for key, fn in (("save", lambda: manager.save(1, model, optimizer)), ("load", lambda: manager.load(model, optimizer))):
+            seconds, rise = _timed(fn)
+            runs.setdefault(f"{key}_s", []).append(seconds)
+            runs.setdefault(f"{key}_rss", []).append(rise)
+        checkpoint = manager.latest()
+        own_bytes = sum(f.stat().st_size for f in (checkpoint / "state").glob(f"__{rank}_*.distcp"))
+        write, read = _plain_io(root / f"plain_{rank}.bin", own_bytes)
+        runs.setdefault("plain_write_s", []).append(_timed(write)[0])
+        runs.setdefault("plain_read_s", []).append(_timed(read)[0])
+    out.update({key: statistics.median(values) for key, values in runs.items()})
     out["ckpt_bytes"] = sum(f.stat().st_size for f in (checkpoint / "state").glob("*.distcp"))
-    write, read = _plain_io(root / f"plain_{rank}.bin", own_bytes)
-    out["plain_write_s"], _ = _timed(write)
-    out["plain_read_s"], _ = _timed(read)
     out["export_s"], out["export_rss"] = _timed(lambda: export_hf(model, root / "export", max_shard_size="200MB"))
 
     def gather_and_save_pretrained():
@@ -169,6 +176,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--repeats", type=int, default=3, help="save / load / plain I/O runs; the median is reported")
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir on the same disk as /tmp)")
     args = parser.parse_args()
@@ -176,7 +184,7 @@ def main() -> None:
     rows_io, rows_export = [], []
     try:
         for world in args.worlds:
-            results = run_distributed(measure, world, root, args.hidden, args.layers, args.vocab, timeout=1200)
+            results = run_distributed(measure, world, root, args.hidden, args.layers, args.vocab, args.repeats, timeout=1200)
             r0 = results[0]
             slowest = {k: max(r[k] for r in results) for k in r0}
             gib = r0["ckpt_bytes"] / 2**30
@@ -193,7 +201,8 @@ def main() -> None:
         shutil.rmtree(root, ignore_errors=True)
     body = (
         f"Llama, {r0['params'] / 1e6:.0f}M parameters, fp32 weights + AdamW state (checkpoint = the DCP shard bytes), "
-        "gloo on CPU, one thread per rank. Times are the slowest rank's, from a barrier to a barrier. "
+        f"gloo on CPU, one thread per rank. Times are the slowest rank's, from a barrier to a barrier, median of {args.repeats} "
+        "interleaved runs (export: one run). "
         "Plain I/O: every rank writes (then fsyncs) and reads back exactly the bytes of its own shard file, all at "
         "once, on the same disk: the floor. Reads hit a warm page cache for both. Ratios are fullshard / peer, "
         "measured in the same run.\n\n"

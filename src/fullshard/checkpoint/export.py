@@ -21,13 +21,12 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.distributed as dist
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from ..distributed import all_ranks_agree_ok, get_rank, get_world_size
 from ..engine import DTYPES, reshard_all
 from . import layout
+from .agree import broadcast_from_rank0, run_agreed
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -234,27 +233,20 @@ def _finish_directory(staging: Path, output_dir: Path, files: list[tuple[str, li
     shutil.rmtree(staging, ignore_errors=True)
 
 
-def _run_agreed(fn: Callable, on_rank: int | None = None):
-    """Run `fn` on every rank (or only `on_rank`); every rank raises if any failed."""
-    result, ok, message = None, True, ""
-    if on_rank is None or get_rank() == on_rank:
-        try:
-            result = fn()
-        except (Exception, CheckpointException) as err:  # noqa: BLE001 - reported on every rank below
-            ok, message = False, f"{type(err).__name__}: {err}"
-    all_ranks_agree_ok(ok, message)
-    return result
+@dataclass
+class GatheredTensor:
+    """A tensor an export computes rather than reads: its shape and dtype up front (for the file
+    headers) and `gather`, a collective every rank calls, returning the full tensor (e.g. a base
+    weight with its LoRA adapter merged in, built one layer at a time)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    gather: Callable[[], torch.Tensor]
 
 
-def broadcast_from_rank0(value):
-    if not dist.is_initialized() or get_world_size() == 1:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _gather_full(tensor: torch.Tensor) -> torch.Tensor:
+def _gather_full(tensor: torch.Tensor | GatheredTensor) -> torch.Tensor:
+    if isinstance(tensor, GatheredTensor):
+        return tensor.gather().detach()
     if not isinstance(tensor, DTensor):
         return tensor.detach()
     mesh_device = tensor.device_mesh.device_type
@@ -264,11 +256,13 @@ def _gather_full(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def export_hf(model: torch.nn.Module, output_dir: str | os.PathLike, tokenizer=None,
-              dtype: torch.dtype | str | None = None, max_shard_size: int | str = DEFAULT_SHARD_SIZE) -> Path:
+              dtype: torch.dtype | str | None = None, max_shard_size: int | str = DEFAULT_SHARD_SIZE,
+              tensors: dict[str, torch.Tensor | GatheredTensor] | None = None) -> Path:
     """Write a sharded (or plain) model as a directory `from_pretrained` loads; call on every rank.
 
     dtype defaults to the dtype the model was loaded from (`source_dtype`); tied weights are
-    written once under their canonical name.
+    written once under their canonical name. `tensors` replaces the model's state dict as what is
+    written (same order and names as the files should have), e.g. `fullshard.lora.merged_state`.
     """
     output_dir = Path(output_dir)
     config = config_json(model)
@@ -277,12 +271,12 @@ def export_hf(model: torch.nn.Module, output_dir: str | os.PathLike, tokenizer=N
     out_dtype = to_dtype(dtype) or source_dtype(model)
     max_bytes = parse_size(max_shard_size)
     reshard_all(model)
-    state = model.state_dict()
+    state = model.state_dict() if tensors is None else tensors
     aliases = set(tied_alias_keys(model))
     entries = [_Entry(k, tuple(t.shape), _out_dtype(t.dtype, out_dtype)) for k, t in state.items() if k not in aliases]
     files = plan_files(entries, max_bytes)
     staging = Path(broadcast_from_rank0(str(_staging_dir(output_dir)) if get_rank() == 0 else None))
-    _run_agreed(lambda: staging.mkdir(parents=True), on_rank=0)
+    run_agreed(lambda: staging.mkdir(parents=True), on_rank=0)
     rank, world = get_rank(), get_world_size()
     error = ""
     try:
@@ -309,7 +303,7 @@ def export_hf(model: torch.nn.Module, output_dir: str | os.PathLike, tokenizer=N
                 except Exception as err:  # noqa: BLE001
                     error = f"{type(err).__name__}: {err}"
         all_ranks_agree_ok(not error, error)
-        _run_agreed(lambda: _finish_directory(staging, output_dir, files, _export_config(config, type(model).__name__, out_dtype),
+        run_agreed(lambda: _finish_directory(staging, output_dir, files, _export_config(config, type(model).__name__, out_dtype),
                                               generation_config_json(model), tokenizer), on_rank=0)
     except BaseException:
         if rank == 0:

@@ -33,7 +33,8 @@ from torch.distributed.checkpoint.state_dict import (
 from ..distributed import get_rank, get_world_size
 from ..engine import reshard_all
 from . import layout
-from .export import _run_agreed, broadcast_from_rank0, config_json, dtype_name, generation_config_json, source_dtype, tied_alias_keys
+from .agree import broadcast_from_rank0, run_agreed
+from .export import config_json, dtype_name, generation_config_json, source_dtype, tied_alias_keys
 from .rng import capture_rng_state, rederive_rng_state, restore_rng_state
 
 logger = logging.getLogger(__name__)
@@ -103,11 +104,11 @@ class CheckpointManager:
             except TypeError as err:
                 raise TypeError(f"extra_state must be JSON-serialisable: {err}") from None
 
-        _run_agreed(check_arguments)
+        run_agreed(check_arguments)
         final = self.save_dir / tag
-        tmp = Path(broadcast_from_rank0(str(self._begin_save(tag)) if get_rank() == 0 else None))
+        tmp = Path(broadcast_from_rank0(run_agreed(lambda: str(self._begin_save(tag)), on_rank=0)))
         try:
-            state = _run_agreed(lambda: self._write_side_files(tmp, step, model, optimizer, scheduler, scaler, extra_state))
+            state = run_agreed(lambda: self._write_side_files(tmp, step, model, optimizer, scheduler, scaler, extra_state))
             if self.async_save:
                 if self._async_group is None and dist.is_initialized():
                     # DCP's background thread runs collectives; on its own group they cannot
@@ -134,7 +135,7 @@ class CheckpointManager:
             return
         atexit.unregister(self._wait_at_exit)
         try:
-            _run_agreed(pending.future.result)
+            run_agreed(pending.future.result)
         except RuntimeError as err:
             self._abandon(pending.tmp)
             raise RuntimeError(f"async save of {pending.final} failed; nothing already on disk was changed: {err}") from None
@@ -205,7 +206,7 @@ class CheckpointManager:
                 os.replace(latest_tmp, self.save_dir / layout.LATEST)
             self._rotate()
 
-        _run_agreed(commit, on_rank=0)
+        run_agreed(commit, on_rank=0)
 
     def _abandon(self, tmp: Path) -> None:
         if get_rank() == 0:
@@ -274,7 +275,7 @@ class CheckpointManager:
                 return None if latest is None else str(latest)
             return str(layout.resolve_checkpoint(path))
 
-        resolved = broadcast_from_rank0(_run_agreed(resolve, on_rank=0))
+        resolved = broadcast_from_rank0(run_agreed(resolve, on_rank=0))
         if resolved is None:
             return None
         checkpoint = Path(resolved)
@@ -290,7 +291,7 @@ class CheckpointManager:
             model_state = _check_against_index(checkpoint, metadata, model_state, optim_state if want_optimizer else None, strict)
             return trainer_state, model_state, optim_state
 
-        trainer_state, model_state, optim_state = _run_agreed(prepare)
+        trainer_state, model_state, optim_state = run_agreed(prepare)
         state = {"model": model_state}
         if want_optimizer:
             state["optim"] = optim_state
@@ -302,7 +303,7 @@ class CheckpointManager:
         set_model_state_dict(model, state["model"], options=options)
         if want_optimizer:
             set_optimizer_state_dict(model, optimizer, state["optim"], options=options)
-        _run_agreed(lambda: self._load_side_files(checkpoint, trainer_state, scheduler if load_scheduler else None, scaler))
+        run_agreed(lambda: self._load_side_files(checkpoint, trainer_state, scheduler if load_scheduler else None, scaler))
         extra = dict(trainer_state.get("extra_state") or {})
         extra.setdefault("step", trainer_state["step"])
         return extra
