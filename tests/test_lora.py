@@ -1,5 +1,6 @@
 """PEFT LoRA under FSDP2: adapters in their own units, trained exactly as in one process."""
 
+import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
@@ -49,3 +50,225 @@ def test_lora_matches_single_process_and_trains_every_adapter():
         assert all(info["grad_norms"][n] > 0 for n in adapters), info["grad_norms"]
         assert info["base_diff"] == 0.0, "frozen base weights must not move"
         assert info["mixed_units"] == [], "no unit holds both frozen and trainable parameters"
+
+
+# ----------------------------------------------------------------- LoRA on fullshard's meta-device path
+
+STEPS = 3
+
+
+def _peft_reference(base_dir):
+    """Plain transformers + PEFT in one process: the reference for the sharded meta-loaded copy."""
+    from transformers import AutoModelForCausalLM
+
+    return add_lora(AutoModelForCausalLM.from_pretrained(base_dir))
+
+
+def _gathered_numel(fn):
+    """Run `fn` and count the elements every `full_tensor` gather in it returned."""
+    from torch.distributed.tensor import DTensor
+
+    original, counts = DTensor.full_tensor, []
+
+    def counting(self, *args, **kwargs):
+        full = original(self, *args, **kwargs)
+        counts.append(full.numel())
+        return full
+
+    DTensor.full_tensor = counting
+    try:
+        fn()
+    finally:
+        DTensor.full_tensor = original
+    return counts
+
+
+def _meta_lora_checks(tmp):
+    import fullshard
+    from fullshard.lora import export_merged, save_adapter
+
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    base_dir = f"{tmp}/base"
+    reference = _peft_reference(base_dir)
+    torch.manual_seed(7)  # what add_lora does before get_peft_model
+    model = fullshard.from_pretrained(base_dir, engine=FSDP2Engine({"mixed_precision": "fp32"}), lora=LORA)
+    out = {"kept": model.fullshard_load_report.kept, "units_mixed": [
+        k for k, params in fsdp_units(model).items() if len({p.requires_grad for p in params}) > 1]}
+    ref_params = dict(reference.named_parameters())
+    out["init_diff"] = max((v - ref_params[k]).abs().max().item() for k, v in full_state(model).items())
+
+    model.train(), reference.train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, eps=1e-6)
+    ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=1e-2, eps=1e-6)
+    out["loss"], out["ref_loss"] = [], []
+    for step in range(STEPS):
+        batch = make_batch("llama", seed=200 + step)
+        ref_loss = reference(**batch).loss
+        ref_loss.backward()
+        ref_opt.step(), ref_opt.zero_grad()
+        loss = model(**data_slice(batch, rank, world)).loss
+        loss.backward()
+        opt.step(), opt.zero_grad()
+        total = loss.detach().clone()
+        torch.distributed.all_reduce(total)
+        out["loss"].append(float(total) / world)
+        out["ref_loss"].append(float(ref_loss.detach()))
+    trained = full_state(model)
+    out["weight_diff"] = max((v - ref_params[k]).abs().max().item() for k, v in trained.items())
+    out["adapter_moved"] = min((trained[k] - v).abs().max().item()
+                               for k, v in full_state(_peft_reference(base_dir)).items() if "lora_B" in k)
+    model.eval()
+    probe = make_batch("llama", batch_size=2, seed=300)
+    with torch.no_grad():
+        out["logits"] = model(input_ids=probe["input_ids"]).logits.tolist()  # tensors do not outlive the rank
+    out["adapter_gathers"] = _gathered_numel(lambda: save_adapter(model, f"{tmp}/adapter"))
+    out["adapter_numel"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    out["merged_gathers"] = _gathered_numel(lambda: export_merged(model, f"{tmp}/merged", max_shard_size="20KB"))
+    out["largest_tensor"] = max(p.numel() for p in model.parameters())
+    out["total_numel"] = sum(p.numel() for p in model.parameters())
+    out["trainer"] = _trainer_with_lora(tmp)
+    out["moe"] = _moe_saves_resumes_and_exports(tmp)
+    return out
+
+
+def _trainer_with_lora(tmp):
+    """`fullshard train` with a `lora:` section, on the saved base directory: what it writes."""
+    from fullshard.train import load_config, train
+
+    config = load_config(None, [f"--model.name_or_path={tmp}/trainer_base", "--data.seq_len=32",
+                                "--train.micro_batch_size=2", "--train.global_batch_size=4", "--train.steps=3",
+                                "--train.log_every=1", "--optim.warmup_steps=0", "--train.eval_batches=1",
+                                "--train.plot=false", f"--train.output_dir={tmp}/run", "--lora.r=4",
+                                "--lora.target_modules=[q_proj, o_proj, up_proj]", "--lora.alpha=8"])
+    summary = train(config)
+    return {k: summary.get(k) for k in ("export", "adapter", "losses")}
+
+
+def _moe_saves_resumes_and_exports(tmp):
+    """A Mixtral-shaped model checkpoints, resumes exactly and exports like a dense one."""
+    from fullshard.checkpoint import CheckpointManager, export_hf
+
+    def setup():
+        model = FSDP2Engine({"mixed_precision": "fp32"}).prepare_model(build_model("mixtral"))
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def step(model, optimizer, seed):
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        loss = model(**data_slice(make_batch("mixtral", seed=seed), rank, world)).loss
+        loss.backward()
+        optimizer.step(), optimizer.zero_grad()
+        return float(loss.detach())
+
+    model, optimizer = setup()
+    step(model, optimizer, 400)
+    manager = CheckpointManager(f"{tmp}/moe_ckpt")
+    manager.save(1, model, optimizer)
+    after = [step(model, optimizer, 401 + i) for i in range(2)]
+    resumed, resumed_opt = setup()
+    manager.load(resumed, resumed_opt)
+    again = [step(resumed, resumed_opt, 401 + i) for i in range(2)]
+    weights, resumed_weights = full_state(model), full_state(resumed)
+    export_hf(resumed, f"{tmp}/moe_hf", max_shard_size="20KB")
+    probe = make_batch("mixtral", batch_size=2, seed=300)["input_ids"]
+    resumed.eval()
+    with torch.no_grad():
+        logits = resumed(input_ids=probe).logits.tolist()
+    return {"after": after, "again": again, "logits": logits,
+            "resume_diff": max((weights[k] - resumed_weights[k]).abs().max().item() for k in weights)}
+
+
+@pytest.fixture(scope="module")
+def meta_lora_run(tmp_path_factory):
+    """One spawned group at world 2 for every check below (a group start is the expensive part)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fullshard.train.config import BUILTIN_MODELS
+    from fullshard.train.data import byte_tokenizer
+
+    tmp = tmp_path_factory.mktemp("lora")
+    build_model("llama").save_pretrained(tmp / "base")
+    tokenizer = byte_tokenizer()
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), max_position_embeddings=32,
+                                 **BUILTIN_MODELS["micro-llama"])).save_pretrained(tmp / "trainer_base")
+    tokenizer.save_pretrained(tmp / "trainer_base")
+    return tmp, run_distributed(_meta_lora_checks, 2, str(tmp))
+
+
+def test_meta_loaded_lora_matches_peft_and_saves_adapter_and_merged_export(meta_lora_run):
+    from peft import PeftModel
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    tmp_path, results = meta_lora_run
+    for r in results:
+        assert len(r["kept"]) == 12 and all("lora_" in n for n in r["kept"]), r["kept"]
+        assert r["units_mixed"] == []
+        assert r["init_diff"] == 0.0, "adapters must start exactly as get_peft_model makes them"
+        assert max(abs(a - b) for a, b in zip(r["loss"], r["ref_loss"])) < TOL, (r["loss"], r["ref_loss"])
+        assert r["weight_diff"] < TOL and r["adapter_moved"] > 0
+        # only adapters were gathered for the adapter save; the merged export one tensor at a time
+        assert sum(r["adapter_gathers"]) == r["adapter_numel"], (sum(r["adapter_gathers"]), r["adapter_numel"])
+        assert max(r["merged_gathers"]) <= r["largest_tensor"] < r["total_numel"] / 4
+    logits = torch.tensor(results[0]["logits"])
+    probe = make_batch("llama", batch_size=2, seed=300)["input_ids"]
+
+    with safe_open(tmp_path / "adapter" / "adapter_model.safetensors", "pt") as f:
+        keys = sorted(f.keys())
+    assert len(keys) == 12 and all(k.startswith("base_model.model.") and "lora_" in k for k in keys), keys
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), tmp_path / "adapter")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    assert not any("lora" in k or "base_layer" in k for k in merged.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(adapted.eval()(input_ids=probe).logits, logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(merged.eval()(input_ids=probe).logits, logits, atol=1e-5, rtol=1e-5)
+        plain = AutoModelForCausalLM.from_pretrained(tmp_path / "base").eval()(input_ids=probe).logits
+    assert (plain - logits).abs().max() > 1e-3, "the trained adapters must change the logits"
+
+
+def test_trainer_lora_section_writes_adapter_and_merged_model(meta_lora_run):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    tmp, results = meta_lora_run
+    summary = results[0]["trainer"]
+    assert summary["adapter"] == str(tmp / "run" / "adapter") and summary["export"] == str(tmp / "run" / "hf")
+    losses = list(summary["losses"].values())
+    assert len(losses) == 3 and losses[-1] < losses[0], losses
+    base = AutoModelForCausalLM.from_pretrained(tmp / "trainer_base")
+    base_state = {k: v.clone() for k, v in base.state_dict().items()}
+    adapted = PeftModel.from_pretrained(base, tmp / "run" / "adapter").eval()
+    assert sorted(adapted.peft_config["default"].target_modules) == ["o_proj", "q_proj", "up_proj"]
+    merged = AutoModelForCausalLM.from_pretrained(tmp / "run" / "hf").eval()
+    changed = sorted({k.split(".")[-2] for k, v in merged.state_dict().items() if not torch.equal(v, base_state[k])})
+    assert changed == ["o_proj", "q_proj", "up_proj"], "only the adapted projections differ from the frozen base"
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, adapted(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_lora_config_errors_name_the_key():
+    from fullshard.lora import lora_config
+    from fullshard.train import ConfigError, load_config
+
+    for args, message in ((["--lora.r=0"], "lora.r=0"), (["--lora.dropout=1.5"], "lora.dropout"),
+                          (["--lora.target_modules=[]"], "lora.target_modules"), (["--lora.rank=4"], "lora.rank")):
+        with pytest.raises(ConfigError, match=message):
+            load_config(None, ["--model.name_or_path=micro-llama", *args])
+    with pytest.raises(ValueError, match="bad LoRA config"):
+        lora_config({"r": 4, "no_such_field": 1})
+
+
+def test_moe_model_saves_resumes_and_exports_like_a_dense_one(meta_lora_run):
+    from transformers import AutoModelForCausalLM
+
+    tmp, results = meta_lora_run
+    for r in results:
+        moe = r["moe"]
+        assert moe["after"] == moe["again"], "a resumed MoE run continues with the same losses"
+        assert moe["resume_diff"] == 0.0
+    exported = AutoModelForCausalLM.from_pretrained(tmp / "moe_hf").eval()
+    probe = make_batch("mixtral", batch_size=2, seed=300)["input_ids"]
+    with torch.no_grad():
+        torch.testing.assert_close(exported(input_ids=probe).logits, torch.tensor(results[0]["moe"]["logits"]),
+                                   atol=1e-5, rtol=1e-5)

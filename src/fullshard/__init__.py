@@ -4,6 +4,7 @@ from .checkpoint import CheckpointManager, export_checkpoint, export_hf, load_ck
 from .distributed import ParallelDims, build_mesh, get_rank, get_world_size, init_distributed, is_main_process
 from .engine import EngineConfig, FSDP2Engine, apply_activation_checkpointing, apply_fsdp2, reshard_all
 from .loading import CheckpointError, from_pretrained, init_empty_model, materialize_and_load, meta_init
+from .lora import apply_lora, export_merged, save_adapter
 from .optim import ShardedGradScaler, clip_grad_norm, create_optimizer, create_scheduler, global_grad_norm
 from .plan import PlanError, ShardingPlan, UnitSpec, auto_plan, build_plan, find_blocks, get_transformer_layer_cls
 from .strategy import FSDPStrategy
@@ -35,6 +36,9 @@ __all__ = [
     "ShardingPlan",
     "UnitSpec",
     "apply_activation_checkpointing",
+    "apply_lora",
+    "export_merged",
+    "save_adapter",
     "apply_fsdp2",
     "auto_plan",
     "build_mesh",

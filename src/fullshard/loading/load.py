@@ -54,6 +54,7 @@ class LoadReport:
     recomputed_buffers: list[str] = field(default_factory=list)
     buffers_from_init: list[str] = field(default_factory=list)
     whole_tensor_conversions: list[str] = field(default_factory=list)
+    kept: list[str] = field(default_factory=list)  # held their values through materialising (checkpoint_view)
     verified: bool = False
 
     def as_dict(self) -> dict:
@@ -81,6 +82,20 @@ def model_slots(model: nn.Module) -> dict[str, torch.Tensor]:
             if buf is not None and attr not in module._non_persistent_buffers_set:
                 slots[f"{module_name}.{attr}" if module_name else attr] = buf
     return slots
+
+
+def viewed_slots(model: nn.Module, view=None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """`model_slots` under the names the checkpoint uses, and each such name's name in the model.
+
+    `view.name(state_name)` renames a wrapper's tensor to the wrapped model's name (a PEFT model's
+    `base_model.model.x.base_layer.weight` is the checkpoint's `x.weight`), or returns None for a
+    tensor the checkpoint does not hold (a LoRA adapter); those are left out.
+    """
+    slots = model_slots(model)
+    if view is None:
+        return slots, {n: n for n in slots}
+    names = {n: view.name(n) for n in slots}
+    return {v: slots[n] for n, v in names.items() if v is not None}, {v: n for n, v in names.items() if v is not None}
 
 
 def local_region(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
@@ -156,6 +171,7 @@ def materialize_and_load(
     key_mapping: dict[str, str] | None = None,
     revision: str | None = None,
     cache_dir: str | None = None,
+    checkpoint_view=None,
 ) -> nn.Module:
     """Give a (sharded) model on the meta device storage and fill it from a checkpoint.
 
@@ -165,6 +181,12 @@ def materialize_and_load(
     model's own init and reports the lists instead of raising. `verify=True` poisons the fresh
     storage with NaN and proves afterwards that nothing poisoned is left. The per-rank report is
     returned on the model as `model.fullshard_load_report`.
+
+    `checkpoint_view` loads a wrapper (a PEFT model, see `fullshard.lora.lora_checkpoint_view`)
+    from the checkpoint of the model it wraps: `view.model` is the wrapped model (its key
+    conversions apply) and `view.name` maps the wrapper's tensor names (see `viewed_slots`).
+    Tensors it maps to None already hold their values (adapters initialised on the CPU); they keep
+    them through materialising and are not expected in the checkpoint.
     """
     device = torch.device(device) if device is not None else current_device()
     dtype = as_dtype(dtype)
@@ -172,12 +194,17 @@ def materialize_and_load(
         raise ValueError("materialize_and_load needs hf_model_path (a directory or Hub id) or dcp_path")
     directory = None if dcp_path is not None else resolve_checkpoint_dir(hf_model_path, revision, cache_dir)
 
-    slots = model_slots(model)
+    slots, own_name = viewed_slots(model, checkpoint_view)
+    keys_model = checkpoint_view.model if checkpoint_view is not None else model
+    params = dict(model.named_parameters())
+    viewed = set(own_name.values())
+    kept = {n: local_region(t)[0].detach().clone() for n, t in model_slots(model).items()
+            if n not in viewed and n in params}
     snapshot = snapshot_buffers(model)
     ties = tie_groups(model)
     source = str(dcp_path if dcp_path is not None else directory)
     report = LoadReport(source=source, format="dcp" if dcp_path is not None else "", rank=get_rank(),
-                        world_size=get_world_size(), dtype="")
+                        world_size=get_world_size(), dtype="", kept=sorted(kept))
 
     # ---- phase 1: metadata only; nothing is touched yet
     reader, recipes, stored_shapes, message = None, {}, {}, ""
@@ -194,11 +221,11 @@ def materialize_and_load(
             files = find_checkpoint_files(directory)
             report.format = files.format
             reader = open_reader(files)
-            plan = plan_keys(reader, slots, transformers_conversions(model, key_mapping),
-                             getattr(model, "base_model_prefix", None))
+            plan = plan_keys(reader, slots, transformers_conversions(keys_model, key_mapping),
+                             getattr(keys_model, "base_model_prefix", None))
             recipes = plan.recipes
             buffer_names = {n for n, *_ in named_buffer_slots(model)}
-            ignored = set(ignored_unexpected(model, plan.unexpected,
+            ignored = set(ignored_unexpected(keys_model, plan.unexpected,
                                              lambda suffix: any(b.endswith(suffix) for b in buffer_names)))
             unexpected = [k for k in plan.unexpected if k not in ignored]
             for key, recipe in recipes.items():
@@ -212,11 +239,11 @@ def materialize_and_load(
             report.checkpoint_bytes = sum(math.prod(i.shape) * torch.empty((), dtype=i.dtype).element_size()
                                           for i in reader.infos.values())
         report.dtype = str(target_dtype).replace("torch.", "")
-        ignore_missing = _matching(model, "_keys_to_ignore_on_load_missing", list(slots))
+        ignore_missing = _matching(keys_model, "_keys_to_ignore_on_load_missing", list(slots))
         for group in _groups(slots):
             if any(n in present for n in group) or set(group) & ignore_missing:
                 continue
-            if all(snapshot.values.get(n) is not None for n in group):
+            if all(snapshot.values.get(own_name[n]) is not None for n in group):
                 report.buffers_from_init += group  # a real persistent buffer the checkpoint lacks
             else:
                 report.missing.append(group[0])
@@ -236,15 +263,20 @@ def materialize_and_load(
     agree(not message, message)
 
     # ---- phase 2: storage, buffers, then the reads (no collective until all are done)
-    if target_dtype is not None and any(p.is_floating_point() and p.dtype != target_dtype for p in model.parameters()):
+    if target_dtype is not None and any(p.is_floating_point() and p.dtype != target_dtype
+                                        for n, p in model.named_parameters() if n not in kept):
         model.to(target_dtype)  # still on meta: free; buffers get their own dtype back from the snapshot
     report.recomputed_buffers = materialize(model, device, snapshot, fill=verify)
     report.restored_buffers = sorted(n for n, v in snapshot.values.items() if v is not None and n in snapshot.non_persistent)
-    slots = model_slots(model)
+    slots, _ = viewed_slots(model, checkpoint_view)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name in kept:
+                local_region(param)[0].copy_(kept[name])
     message = ""
     try:
         if report.missing:
-            _init_missing(model, report.missing)
+            _init_missing(model, [own_name[n] for n in report.missing])
         if dcp_path is not None:
             targets = {next(n for n in g if n in present): slots[g[0]] for g in _groups(slots)
                        if any(n in present for n in g)}
@@ -326,11 +358,14 @@ def _float_dtype_of(model: nn.Module) -> torch.dtype | None:
 
 
 def from_pretrained(name_or_path: str, engine=None, dtype=None, model_class=None, revision: str | None = None,
-                    cache_dir: str | None = None, **load_kwargs) -> nn.Module:
+                    cache_dir: str | None = None, lora=None, **load_kwargs) -> nn.Module:
     """The short path: build the model on meta from its config, shard it with `engine`, load it sharded.
 
     `engine` defaults to `FSDP2Engine()` (fp32, auto plan, whole world). `dtype=None` keeps the
-    checkpoint's dtype. Remote code is never run (`trust_remote_code` stays off).
+    checkpoint's dtype. Remote code is never run (`trust_remote_code` stays off). `lora` (a
+    `peft.LoraConfig` or a dict of its fields) wraps the model on meta with PEFT LoRA before it is
+    sharded (`fullshard.lora.apply_lora`): the result is a `PeftModel` whose base loads sharded from
+    the checkpoint and whose adapters are initialised as `get_peft_model` would.
     """
     from transformers import AutoConfig
 
@@ -352,6 +387,11 @@ def from_pretrained(name_or_path: str, engine=None, dtype=None, model_class=None
         message = f"cannot build a model from {str(directory)!r}: {type(exc).__name__}: {exc}"
     agree(not message, message)
     model.config._name_or_path = str(name_or_path)
+    if lora is not None:
+        from ..lora import apply_lora, lora_checkpoint_view
+
+        model = apply_lora(model, lora)
+        load_kwargs["checkpoint_view"] = lora_checkpoint_view(model)
     model.eval()  # as transformers' from_pretrained returns it
     return engine.shard_model(model, hf_model_path=str(directory), dtype=dtype, revision=revision, cache_dir=cache_dir,
                               **load_kwargs)

@@ -98,8 +98,31 @@ class FsdpSection(EngineConfig):
     pass
 
 
+@dataclass
+class LoraSection:
+    """PEFT LoRA on the model; unset `r` trains the whole model. The base is frozen (and, from a
+    directory, loaded sharded under the adapters); only the adapters train and sit in the optimizer."""
+
+    r: Optional[int] = None
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: Optional[list] = None  # default: PEFT's choice for the architecture (q_proj, v_proj for LLaMA)
+    save_adapter: bool = True  # write <output_dir>/adapter in PEFT's format at the end
+    merge_on_export: bool = True  # checkpoint.export writes the base with the adapters merged; False: no merged copy
+
+    @property
+    def enabled(self) -> bool:
+        return self.r is not None
+
+    def peft_fields(self) -> dict:
+        fields_ = {"r": self.r, "lora_alpha": self.alpha, "lora_dropout": self.dropout}
+        if self.target_modules is not None:
+            fields_["target_modules"] = list(self.target_modules)
+        return fields_
+
+
 SECTIONS = {"model": ModelSection, "data": DataSection, "train": TrainSection, "optim": OptimSection,
-            "fsdp": FsdpSection, "checkpoint": CheckpointSection}
+            "fsdp": FsdpSection, "checkpoint": CheckpointSection, "lora": LoraSection}
 ALIASES = {"engine": "fsdp"}
 
 
@@ -111,6 +134,7 @@ class TrainConfig:
     optim: OptimSection = field(default_factory=OptimSection)
     fsdp: FsdpSection = field(default_factory=FsdpSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    lora: LoraSection = field(default_factory=LoraSection)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -277,6 +301,13 @@ def _check_values(config: TrainConfig) -> None:
         ("model.dtype", config.model.dtype, config.model.dtype in ("fp32", "bf16", "fp16"), "must be fp32, bf16 or fp16"),
         ("checkpoint.every", config.checkpoint.every, config.checkpoint.every >= 0, "must be >= 0"),
         ("checkpoint.max_num", config.checkpoint.max_num, config.checkpoint.max_num >= 1, "must be >= 1"),
+        ("lora.r", config.lora.r, config.lora.r is None or config.lora.r >= 1, "must be >= 1 (or unset: no LoRA)"),
+        ("lora.alpha", config.lora.alpha, config.lora.alpha > 0, "must be > 0"),
+        ("lora.dropout", config.lora.dropout, 0 <= config.lora.dropout < 1, "must be in [0, 1)"),
+        ("lora.target_modules", config.lora.target_modules,
+         config.lora.target_modules is None or (config.lora.target_modules and
+                                                all(isinstance(m, str) for m in config.lora.target_modules)),
+         "must be a non-empty list of module names"),
     ]
     for key, value, ok, rule in checks:
         if not ok:

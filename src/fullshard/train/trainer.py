@@ -16,6 +16,7 @@ import torch.distributed as dist
 from ..checkpoint import CheckpointManager, export_hf
 from ..distributed import barrier, get_rank, get_world_size
 from ..engine import DTYPES, reshard_all
+from ..lora import apply_lora, export_merged, save_adapter
 from ..optim import create_scheduler
 from ..strategy import FSDPStrategy
 from .config import BUILTIN_MODELS, ConfigError, TrainConfig
@@ -54,16 +55,20 @@ def build_model(config: TrainConfig, strategy: FSDPStrategy, vocab_size: int) ->
     loaded slice by slice into the shards."""
     dtype = DTYPES[config.model.dtype]
     reshard = config.fsdp.reshard_after_forward
+    lora = config.lora.peft_fields() if config.lora.enabled else None
+    torch.manual_seed(config.train.seed)  # the random weights of a built-in model, and the adapters' init
     if config.model.name_or_path not in BUILTIN_MODELS:
         from ..loading import from_pretrained
 
-        return from_pretrained(config.model.name_or_path, engine=strategy.engine(-1, reshard), dtype=dtype).train()
+        return from_pretrained(config.model.name_or_path, engine=strategy.engine(-1, reshard), dtype=dtype,
+                               lora=lora).train()
     from transformers import LlamaConfig, LlamaForCausalLM
 
     hf_config = LlamaConfig(vocab_size=vocab_size, max_position_embeddings=config.data.seq_len,
                             **BUILTIN_MODELS[config.model.name_or_path])
-    torch.manual_seed(config.train.seed)
     model = LlamaForCausalLM._from_config(hf_config, dtype=dtype)
+    if lora is not None:
+        model = apply_lora(model, lora)
     return strategy.prepare_model(model, is_training=True, reshard_after_forward=reshard)
 
 
@@ -167,8 +172,13 @@ class Trainer:
             manager.save(end, model, optimizer, scheduler, strategy.scaler, extra_state=extra_state(end))
         manager.wait()
         summary["checkpoint"] = str(manager.latest())
-        if finished and config.checkpoint.export:
+        lora = config.lora
+        if finished and config.checkpoint.export and not lora.enabled:
             summary["export"] = str(export_hf(model, output_dir / "hf", tokenizer=tokenizer))
+        if finished and config.checkpoint.export and lora.enabled and lora.merge_on_export:
+            summary["export"] = str(export_merged(model, output_dir / "hf", tokenizer=tokenizer))
+        if finished and lora.enabled and lora.save_adapter:
+            summary["adapter"] = str(save_adapter(model, output_dir / "adapter"))
         logger.close()
         if rank == 0 and config.train.plot and finished:
             png = plot_loss(logger.path, output_dir / "loss.png")
@@ -177,6 +187,7 @@ class Trainer:
         if rank == 0:
             print(f"[fullshard] done: checkpoint {summary['checkpoint']}"
                   + (f", model {summary['export']}" if "export" in summary else "")
+                  + (f", adapter {summary['adapter']}" if "adapter" in summary else "")
                   + (f", loss plot {summary['plot']}" if summary.get("plot") else ""))
         return summary
 
