@@ -168,6 +168,15 @@ def all_ranks_agree_ok(ok: bool, message: str = "") -> None:
         return
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (ok, message))
-    failures = [f"rank {r}: {msg}" for r, (rank_ok, msg) in enumerate(gathered) if not rank_ok]
-    if failures:
-        raise RuntimeError("; ".join(failures))
+    ranks_by_message: dict[str, list[int]] = {}
+    for rank, (rank_ok, msg) in enumerate(gathered):
+        if not rank_ok:
+            ranks_by_message.setdefault(msg, []).append(rank)
+    if ranks_by_message:
+        raise RuntimeError("; ".join(f"{_ranks_label(ranks)}: {msg}" for msg, ranks in ranks_by_message.items()))
+
+
+def _ranks_label(ranks: list[int]) -> str:
+    if ranks == list(range(get_world_size())):
+        return "all ranks"
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ",".join(map(str, ranks))

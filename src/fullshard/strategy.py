@@ -225,13 +225,13 @@ class FSDPStrategy:
                          save_latest=save_latest, optimizer=optimizer, scheduler=scheduler)
 
     def load_ckpt(self, model, load_dir, optimizer=None, scheduler=None, load_module_strict=True,
-                  load_optimizer_states=True, load_lr_scheduler_states=True, **kwargs):
+                  load_optimizer_states=True, load_lr_scheduler_states=True):
         """Returns `(load_dir, client_state)`, as seed 001 does; restores the strategy's own state."""
         from .checkpoint import load_ckpt
 
         load_path, client_state = load_ckpt(
             model, load_dir, optimizer=optimizer if load_optimizer_states else None,
-            scheduler=scheduler if load_lr_scheduler_states else None, load_module_strict=load_module_strict, **kwargs)
+            scheduler=scheduler if load_lr_scheduler_states else None, load_module_strict=load_module_strict)
         if client_state and "fullshard_strategy" in client_state:
             self.load_state_dict(client_state.pop("fullshard_strategy"))
         return load_path, client_state

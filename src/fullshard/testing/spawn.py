@@ -8,6 +8,7 @@ period, so nothing hangs.
 
 from __future__ import annotations
 
+import io
 import os
 import queue
 import time
@@ -38,7 +39,11 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, kw
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         value = fn(*args, **kwargs)
-        results.put((rank, True, value))
+        # serialised here: tensors sent as they are travel by file descriptor, which vanishes
+        # with this process before the parent reads them
+        buffer = io.BytesIO()
+        torch.save(value, buffer)
+        results.put((rank, True, buffer.getvalue()))
     except BaseException:  # noqa: BLE001 - the parent reports it
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -102,4 +107,6 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     if failures:
         report = "\n".join(f"----- rank {r} -----\n{tb}" for r, tb in sorted(failures.items()))
         raise DistributedTestError(f"{len(failures)} of {world_size} ranks failed:\n{report}")
-    return [values[r] for r in range(world_size)]
+    import torch
+
+    return [torch.load(io.BytesIO(values[r]), weights_only=False) for r in range(world_size)]
