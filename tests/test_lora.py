@@ -126,9 +126,27 @@ def _meta_lora_checks(tmp):
     out["merged_gathers"] = _gathered_numel(lambda: export_merged(model, f"{tmp}/merged", max_shard_size="20KB"))
     out["largest_tensor"] = max(p.numel() for p in model.parameters())
     out["total_numel"] = sum(p.numel() for p in model.parameters())
+    out["bf16"] = _fp32_adapters_on_bf16_base(tmp)
     out["trainer"] = _trainer_with_lora(tmp)
     out["moe"] = _moe_saves_resumes_and_exports(tmp)
     return out
+
+
+def _fp32_adapters_on_bf16_base(tmp):
+    """A bf16 checkpoint: the base loads in bf16, the adapters stay fp32 (PEFT's autocast), in their own units."""
+    import fullshard
+    from transformers import AutoModelForCausalLM
+
+    reference = add_lora(AutoModelForCausalLM.from_pretrained(f"{tmp}/base_bf16", dtype=torch.bfloat16))
+    torch.manual_seed(7)
+    model = fullshard.from_pretrained(f"{tmp}/base_bf16", lora=LORA)
+    ref_params = dict(reference.named_parameters())
+    diff = max((v.float() - ref_params[k].float()).abs().max().item() for k, v in full_state(model).items())
+    dtypes = {flag: sorted({str(p.dtype) for p in model.parameters() if p.requires_grad == flag}) for flag in (True, False)}
+    model.train()
+    model(**data_slice(make_batch("llama"), torch.distributed.get_rank(), 2)).loss.backward()
+    return {"diff": diff, "dtypes": dtypes, "adapter_grads": all(p.grad is not None for p in model.parameters()
+                                                                  if p.requires_grad)}
 
 
 def _trainer_with_lora(tmp):
@@ -187,6 +205,7 @@ def meta_lora_run(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("lora")
     build_model("llama").save_pretrained(tmp / "base")
+    build_model("llama", dtype=torch.bfloat16).save_pretrained(tmp / "base_bf16")
     tokenizer = byte_tokenizer()
     torch.manual_seed(0)
     LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), max_position_embeddings=32,
@@ -226,6 +245,12 @@ def test_meta_loaded_lora_matches_peft_and_saves_adapter_and_merged_export(meta_
     assert (plain - logits).abs().max() > 1e-3, "the trained adapters must change the logits"
 
 
+def test_fp32_adapters_on_a_bf16_base_start_as_peft_makes_them(meta_lora_run):
+    for r in meta_lora_run[1]:
+        assert r["bf16"]["dtypes"] == {True: ["torch.float32"], False: ["torch.bfloat16"]}, r["bf16"]["dtypes"]
+        assert r["bf16"]["diff"] == 0.0 and r["bf16"]["adapter_grads"]
+
+
 def test_trainer_lora_section_writes_adapter_and_merged_model(meta_lora_run):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -257,6 +282,12 @@ def test_lora_config_errors_name_the_key():
             load_config(None, ["--model.name_or_path=micro-llama", *args])
     with pytest.raises(ValueError, match="bad LoRA config"):
         lora_config({"r": 4, "no_such_field": 1})
+    # a merge that would be wrong is refused, naming the layers
+    from fullshard.lora import apply_lora, merged_state
+
+    dora = apply_lora(build_model("llama"), {"r": 2, "target_modules": ["q_proj"], "use_dora": True})
+    with pytest.raises(NotImplementedError, match=r"layers\.0\.self_attn\.q_proj \(DoRA"):
+        merged_state(dora)
 
 
 def test_moe_model_saves_resumes_and_exports_like_a_dense_one(meta_lora_run):

@@ -260,11 +260,15 @@ def merged_state(peft_model) -> dict[str, torch.Tensor | GatheredTensor]:
     layers = {name: m for name, m in base.named_modules() if isinstance(m, LoraLayer)}
     problems = []
     for name, layer in layers.items():
-        adapters = [a for a in layer.active_adapters if a in layer.lora_A]
-        if any(layer.use_dora.get(a) for a in adapters) or getattr(layer, "lora_variant", {}).keys() & set(adapters):
-            problems.append(f"{name} (DoRA or another LoRA variant)")
-        elif not isinstance(layer.lora_A[adapters[0]], nn.Linear) if adapters else False:
-            problems.append(f"{name} ({type(layer).__name__})")
+        for adapter in layer.active_adapters:
+            if adapter in layer.lora_embedding_A:
+                problems.append(f"{name} (LoRA on an embedding)")
+            elif adapter not in layer.lora_A:
+                continue
+            elif layer.use_dora.get(adapter) or adapter in getattr(layer, "lora_variant", {}):
+                problems.append(f"{name} (DoRA or another LoRA variant)")
+            elif not isinstance(layer.lora_A[adapter], nn.Linear) or not hasattr(layer, "fan_in_fan_out"):
+                problems.append(f"{name} ({type(layer).__name__})")
     if problems:
         raise NotImplementedError(f"export_merged merges plain LoRA on linear layers only; cannot merge {problems}")
     state: dict[str, torch.Tensor | GatheredTensor] = {}
