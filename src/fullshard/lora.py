@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from .checkpoint.agree import broadcast_from_rank0, run_agreed
-from .checkpoint.export import GatheredTensor, _gather_full, _staging_dir, export_hf
+from .checkpoint.export import GatheredTensor, gather_full, staging_dir, export_hf
 from .distributed import get_rank
 from .engine import reshard_all
 
@@ -192,12 +192,12 @@ def save_adapter(peft_model, output_dir: str | os.PathLike, adapter_name: str = 
     keep = get_rank() == 0
     tensors = {}
     for key, tensor in selected.items():
-        full = _gather_full(tensor)
+        full = gather_full(tensor)
         if keep:
             tensors[key] = full.to("cpu").contiguous()
         del full
     config = peft_model.peft_config[adapter_name]
-    staging = Path(broadcast_from_rank0(str(_staging_dir(output_dir)) if keep else None))
+    staging = Path(broadcast_from_rank0(str(staging_dir(output_dir)) if keep else None))
 
     def write() -> None:
         staging.mkdir(parents=True)
@@ -227,10 +227,10 @@ def _merge_for(layer, adapters: list[str], base_weight: torch.Tensor):
     from peft.utils.other import transpose
 
     def gather() -> torch.Tensor:
-        merged = _gather_full(base_weight).clone()
+        merged = gather_full(base_weight).clone()
         for adapter in adapters:
-            a = _gather_full(layer.lora_A[adapter].weight)
-            b = _gather_full(layer.lora_B[adapter].weight)
+            a = gather_full(layer.lora_A[adapter].weight)
+            b = gather_full(layer.lora_B[adapter].weight)
             delta = transpose(b.float() @ a.float(), layer.fan_in_fan_out) * layer.scaling[adapter]
             merged += delta.to(merged.dtype)
         return merged
@@ -240,9 +240,9 @@ def _merge_for(layer, adapters: list[str], base_weight: torch.Tensor):
 
 def _merge_bias_for(layer, adapters: list[str], base_bias: torch.Tensor | None):
     def gather() -> torch.Tensor:
-        merged = _gather_full(base_bias).clone()
+        merged = gather_full(base_bias).clone()
         for adapter in adapters:
-            merged += (_gather_full(layer.lora_B[adapter].bias) * layer.scaling[adapter]).to(merged.dtype)
+            merged += (gather_full(layer.lora_B[adapter].bias) * layer.scaling[adapter]).to(merged.dtype)
         return merged
 
     return gather

@@ -152,7 +152,8 @@ def _export_config(raw: str, class_name: str, dtype: torch.dtype) -> str:
     return json.dumps(config, indent=2, sort_keys=True) + "\n"
 
 
-def _staging_dir(output_dir: Path) -> Path:
+def staging_dir(output_dir: Path) -> Path:
+    """A sibling of `output_dir` to write into and rename into place, so a failed write leaves no half directory."""
     return output_dir.parent / f".{output_dir.name}{layout.TMP_PREFIX}{uuid.uuid4().hex[:8]}"
 
 
@@ -244,7 +245,8 @@ class GatheredTensor:
     gather: Callable[[], torch.Tensor]
 
 
-def _gather_full(tensor: torch.Tensor | GatheredTensor) -> torch.Tensor:
+def gather_full(tensor: torch.Tensor | GatheredTensor) -> torch.Tensor:
+    """One tensor, whole, on every rank (a collective for DTensors): the unit export works in."""
     if isinstance(tensor, GatheredTensor):
         return tensor.gather().detach()
     if not isinstance(tensor, DTensor):
@@ -275,7 +277,7 @@ def export_hf(model: torch.nn.Module, output_dir: str | os.PathLike, tokenizer=N
     aliases = set(tied_alias_keys(model))
     entries = [_Entry(k, tuple(t.shape), _out_dtype(t.dtype, out_dtype)) for k, t in state.items() if k not in aliases]
     files = plan_files(entries, max_bytes)
-    staging = Path(broadcast_from_rank0(str(_staging_dir(output_dir)) if get_rank() == 0 else None))
+    staging = Path(broadcast_from_rank0(str(staging_dir(output_dir)) if get_rank() == 0 else None))
     run_agreed(lambda: staging.mkdir(parents=True), on_rank=0)
     rank, world = get_rank(), get_world_size()
     error = ""
@@ -290,7 +292,7 @@ def export_hf(model: torch.nn.Module, output_dir: str | os.PathLike, tokenizer=N
                 except Exception as err:  # noqa: BLE001
                     error = f"{type(err).__name__}: {err}"
             for entry in group:
-                full = _gather_full(state[entry.name])
+                full = gather_full(state[entry.name])
                 if stream is not None and not error:
                     try:
                         stream.write(entry.name, full.to("cpu", entry.dtype))
@@ -339,7 +341,7 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, output_dir: str | os.Pa
         entries.append(_Entry(name, tuple(item.size), _out_dtype(item.properties.dtype, out_dtype)))
     files = plan_files(entries, parse_size(max_shard_size))
     output_dir = Path(output_dir)
-    staging = _staging_dir(output_dir)
+    staging = staging_dir(output_dir)
     staging.mkdir(parents=True)
     try:
         for fname, group in files:
