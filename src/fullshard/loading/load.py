@@ -115,9 +115,13 @@ def shard_count(model: nn.Module) -> int:
     return max(counts, default=1)
 
 
-def row_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    element = torch.empty((), dtype=dtype).element_size()
-    return element * (math.prod(shape[1:]) if shape else 1)
+def slice_bytes(target: torch.Tensor, dtype: torch.dtype) -> int:
+    """Bytes of one index along the dim `target` is sharded on: what an uneven split can add to a rank."""
+    dims = [p.dim for p in target.placements if p.is_shard()] if isinstance(target, DTensor) else []
+    if not target.shape:
+        return dtype.itemsize
+    dim = dims[0] if dims else 0
+    return dtype.itemsize * math.prod(target.shape) // max(target.shape[dim], 1)
 
 
 def _groups(slots: dict[str, torch.Tensor]) -> list[list[str]]:
@@ -153,7 +157,7 @@ def checkpoint_dtype(infos) -> torch.dtype | None:
     totals: dict[torch.dtype, int] = {}
     for info in infos:
         if info.dtype.is_floating_point:
-            totals[info.dtype] = totals.get(info.dtype, 0) + math.prod(info.shape) * torch.empty((), dtype=info.dtype).element_size()
+            totals[info.dtype] = totals.get(info.dtype, 0) + math.prod(info.shape) * info.dtype.itemsize
     return max(totals, key=totals.get) if totals else None
 
 
@@ -178,7 +182,9 @@ def materialize_and_load(
     Each rank reads only its own region of every tensor. `dtype=None` keeps the checkpoint's
     floating dtype; a named dtype loads into it, casting after each slice is read (fp32 masters
     from a bf16 checkpoint). `strict=False` loads what matches, initialises the rest with the
-    model's own init and reports the lists instead of raising. `verify=True` poisons the fresh
+    model's own init and reports the lists instead of raising (a shape mismatch is always an
+    error: no slice of a wrong-shaped tensor is right). `dcp_path`, when given, wins over
+    `hf_model_path`. `verify=True` poisons the fresh
     storage with NaN and proves afterwards that nothing poisoned is left. The per-rank report is
     returned on the model as `model.fullshard_load_report`.
 
@@ -236,8 +242,7 @@ def materialize_and_load(
             shapes = {k: tuple(r.shape) for k, r in recipes.items()}
             present = set(recipes)
             target_dtype = dtype or checkpoint_dtype(reader.infos.values()) or _float_dtype_of(model)
-            report.checkpoint_bytes = sum(math.prod(i.shape) * torch.empty((), dtype=i.dtype).element_size()
-                                          for i in reader.infos.values())
+            report.checkpoint_bytes = sum(math.prod(i.shape) * i.dtype.itemsize for i in reader.infos.values())
         report.dtype = str(target_dtype).replace("torch.", "")
         ignore_missing = _matching(keys_model, "_keys_to_ignore_on_load_missing", list(slots))
         for group in _groups(slots):
@@ -283,7 +288,7 @@ def materialize_and_load(
             report.bytes_read = load_dcp(dcp_path, targets, prefix)
             report.tensors_loaded = len(targets)
             report.checkpoint_bytes = sum(math.prod(stored_shapes[k]) * slots[k].element_size() for k in targets)
-            rows = sum(row_bytes(stored_shapes[k], slots[k].dtype) for k in targets)
+            rows = sum(slice_bytes(slots[k], slots[k].dtype) for k in targets)
         else:
             rows = _copy_all(recipes, slots, report)
             report.bytes_read = reader.bytes_read
@@ -324,7 +329,7 @@ def _copy_all(recipes: dict[str, Lazy], slots: dict[str, torch.Tensor], report: 
                 continue
             done.add(id(target))
             local, region = local_region(target)
-            rows += row_bytes(tuple(recipe.shape), recipe.dtype)
+            rows += slice_bytes(target, recipe.dtype)
             if local.numel() == 0:
                 continue
             try:
