@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from fullshard.testing import run_distributed
+from fullshard.testing import reported_by_every_rank, run_distributed
 from fullshard.testing.zoo import build_model, make_batch, model_class
 
 STEP_TOL = 1e-5  # one AdamW step: gradients are averaged over ranks, so the sum order differs
@@ -390,8 +390,7 @@ def test_bad_input_fails_on_every_rank_with_names(bad_checkpoints):
                 problems.append(f"rank {rank} {label}: message lacks {absent}: {message}")
             if not untouched:
                 problems.append(f"rank {rank} {label}: the model was touched before the error")
-            every_rank = "all ranks:" in message or ("rank 0:" in message and "rank 1:" in message)
-            if label != "hub_absent" and not every_rank:
+            if label != "hub_absent" and not reported_by_every_rank(message, 2):
                 problems.append(f"rank {rank} {label}: not every rank's failure is reported: {message}")
         lenient = out["lenient"]
         if lenient["missing"] != ["model.norm.weight"] or lenient["unexpected"] != ["model.extra.weight"]:

@@ -110,3 +110,8 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     import torch
 
     return [torch.load(io.BytesIO(values[r]), weights_only=False) for r in range(world_size)]
+
+
+def reported_by_every_rank(message: str, world_size: int) -> bool:
+    """Whether an agreed error (`all_ranks_agree_ok`) names the failure of every rank."""
+    return "all ranks:" in message or all(f"rank {r}" in message for r in range(world_size))
