@@ -156,15 +156,16 @@ def shard_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return mesh["dp_shard"] if mesh.ndim > 1 else mesh
 
 
-def all_ranks_agree_ok(ok: bool, message: str = "") -> None:
-    """Raise on every rank when any rank failed, so no rank is left waiting in a later collective.
+def all_ranks_agree_ok(ok: bool, message: str = "", error_type: type[Exception] = RuntimeError) -> None:
+    """Raise `error_type` on every rank when any rank failed, so no rank is left waiting in a
+    later collective.
 
     Each rank passes whether its own step succeeded and, if not, what went wrong; every rank
     then raises with the messages of all failing ranks.
     """
     if not dist.is_initialized() or dist.get_world_size() == 1:
         if not ok:
-            raise RuntimeError(message)
+            raise error_type(message)
         return
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (ok, message))
@@ -173,7 +174,7 @@ def all_ranks_agree_ok(ok: bool, message: str = "") -> None:
         if not rank_ok:
             ranks_by_message.setdefault(msg, []).append(rank)
     if ranks_by_message:
-        raise RuntimeError("; ".join(f"{_ranks_label(ranks)}: {msg}" for msg, ranks in ranks_by_message.items()))
+        raise error_type("; ".join(f"{_ranks_label(ranks)}: {msg}" for msg, ranks in ranks_by_message.items()))
 
 
 def _ranks_label(ranks: list[int]) -> str:

@@ -96,7 +96,7 @@ class ShardingPlan:
 
     def parameter_units(self, model: nn.Module) -> dict[str, str]:
         """Each parameter's unit ("<root>" for the root), by its first (canonical) name."""
-        owners = _parameter_owners(model)
+        owners = parameter_aliases(model)
         return {
             names[0]: self._unit_label(self.unit_index_of_parameter(names[0])) for names in owners.values()
         }
@@ -135,7 +135,7 @@ class ShardingPlan:
                 if unit.reshard_after_forward < 1:
                     raise PlanError(f"plan entry {unit.name!r}: reshard_after_forward must be >= 1")
 
-        for names in _parameter_owners(model).values():
+        for names in parameter_aliases(model).values():
             units = {self.unit_index_of_parameter(n) for n in names}
             if len(units) > 1:
                 labels = sorted(self._unit_label(u) for u in units)
@@ -219,8 +219,11 @@ def _module_of(param_name: str) -> str:
     return param_name.rpartition(".")[0]
 
 
-def _parameter_owners(model: nn.Module) -> dict[int, list[str]]:
-    """Every parameter (by identity) with all the names it is reachable under; ties have several."""
+def parameter_aliases(model: nn.Module) -> dict[int, list[str]]:
+    """Every parameter (by identity) with all the names it is reachable under; ties have several.
+
+    Identity, not `_tied_weights_keys`, is the truth: it also catches ties a config does not
+    declare (BERT's decoder bias) and ones made by hand."""
     owners: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         owners.setdefault(id(param), []).append(name)
@@ -366,7 +369,7 @@ def _merge_shared(model: nn.Module, plan: ShardingPlan) -> ShardingPlan:
     while changed:
         changed = False
         current = ShardingPlan(units, plan.mode)
-        for names in _parameter_owners(model).values():
+        for names in parameter_aliases(model).values():
             owner_modules = [_module_of(n) for n in names]
             indices = {current.unit_index_of(m) for m in owner_modules}
             if len(indices) <= 1:

@@ -11,9 +11,4 @@ class CheckpointError(RuntimeError):
 
 def agree(ok: bool, message: str = "") -> None:
     """`all_ranks_agree_ok` that raises `CheckpointError`, so callers can catch loading failures by type."""
-    try:
-        all_ranks_agree_ok(ok, message)
-    except CheckpointError:
-        raise
-    except RuntimeError as exc:
-        raise CheckpointError(str(exc)) from None
+    all_ranks_agree_ok(ok, message, CheckpointError)

@@ -18,6 +18,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ..plan import parameter_aliases
+
 
 @contextlib.contextmanager
 def meta_init():
@@ -182,10 +184,7 @@ def find_unfilled(model: nn.Module, skip: set[str] = frozenset()) -> list[str]:
 
 def tie_groups(model: nn.Module) -> list[list[str]]:
     """Names that share one parameter object; each group must still share it after loading."""
-    owners: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        owners.setdefault(id(param), []).append(name)
-    return [names for names in owners.values() if len(names) > 1]
+    return [names for names in parameter_aliases(model).values() if len(names) > 1]
 
 
 def broken_ties(model: nn.Module, groups: list[list[str]]) -> list[list[str]]:
