@@ -121,7 +121,7 @@ def build_meta_model(source: str):
 
 
 def cmd_plan(argv: list[str]) -> int:
-    from .engine import DTYPES
+    from .dtypes import DTYPES
     from .plan import build_plan
     from .train.config import ConfigError
     from .train.memory import estimate_memory

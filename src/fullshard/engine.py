@@ -17,10 +17,10 @@ from torch.distributed.tensor import Shard
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
+from .dtypes import DTYPES
 from .distributed import ParallelDims, detect_device_type, get_world_size, has_accelerator, init_distributed, shard_mesh
 from .plan import ShardingPlan, build_plan, find_blocks
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 @dataclass

@@ -24,7 +24,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..distributed import all_ranks_agree_ok, get_rank, get_world_size
-from ..engine import DTYPES, reshard_all
+from ..dtypes import SAFETENSORS_NAMES, dtype_name, resolve_dtype
+from ..engine import reshard_all
 from . import layout
 from .agree import broadcast_from_rank0, run_agreed
 
@@ -49,22 +50,6 @@ def parse_size(size: int | str) -> int:
     return value
 
 
-def to_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    name = str(dtype).removeprefix("torch.")
-    if name in DTYPES:
-        return DTYPES[name]
-    resolved = getattr(torch, name, None)
-    if not isinstance(resolved, torch.dtype):
-        raise ValueError(f"unknown dtype {dtype!r}; use e.g. bf16, fp16, fp32, bfloat16 or a torch.dtype")
-    return resolved
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def source_dtype(model: torch.nn.Module) -> torch.dtype:
     """The dtype the model's weights came in: what an export writes unless told otherwise.
 
@@ -74,9 +59,11 @@ def source_dtype(model: torch.nn.Module) -> torch.dtype:
     for candidate in (getattr(model, "fullshard_source_dtype", None), getattr(getattr(model, "config", None), "dtype", None)):
         if candidate is not None:
             try:
-                return to_dtype(candidate)
+                resolved = resolve_dtype(candidate)
             except ValueError:
                 continue
+            if resolved is not None:
+                return resolved
     floating = [p.dtype for p in model.parameters() if p.is_floating_point()]
     return floating[0] if floating else torch.float32
 
@@ -157,12 +144,6 @@ def staging_dir(output_dir: Path) -> Path:
     return output_dir.parent / f".{output_dir.name}{layout.TMP_PREFIX}{uuid.uuid4().hex[:8]}"
 
 
-_SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-                       torch.uint8: "U8", torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3",
-                       torch.float8_e5m2: "F8_E5M2"}
-
-
 class _SafetensorsStream:
     """Writes one safetensors file a tensor at a time.
 
@@ -175,9 +156,9 @@ class _SafetensorsStream:
         header: dict = {"__metadata__": {"format": "pt"}}
         offset = 0
         for entry in entries:
-            if entry.dtype not in _SAFETENSORS_DTYPES:
+            if entry.dtype not in SAFETENSORS_NAMES:
                 raise TypeError(f"tensor {entry.name!r} has dtype {entry.dtype}, which safetensors cannot store")
-            header[entry.name] = {"dtype": _SAFETENSORS_DTYPES[entry.dtype], "shape": list(entry.shape),
+            header[entry.name] = {"dtype": SAFETENSORS_NAMES[entry.dtype], "shape": list(entry.shape),
                                   "data_offsets": [offset, offset + entry.nbytes]}
             offset += entry.nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
@@ -270,7 +251,7 @@ def export_hf(model: torch.nn.Module, output_dir: str | os.PathLike, tokenizer=N
     config = config_json(model)
     if config is None:
         raise ValueError(f"{type(model).__name__} has no Hugging Face config: export_hf needs a transformers model")
-    out_dtype = to_dtype(dtype) or source_dtype(model)
+    out_dtype = resolve_dtype(dtype) or source_dtype(model)
     max_bytes = parse_size(max_shard_size)
     reshard_all(model)
     state = model.state_dict() if tensors is None else tensors
@@ -331,7 +312,7 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, output_dir: str | os.Pa
     state_dir = checkpoint / layout.STATE_DIR
     metadata = layout.read_dcp_metadata(state_dir)
     layout.check_storage_files(state_dir, metadata)
-    out_dtype = to_dtype(dtype) or to_dtype(meta["dtype"])
+    out_dtype = resolve_dtype(dtype) or resolve_dtype(meta["dtype"])
     entries, stored = [], {}
     for name in meta["state_keys"]:
         item = metadata.state_dict_metadata.get(f"model.{name}")

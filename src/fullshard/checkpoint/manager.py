@@ -34,7 +34,8 @@ from ..distributed import get_rank, get_world_size
 from ..engine import reshard_all
 from . import layout
 from .agree import broadcast_from_rank0, run_agreed
-from .export import config_json, dtype_name, generation_config_json, source_dtype, tied_alias_keys
+from ..dtypes import dtype_name
+from .export import config_json, generation_config_json, source_dtype, tied_alias_keys
 from .rng import capture_rng_state, rederive_rng_state, restore_rng_state
 
 logger = logging.getLogger(__name__)

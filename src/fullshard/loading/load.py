@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from ..dtypes import resolve_dtype
 from ..distributed import current_device, get_rank, get_world_size
 from .bin_reader import BinReader
 from .convert import Converted, Lazy, ignored_unexpected, plan_keys, transformers_conversions
@@ -28,9 +29,6 @@ from .materialize import (broken_ties, find_unfilled, init_empty_model, material
 from .readers import TensorReader
 from .resolve import CheckpointFiles, find_checkpoint_files, resolve_checkpoint_dir
 from .safetensors_reader import SafetensorsReader
-
-DTYPE_NAMES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
-               "fp32": torch.float32, "float32": torch.float32, "float": torch.float32}
 
 
 @dataclass
@@ -59,16 +57,6 @@ class LoadReport:
 
     def as_dict(self) -> dict:
         return asdict(self)
-
-
-def as_dtype(dtype) -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    if isinstance(dtype, str) and dtype in DTYPE_NAMES:
-        return DTYPE_NAMES[dtype]
-    if dtype == "auto":
-        return None
-    raise ValueError(f"dtype must be a torch.dtype, 'auto' or one of {sorted(DTYPE_NAMES)}, got {dtype!r}")
 
 
 # --------------------------------------------------------------------------- the model's side
@@ -195,7 +183,7 @@ def materialize_and_load(
     them through materialising and are not expected in the checkpoint.
     """
     device = torch.device(device) if device is not None else current_device()
-    dtype = as_dtype(dtype)
+    dtype = resolve_dtype(dtype)
     if dcp_path is None and not hf_model_path:
         raise ValueError("materialize_and_load needs hf_model_path (a directory or Hub id) or dcp_path")
     directory = None if dcp_path is not None else resolve_checkpoint_dir(hf_model_path, revision, cache_dir)
@@ -381,7 +369,7 @@ def from_pretrained(name_or_path: str, engine=None, dtype=None, model_class=None
     message, model = "", None
     try:
         config = AutoConfig.from_pretrained(directory, trust_remote_code=False)
-        build_dtype = as_dtype(dtype)
+        build_dtype = resolve_dtype(dtype)
         if build_dtype is None:
             files = find_checkpoint_files(directory)
             reader = open_reader(files)

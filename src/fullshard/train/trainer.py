@@ -15,7 +15,8 @@ import torch.distributed as dist
 
 from ..checkpoint import CheckpointManager, export_hf
 from ..distributed import barrier, get_rank, get_world_size
-from ..engine import DTYPES, reshard_all
+from ..dtypes import DTYPES
+from ..engine import reshard_all
 from ..lora import apply_lora, export_merged, save_adapter
 from ..optim import create_scheduler
 from ..strategy import FSDPStrategy
