@@ -9,26 +9,19 @@ Everything it does is a call into `engine`, `optim` and `checkpoint`; nothing is
 from __future__ import annotations
 
 import contextlib
-import random
 from types import SimpleNamespace
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from . import optim
 from .distributed import ParallelDims, get_rank, get_world_size, init_distributed
+from .checkpoint.rng import seed_everything
 from .engine import FSDP2Engine, is_on_meta
 
 ACCUMULATION_POLICIES = ("reduce_scatter_every", "defer_sync")
-
-
-def set_seed(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
 
 
 def batch_arithmetic(train_batch_size: int, micro_batch_size: int, dp_size: int) -> int:
@@ -87,7 +80,7 @@ class FSDPStrategy:
 
     def setup_distributed(self, timeout=None) -> None:
         """Start the process group (world 1 without a launcher), seed every RNG, check the batch arithmetic."""
-        set_seed(self.seed)
+        seed_everything(self.seed)
         self.device = init_distributed(timeout_s=timeout.total_seconds() if hasattr(timeout, "total_seconds") else timeout)
         self.dims = ParallelDims(dp_replicate=self._arg("dp_replicate", 1), dp_shard=-1, world_size=get_world_size())
         self.accumulated_gradient = batch_arithmetic(self.train_batch_size, self.micro_train_batch_size, self.dims.dp_size)

@@ -48,6 +48,13 @@ def restore_rng_state(state: dict) -> None:
             torch.cuda.set_rng_state(saved[0])
 
 
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy and torch (numpy only takes 32 bits)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
 def derived_seed(base_seed: int, step: int, rank: int) -> int:
     """A seed per (run, step, rank) that no two ranks share."""
     return (base_seed * 1_000_003 + step * 7919 + rank) % (2**63 - 1)
@@ -55,9 +62,7 @@ def derived_seed(base_seed: int, step: int, rank: int) -> int:
 
 def rederive_rng_state(base_seed: int, step: int, rank: int, saved_world: int, world: int) -> int:
     seed = derived_seed(base_seed, step, rank)
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
+    seed_everything(seed)
     message = (f"checkpoint was saved on {saved_world} ranks and is resumed on {world}: per-rank RNG states "
                f"cannot be resharded, so rank {rank} re-seeded python/numpy/torch RNGs with "
                f"derived_seed(base_seed={base_seed}, step={step}, rank={rank}) = {seed}")
