@@ -3,7 +3,7 @@
 PY := .venv/bin/python
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: demo test setup clean
+.PHONY: demo test setup clean bench-gpu
 
 .venv/.installed: pyproject.toml
 	python3 -m venv .venv
@@ -22,3 +22,9 @@ test: setup
 
 clean:
 	rm -rf .venv runs out
+
+# On a GPU machine whose Python already has torch (CUDA): install fullshard into it (and torchtitan, pinned to
+# that torch, for the peer) and write the GPU section of BENCHMARKS.md. `python bench/gpu.py --dry-run` checks it on CPU.
+bench-gpu:
+	python3 -m pip install -q --no-deps --no-build-isolation -e .
+	python3 bench/gpu.py

@@ -121,7 +121,7 @@ def main() -> None:
             f"{WARMUP} warm-up. Peak memory is the process's peak resident set (CPU: parameters, gradients, optimizer "
             "state, activations and the Python/torch runtime together), max over ranks. Ratios are against fullshard "
             "in the same run; accelerate does not apply FSDP on CPU, so it is measured only where a GPU is lent "
-            "(`bench/gpu_mfu.py`).\n\n")
+            "(`bench/gpu.py`).\n\n")
     load = os.getloadavg()[0]
     body += (f"Load average when written: {load:.1f} on {os.cpu_count()} cores; peers run one after another, so with "
              "other work on the machine the ratios carry that noise (runs here varied by up to 3x).\n\n")

@@ -1,14 +1,23 @@
-"""The `fullshard` command end to end: self-launch without torchrun, export, plan, and every config error."""
+"""The `fullshard` command: self-launch, export, plan; every error before launch as one line naming the
+key; errors inside the ranks as one line; Ctrl-C / SIGTERM stop and resume; remote code; Hub ids."""
 
+import json
 import os
+import re
+import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from fullshard.cli import main
+from fullshard.errors import ConfigError
+from fullshard.train.config import BUILTIN_MODELS, SECTIONS, load_config
 from fullshard.train.metrics import read_metrics
 
 CONFIG = """
@@ -27,12 +36,16 @@ optim:
 """
 
 
-def run_cli(*args, cwd):
+def clean_env() -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "FULLSHARD_DEBUG"):
         env.pop(key, None)  # as from a plain shell: no launcher
-    return subprocess.run([sys.executable, "-m", "fullshard.cli", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=300)
+    return env
+
+
+def run_cli(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "fullshard.cli", *args], cwd=cwd, env=clean_env(),
+                          capture_output=True, text=True, timeout=300)
 
 
 def test_train_self_launches_then_export_and_plan(tmp_path, capsys):
@@ -57,27 +70,235 @@ def test_train_self_launches_then_export_and_plan(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "model.layers.1" in printed and "optimizer state (shard)" in printed and "sharded over 2 rank(s)" in printed
 
+    # `fullshard plan` and `fullshard export` print a FullshardError as one line
+    (tmp_path / "bad_plan.yaml").write_text(CONFIG + "fsdp:\n  plan: {mode: manual, modules: {'lm_head.*': []}}\n")
+    assert main(["plan", str(tmp_path / "bad_plan.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fullshard: error: plan entry 'lm_head.*'") and err.count("\n") == 1, err
+    broken = tmp_path / "broken" / "step_3"
+    shutil.copytree(out / "checkpoints" / "step_3", broken)
+    (broken / "state" / ".metadata").write_bytes(b"not a pickle")
+    assert main(["export", str(broken), str(tmp_path / "never")]) != 0
+    err = capsys.readouterr().err
+    assert err.startswith("fullshard: error: ") and err.count("\n") == 1, err
+    assert not (tmp_path / "never").exists()
+
+
+def test_plan_shows_the_mesh_and_what_each_tp_rank_holds(tmp_path, capsys):
+    """Under tp 2 the plan names the mesh, each split weight's slice, and estimates less per rank than dp alone."""
+    (tmp_path / "tp.yaml").write_text(CONFIG + "fsdp:\n  tp_size: 2\n  cp_size: 2\n")
+    assert main(["plan", str(tmp_path / "tp.yaml"), "--nproc", "8"]) == 0
+    printed = capsys.readouterr().out
+    assert "mesh dp_replicate 1 x dp_shard 2 x cp 2 x tp 2 = 8 rank(s): data split 2 way(s)" in printed
+    assert re.search(r"self_attn\.q_proj\.weight +colwise +\[32, 32\] +tp rank r holds dim 0 \[r\*16:\(r\+1\)\*16\] "
+                     r"-> \[16, 32\]", printed), printed
+    assert re.search(r"mlp\.down_proj\.weight +rowwise +\[32, 64\] .* -> \[32, 32\]", printed), printed
+    assert "1 micro-batch(es) per step" in printed
+
+    def parameters_mib(text):
+        return float(re.search(r"parameters \(shard\) +([\d.]+) MiB", text).group(1))
+
+    assert main(["plan", str(tmp_path / "tp.yaml").replace("tp.yaml", "dp.yaml"), "--nproc", "2"]) == 2
+    (tmp_path / "dp.yaml").write_text(CONFIG)
+    assert main(["plan", str(tmp_path / "dp.yaml"), "--nproc", "2"]) == 0
+    assert parameters_mib(capsys.readouterr().out) > parameters_mib(printed)
+    (tmp_path / "bad_tp.yaml").write_text(CONFIG + "fsdp:\n  tp_size: 2\n  tp_plan: {'model.blocks.*': colwise}\n")
+    assert main(["plan", str(tmp_path / "bad_tp.yaml"), "--nproc", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fullshard: error: tp_plan entry 'model.blocks.*': pattern matches no module"), err
+
+
+# ---------------------------------------------------------------------------------------------- before launch
+
 
 @pytest.mark.parametrize("args, message", [
     (["--train.stepz=3"], "unknown key train.stepz; the keys of section 'train' are: steps,"),
     (["--trian.steps=3"], "unknown section 'trian'"),
-    (["--train.steps=three"], "train.steps must be int, got 'three' (str)"),
+    (["--train.steps=three"], "train.steps='three': input should be a valid integer"),
     (["--train.global_batch_size=6", "--train.micro_batch_size=2", "--nproc=2"],
      "train.global_batch_size=6 is not divisible by train.micro_batch_size=2 x data-parallel size 2 = 4"),
     (["--optim.schedule=exp"], "optim.schedule='exp' must be one of ('constant', 'linear', 'cosine')"),
-    (["--fsdp.mixed_precision=fp8"], "mixed_precision must be one of"),
+    (["--fsdp.mixed_precision=fp8"], "fsdp.mixed_precision must be one of"),
     (["--model.name_or_path=/no/such/model"], "model.name_or_path='/no/such/model' is neither a built-in model"),
     (["missing.yaml"], "config file 'missing.yaml' does not exist"),
     (["--nproc=0"], "--nproc must be a positive integer"),
-    (["--fsdp.dp_replicate=3", "--nproc=2"], "fsdp.dp_replicate=3"),
+    (["--fsdp.dp_replicate=3", "--nproc=2"], "fsdp.dp_replicate=3 x fsdp.dp_shard=-1 does not match the 2 processes"),
+    (["--fsdp.dp_replicate=0", "--nproc=2"], "fsdp.dp_replicate=0 must be >= 1"),
+    (["--fsdp.tp_size=2", "--fsdp.cp_size=2", "--nproc=2"], "fsdp.dp_replicate=1 x fsdp.dp_shard=-1 x fsdp.cp_size=2 "
+                                                            "x fsdp.tp_size=2 does not match the 2 processes (2 is not "
+                                                            "divisible by 4)"),
+    (["--fsdp.tp_size=2", "--train.global_batch_size=6", "--train.micro_batch_size=2", "--nproc=4"],
+     "train.global_batch_size=6 is not divisible by train.micro_batch_size=2 x data-parallel size 2 = 4"),
+    (["--fsdp.tp_size=0"], "fsdp.tp_size must be an int >= 1, got 0"),
+    (["--fsdp.cp_size=0"], "fsdp.cp_size must be an int >= 1, got 0"),
+    (["--fsdp.timeout_s=0"], "fsdp.timeout_s=0.0 must be > 0 seconds"),
+    (["--train.report_to=[mlflow]"], "train.report_to names 'mlflow'; known trackers"),
+    (["--data.path=/no/such/data.jsonl"], "data.path='/no/such/data.jsonl' does not exist"),
+    (["--checkpoint.resume=/no/such/ckpt"], "checkpoint.resume='/no/such/ckpt': checkpoint directory /no/such/ckpt "
+                                            "does not exist"),
+    (["--fsdp.plan={mode: manual, modules: {'model.blocks.*': [free_full_weight]}}"],
+     "fsdp.plan: plan entry 'model.blocks.*': pattern 'model.blocks.*' matches no module of LlamaForCausalLM"),
 ])
 def test_config_errors_name_the_key(args, message, capsys):
-    assert main(["train", *args]) == 2
-    assert message in capsys.readouterr().err
+    assert main(["train", "--model.name_or_path=micro-llama", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fullshard: error: ") and message in err and err.count("\n") == 1, err
 
 
-def test_config_error_from_the_command_line_starts_no_process(tmp_path):
-    done = run_cli("train", "--train.global_batch_size=5", cwd=tmp_path)
-    assert done.returncode == 2
-    assert "train.global_batch_size=5 is not divisible" in done.stderr
-    assert "launching" not in done.stdout and not (tmp_path / "runs").exists()
+def test_paths_checked_before_launch(tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "ckpts" / "step_2").mkdir(parents=True)
+    (tmp_path / "ckpts" / "step_2" / "trainer_state.json").write_text("{}")
+    for args, message in ((["--train.output_dir", str(tmp_path / "file")], "train.output_dir="),
+                          ([f"--checkpoint.dir={tmp_path / 'file'}"], "checkpoint.dir="),
+                          ([f"--checkpoint.resume={tmp_path / 'ckpts'}"], "holds no complete checkpoint"),
+                          ([f"--checkpoint.resume={tmp_path / 'ckpts' / 'step_2'}"], "is an incomplete checkpoint")):
+        assert main(["train", "--model.name_or_path=micro-llama", *args]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
+    assert "is an existing file, not a directory" in (main(["train", f"--train.output_dir={tmp_path / 'file'}"]),
+                                                      capsys.readouterr().err)[1]
+
+
+def test_version_help_and_print_config(tmp_path, capsys):
+    assert main(["--version"]) == 0 and capsys.readouterr().out.startswith("fullshard 0.")
+    assert main(["train", "--help"]) == 0
+    text = capsys.readouterr().out
+    assert "--print-config" in text and "--optim.min_lr_ratio  float in [0, 1] = 0.1" in text
+    (tmp_path / "run.yaml").write_text("optim:\n  lr: 1e-4\n")
+    assert main(["train", "--train.steps=5", str(tmp_path / "run.yaml"), "--print-config"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["optim"]["lr"] == 1e-4 and printed["train"]["steps"] == 5 and set(printed) == set(SECTIONS)
+    assert not (tmp_path / "runs").exists()
+
+
+def write_remote_code_model(directory, marker):
+    """A model directory whose config and tokenizer classes live in its own Python files, which
+    write `marker` when they are executed."""
+    directory.mkdir()
+    payload = f"import pathlib\npathlib.Path({str(marker)!r}).write_text('executed')\n"
+    (directory / "configuration_custom.py").write_text(
+        payload + "from transformers import LlamaConfig\n\nclass CustomConfig(LlamaConfig):\n    model_type = 'custom'\n")
+    (directory / "tokenization_custom.py").write_text(payload)
+    (directory / "config.json").write_text(json.dumps(dict(
+        model_type="custom", architectures=["LlamaForCausalLM"], auto_map={"AutoConfig": "configuration_custom.CustomConfig"},
+        vocab_size=64, **BUILTIN_MODELS["micro-llama"])))
+    (directory / "tokenizer_config.json").write_text(json.dumps(
+        {"auto_map": {"AutoTokenizer": ["tokenization_custom.CustomTokenizer", None]}}))
+
+
+def test_remote_code_is_refused_by_name_unless_allowed(tmp_path, capsys):
+    from fullshard.train.trainer import load_tokenizer
+
+    model, marker = tmp_path / "custom", tmp_path / "EXECUTED"
+    write_remote_code_model(model, marker)
+    refused = "ships its own Python code, which fullshard does not run unless model.trust_remote_code is true"
+    assert main(["plan", str(model)]) == 2
+    assert refused in capsys.readouterr().err
+    assert main(["train", f"--model.name_or_path={model}", "--nproc=2"]) == 2
+    assert refused in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="the tokenizer of model.name_or_path=.* ships its own Python code"):
+        load_tokenizer(load_config(None, [f"--model.name_or_path={model}"]))
+    assert not marker.exists()
+    # the same files do run when the user says so: the check above could have failed
+    assert main(["plan", str(model), "--trust-remote-code", "--nproc=2"]) == 0
+    assert marker.read_text() == "executed"
+
+
+HUB_SCRIPT = """
+from fullshard.cli import main
+tiny = ["--data.seq_len=32", "--train.steps=1", "--train.micro_batch_size=2", "--train.global_batch_size=2",
+        "--train.eval_batches=1", "--train.plot=false", "--nproc=1", "--train.output_dir=hub_run"]
+codes = [main(["plan", "Org/tiny", "--nproc=2"]), main(["plan", "Org/absent"]),
+         main(["train", "--model.name_or_path=Org/absent"]), main(["train", "--model.name_or_path=Org/tiny", *tiny])]
+print("codes", codes)
+"""
+
+
+def test_hub_id_resolved_from_the_cache_offline(tmp_path):
+    """`model.name_or_path=Org/name` from a cached snapshot with HF_HUB_OFFLINE=1; an id neither
+    cached nor reachable is one line naming it (huggingface_hub reads its environment at import,
+    hence a fresh process)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fullshard.train.data import byte_tokenizer
+
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--Org--tiny" / "snapshots" / ("a" * 40)
+    tokenizer = byte_tokenizer()
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), **BUILTIN_MODELS["micro-llama"])).save_pretrained(snapshot)
+    tokenizer.save_pretrained(snapshot)
+    (cache / "models--Org--tiny" / "refs").mkdir()
+    (cache / "models--Org--tiny" / "refs" / "main").write_text("a" * 40)
+    done = subprocess.run([sys.executable, "-c", HUB_SCRIPT], env=dict(clean_env(), HF_HUB_CACHE=str(cache),
+                          HF_HUB_OFFLINE="1"), capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert "codes [0, 2, 2, 0]" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
+    assert (tmp_path / "hub_run" / "hf" / "model.safetensors").exists()  # trained from the cached snapshot
+    assert "LlamaForCausalLM" in done.stdout and "model.layers.1" in done.stdout
+    errors = [line for line in done.stderr.splitlines() if line.startswith("fullshard: error:")]
+    assert len(errors) == 2 and all("'Org/absent'" in line for line in errors), done.stderr
+    assert "Traceback" not in done.stderr
+
+
+# ---------------------------------------------------------------------------------------------- inside the ranks
+
+
+def test_an_error_inside_the_ranks_is_one_line_with_tracebacks_logged(tmp_path):
+    (tmp_path / "tiny.yaml").write_text(CONFIG)
+    (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\nnot json\n')
+    done = run_cli("train", "tiny.yaml", "--data.path=bad.jsonl", "--train.output_dir=out", "--nproc=2", cwd=tmp_path)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == [
+        "fullshard: error: bad.jsonl:2 is not valid JSON (Expecting value) (every rank's traceback: out/logs/rank*.log)"]
+    for rank in (0, 1):
+        assert "Traceback" in (tmp_path / "out" / "logs" / f"rank{rank}.log").read_text()
+    assert no_process_left("out")
+
+
+def fullshard_processes(marker: str) -> list[str]:
+    """Every process on the machine whose command line names `marker` (the run's output dir)."""
+    listing = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines()
+    return [line for line in listing if "fullshard" in line and marker in line]
+
+
+def no_process_left(marker: str, within_s: float = 10) -> bool:
+    deadline = time.monotonic() + within_s
+    while fullshard_processes(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return not fullshard_processes(marker)
+
+
+def start_and_signal(command: list[str], cwd, sig: int, after: str) -> tuple[int, str]:
+    """Start the launcher, send `sig` to it once `after` appears in its output, return (status, output)."""
+    proc = subprocess.Popen([sys.executable, "-m", "fullshard.cli", *command], cwd=cwd, env=clean_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if after in line:
+            proc.send_signal(sig)
+            break
+    lines += proc.stdout.readlines()
+    return proc.wait(timeout=300), "".join(lines)
+
+
+def test_sigint_and_sigterm_stop_cleanly_and_the_same_command_resumes(tmp_path):
+    (tmp_path / "tiny.yaml").write_text(CONFIG)
+    command = ["train", "tiny.yaml", "--train.steps=100000", "--train.output_dir=stopped", "--nproc=2"]
+    status, output = start_and_signal(command, tmp_path, signal.SIGINT, after="step     2 ")
+    assert status == 128 + signal.SIGINT, output
+    assert no_process_left("stopped"), fullshard_processes("stopped")
+    stopped = re.search(r"stopped at step (\d+) of 100000; checkpoint (\S+); run the same command to resume", output)
+    assert stopped, output
+    step = int(stopped.group(1))
+    assert (tmp_path / stopped.group(2) / "COMPLETE").exists() and stopped.group(2).endswith(f"step_{step}")
+    assert "Traceback" not in output and "KeyboardInterrupt" not in output
+
+    status, output = start_and_signal(command, tmp_path, signal.SIGTERM, after=f"step {step + 2:5d} ")
+    assert status == 128 + signal.SIGTERM, output
+    assert f"(resumed from step {step})" in output and f"step {step + 1:5d} " in output
+    assert no_process_left("stopped"), fullshard_processes("stopped")
+    again = int(re.search(r"stopped at step (\d+) of 100000", output).group(1))
+    assert again >= step + 2 and (tmp_path / "stopped" / "checkpoints" / f"step_{again}" / "COMPLETE").exists()
+    records = read_metrics(tmp_path / "stopped" / "metrics.jsonl")
+    assert [r["step"] for r in records if r["kind"] == "train"] == list(range(1, again + 1))

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from fullshard import FSDP2Engine, PlanError, apply_fsdp2
-from fullshard.engine import fsdp_units
+from fullshard.fsdp import fsdp_units
 from fullshard.testing import ZOO, build_model, run_distributed
 from fullshard.testing.compare import train_against_reference
 from fullshard.testing.zoo import TIED

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
+import pickle
 import shutil
 from pathlib import Path
 
@@ -146,7 +146,7 @@ def _load(case: dict, engine):
     import transformers
 
     from fullshard import FSDP2Engine
-    from fullshard.loading import from_pretrained, init_empty_model
+    from fullshard import from_pretrained, init_empty_model
 
     if case["via"] == "from_pretrained":
         return from_pretrained(case["source"], engine=engine, dtype=case["dtype"], verify=True,
@@ -237,7 +237,8 @@ def _equivalence(cases: list[dict]) -> list[dict]:
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-def test_sharded_load_equals_plain_transformers(checkpoints, world_size):
+def test_sharded_load_equals_plain_transformers(checkpoints, world_size, monkeypatch):
+    monkeypatch.setenv("FULLSHARD_LOAD_THREADS", "4")  # several reader threads per rank, on any machine
     cases = equivalence_cases(checkpoints, world_size)
     results = run_distributed(_equivalence, world_size, cases)
     problems = []
@@ -316,10 +317,14 @@ def bad_checkpoints(checkpoints, tmp_path_factory):
     rewrite_as_bin(good, root / "malicious")
     marker = root / "pwned"
     torch.save({"model.norm.weight": torch.ones(32), "x": _Payload(str(marker))}, root / "malicious" / "pytorch_model.bin")
+    (root / "dcp_malicious").mkdir()  # a crafted DCP `.metadata`: unpickling it would create the marker
+    dcp_marker = root / "pwned_by_dcp"
+    (root / "dcp_malicious" / ".metadata").write_bytes(pickle.dumps(_Payload(str(dcp_marker))))
     rewrite_as_bin(good, root / "bad_index", files=2)
     (root / "bad_index" / "pytorch_model-00002-of-00002.bin").unlink()
     bad.update(truncated=str(root / "truncated"), corrupt=str(root / "corrupt"), malicious=str(root / "malicious"),
                bad_index=str(root / "bad_index"), not_dcp=good, marker=str(marker), good=good,
+               dcp_malicious=str(root / "dcp_malicious"), dcp_marker=str(dcp_marker),
                hub_cache=checkpoints["hub_cache"])
     return bad
 
@@ -329,7 +334,7 @@ def _bad_inputs(bad: dict) -> dict:
     import transformers
 
     from fullshard import FSDP2Engine
-    from fullshard.loading import CheckpointError, from_pretrained, init_empty_model
+    from fullshard import LoadError, from_pretrained, init_empty_model
 
     engine = FSDP2Engine({"mixed_precision": "fp32"})
     config = transformers.AutoConfig.from_pretrained(bad["good"])
@@ -340,18 +345,19 @@ def _bad_inputs(bad: dict) -> dict:
         try:
             load(model)
             out[label] = ("no error", "", False)
-        except CheckpointError as exc:
+        except LoadError as exc:
             untouched = all(p.is_meta for p in model.parameters())
-            out[label] = ("CheckpointError", str(exc), untouched)
+            out[label] = ("LoadError", str(exc), untouched)
 
     for label in ("missing", "unexpected", "shape", "truncated", "corrupt", "malicious", "bad_index"):
         attempt(label, lambda m, label=label: engine.shard_model(m, bad[label]))
-    attempt("not_dcp", lambda m: FSDP2Engine({"dcp_path": bad["not_dcp"]}).shard_model(m))
+    for label in ("not_dcp", "dcp_malicious"):
+        attempt(label, lambda m, label=label: FSDP2Engine({"dcp_path": bad[label]}).shard_model(m))
     try:
         from_pretrained("fake-org/absent", engine=engine, cache_dir=bad["hub_cache"])
         out["hub_absent"] = ("no error", "", False)
-    except CheckpointError as exc:
-        out["hub_absent"] = ("CheckpointError", str(exc), True)
+    except LoadError as exc:
+        out["hub_absent"] = ("LoadError", str(exc), True)
 
     # strict=False loads what fits, gives the rest the model's own init, and lists both
     model = engine.shard_model(init_empty_model(config), bad["both"], strict=False, verify=True)
@@ -376,13 +382,14 @@ def test_bad_input_fails_on_every_rank_with_names(bad_checkpoints):
         "malicious": ["refused", "pytorch_model.bin", "weights_only"],
         "bad_index": ["pytorch_model-00002-of-00002.bin", "do not exist"],
         "not_dcp": ["not a DCP checkpoint"],
+        "dcp_malicious": ["dcp_malicious/.metadata", "refused"],
         "hub_absent": ["fake-org/absent", "rank 0:", "HF_HUB_OFFLINE"],  # only the downloading rank fails
     }
     problems = []
     for rank, out in enumerate(results):
         for label, needles in expected.items():
             kind, message, untouched = out[label]
-            if kind != "CheckpointError":
+            if kind != "LoadError":
                 problems.append(f"rank {rank} {label}: {kind}")
                 continue
             absent = [n for n in needles if n not in message]
@@ -401,6 +408,7 @@ def test_bad_input_fails_on_every_rank_with_names(bad_checkpoints):
             problems.append(f"rank {rank} fell out of step")
     assert not problems, "\n".join(problems)
     assert not Path(bad_checkpoints["marker"]).exists(), "the malicious pickle ran code"
+    assert not Path(bad_checkpoints["dcp_marker"]).exists(), "the malicious DCP metadata ran code"
 
 
 # --------------------------------------------------------------------------- slice recipes

@@ -7,7 +7,8 @@ from peft import LoraConfig, get_peft_model
 from fullshard import FSDP2Engine
 from fullshard.testing import build_model, make_batch, run_distributed
 from fullshard.testing.compare import data_slice, full_state, train_against_reference
-from fullshard.engine import fsdp_units
+from fullshard.errors import CheckpointError
+from fullshard.fsdp import fsdp_units
 
 TOL = 1e-5
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0)
@@ -286,8 +287,44 @@ def test_lora_config_errors_name_the_key():
     from fullshard.lora import apply_lora, merged_state
 
     dora = apply_lora(build_model("llama"), {"r": 2, "target_modules": ["q_proj"], "use_dora": True})
-    with pytest.raises(NotImplementedError, match=r"layers\.0\.self_attn\.q_proj \(DoRA"):
+    with pytest.raises(CheckpointError, match=r"layers\.0\.self_attn\.q_proj \(DoRA"):
         merged_state(dora)
+
+
+def test_offline_export_of_an_unmergeable_lora_checkpoint_is_refused(tmp_path):
+    """The save goes on (training needs it); the export is refused by name and writes nothing."""
+    from fullshard.checkpoint import CheckpointManager, export_checkpoint
+    from fullshard.lora import apply_lora
+
+    dora = apply_lora(build_model("llama"), {"r": 2, "target_modules": ["q_proj"], "use_dora": True})
+    CheckpointManager(tmp_path / "ckpt").save(1, dora)
+    with pytest.raises(CheckpointError, match=r"cannot be exported.*layers\.0\.self_attn\.q_proj \(DoRA"):
+        export_checkpoint(tmp_path / "ckpt", tmp_path / "out")
+    assert not (tmp_path / "out").exists() and [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+
+
+def test_offline_export_of_a_lora_run_loads_in_plain_transformers(meta_lora_run):
+    """`fullshard export` of the trainer's LoRA checkpoint: the merged model under the base names with
+    the run's own merged logits, the PEFT adapter beside it, and the tokenizer saved with the checkpoint."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from fullshard.checkpoint import export_checkpoint
+
+    tmp, _ = meta_lora_run
+    out = export_checkpoint(tmp / "run" / "checkpoints", tmp / "offline")
+    offline = AutoModelForCausalLM.from_pretrained(out).eval()
+    own = AutoModelForCausalLM.from_pretrained(tmp / "run" / "hf").eval()
+    assert sorted(offline.state_dict()) == sorted(own.state_dict())
+    assert not any("lora" in k or "base_layer" in k for k in offline.state_dict())
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp / "trainer_base"), out / "adapter")
+    with torch.no_grad():
+        torch.testing.assert_close(offline(input_ids=ids).logits, own(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(adapted.eval()(input_ids=ids).logits, own(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    reference = AutoTokenizer.from_pretrained(tmp / "trainer_base")
+    assert tokenizer("a checkpoint")["input_ids"] == reference("a checkpoint")["input_ids"]
 
 
 def test_moe_model_saves_resumes_and_exports_like_a_dense_one(meta_lora_run):

@@ -162,3 +162,99 @@ def test_parallel_dims_errors_say_the_numbers(kwargs, message):
 def test_parallel_dims_infers_shard():
     dims = ParallelDims(dp_replicate=2, world_size=8)
     assert (dims.dp_shard, dims.hsdp, dims.dp_size) == (4, True, 8)
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, width=4):
+        super().__init__()
+        self.inner = torch.nn.Linear(width, width)
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([_Block(), _Block()])
+        self.norm = torch.nn.LayerNorm(4)
+
+
+class _Decoder(torch.nn.Module):
+    """A trainable decoder registered before a frozen side model with blocks and a norm of its own (BLT's shape)."""
+
+    _no_split_modules = ["_Block"]
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 4)
+        self.decoder, self.side = _Stack(), _Stack().requires_grad_(False)
+        self.head = torch.nn.Linear(4, 10)
+
+    def get_input_embeddings(self):
+        return self.embed
+
+    def get_output_embeddings(self):
+        return self.head
+
+
+def test_final_norm_is_beside_the_last_trainable_block_not_a_frozen_side_model():
+    plan = build_plan(_Decoder())
+    assert plan.units[-1].modules == ("decoder.norm", "head"), plan.unit_names()
+    assert {"side.layers.0", "side.layers.1", "decoder.layers.0", "decoder.layers.1"} <= set(plan.unit_names())
+
+
+def test_trainable_part_moved_out_of_a_unit_leaves_it():
+    model = build_model("llama")
+    model.model.norm.requires_grad_(False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plan = build_plan(model)
+    by_source = {u.source: u.modules for u in plan.units}
+    assert by_source["auto: tail"] == ("model.norm",)
+    assert by_source["auto: tail: trainable part"] == ("lm_head",)
+    assert not hasattr(plan, "mode"), "ShardingPlan.mode was write-only"
+
+
+def test_repeated_blocks_found_without_declared_classes_with_parallel_lists():
+    class Parallel(torch.nn.Module):
+        """XLM's layout: per-layer attention, norm and feed-forward in parallel lists."""
+
+        def __init__(self):
+            super().__init__()
+            self.attentions = torch.nn.ModuleList([torch.nn.Linear(8, 8) for _ in range(3)])
+            self.norms = torch.nn.ModuleList([torch.nn.LayerNorm(8) for _ in range(3)])
+            self.ffns = torch.nn.ModuleList([_Block(8) for _ in range(3)])
+            self.small = torch.nn.ModuleList([torch.nn.Linear(2, 2) for _ in range(2)])
+
+    model = torch.nn.Module()
+    model.transformer = Parallel()
+    blocks = find_blocks(model)
+    assert blocks == [f"transformer.{kind}.{i}" for kind in ("attentions", "ffns") for i in range(3)], blocks
+    assert get_transformer_layer_cls(model) in (torch.nn.Linear, _Block)
+
+
+def test_reversible_blocks_are_sharded_by_their_children():
+    class Reversible(torch.nn.Module):
+        """Reformer's convention: backward recomputes `attention` and `feed_forward` by hand."""
+
+        def __init__(self):
+            super().__init__()
+            self.attention, self.feed_forward = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+        def backward_pass(self):
+            pass
+
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([Reversible(), Reversible()])
+    assert find_blocks(model) == ["layers.0", "layers.1"]
+    expected = [f"layers.{i}.{c}" for i in range(2) for c in ("attention", "feed_forward")]
+    assert build_plan(model).unit_names() == expected
+
+
+def test_frozen_part_below_a_trainable_root_keeps_the_unit_whole():
+    from fullshard.plan import _split_trainable
+
+    model = torch.nn.Module()
+    model.holder = torch.nn.Module()
+    model.holder.scale = torch.nn.Parameter(torch.ones(4))  # trainable, owned by the unit's root itself
+    model.holder.frozen = torch.nn.Linear(4, 4).requires_grad_(False)
+    plan = _split_trainable(model, ShardingPlan([UnitSpec(("holder",), source="auto: x")]))
+    assert plan.unit_names() == ["holder"], "no empty unit is left behind"

@@ -1,23 +1,42 @@
 """The `fullshard` command: `train`, `plan` and `export`.
 
-`fullshard train` checks the whole config in the launching process, then, when it was not
-started by torchrun, starts itself under torchrun on `--nproc` local processes, so that a config
-error is one message before any rank exists rather than N tracebacks after.
+`fullshard train` reads and checks the whole config in the launching process (`train.preflight`),
+then starts the ranks under torchrun (`fullshard.launch`), which also turns Ctrl-C into a clean
+stop and a failing rank into one `fullshard: error:` line. Under torchrun (started by us or by the
+user) the same command is one rank. Every FullshardError is one line and a non-zero exit.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
-from pathlib import Path
+from dataclasses import dataclass, field
 
 import torch
 
-USAGE = """fullshard train [CONFIG.yaml] [--nproc N] [--section.key=value ...]
+from .errors import FullshardError
+from .launch import LAUNCHED_ENV, LOG_DIR_ENV, debug_enabled, describe, die_with_parent, error_line, launch, run_rank
+
+USAGE = """fullshard train [CONFIG.yaml] [--section.key=value ...] [--nproc N] [--print-config] [--debug]
        fullshard plan MODEL_OR_CONFIG [--nproc N] [--micro-batch-size B] [--seq-len S]
-       fullshard export CHECKPOINT_DIR OUTPUT_DIR [--dtype bf16|fp16|fp32]"""
+       fullshard export CHECKPOINT_DIR OUTPUT_DIR [--dtype bf16|fp16|fp32]
+       fullshard --version"""
+
+TRAIN_HELP = """usage: fullshard train [CONFIG.yaml] [--section.key=value ...] [--nproc N] [--print-config] [--debug]
+
+Train a model with FSDP2 on N local processes (torchrun is started for you; under torchrun each
+process is one rank). CONFIG.yaml holds any of the sections below and may stand anywhere on the
+line; --section.key=value (or --section.key value) overrides it. Values are YAML: 1e-4, 10, null,
+[0.9, 0.95]. ~ and $VARS are expanded in paths. Ctrl-C stops after the current step and saves a
+checkpoint (again: at once); the same command resumes.
+
+options:
+  --nproc N        processes to start (default: train.nproc, else one per GPU, else 2)
+  --print-config   print the merged config as YAML and exit
+  --debug          on failure print every rank's traceback (also FULLSHARD_DEBUG=1)
+  --help           this text
+"""
 
 
 def under_launcher() -> bool:
@@ -30,131 +49,187 @@ def default_nproc() -> int:
 
 
 def fail(message: str) -> int:
-    print(f"fullshard: error: {message}", file=sys.stderr)
+    print(error_line(message), file=sys.stderr)
     return 2
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError, version as package_version
+
+    try:
+        return package_version("fullshard")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 # ---------------------------------------------------------------------------------------------- train
 
 
-def split_train_args(argv: list[str]) -> tuple[str | None, int | None, list[str]]:
-    config_path, nproc, overrides = None, None, []
-    i = 0
+@dataclass
+class TrainArgs:
+    config_path: str | None = None
+    overrides: list[str] = field(default_factory=list)
+    nproc: int | None = None
+    print_config: bool = False
+    debug: bool = False
+    help: bool = False
+
+
+def parse_train_args(argv: list[str]) -> TrainArgs:
+    """The config path (anywhere on the line), `--section.key=value` or `--section.key value`
+    overrides, and the launcher's own options."""
+    from .train.config import ConfigError
+
+    args, i = TrainArgs(), 0
     while i < len(argv):
         arg = argv[i]
-        if arg == "--nproc" or arg.startswith("--nproc="):
-            raw = arg.split("=", 1)[1] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
-            i += 1 if "=" in arg else 2
+        name = arg.split("=", 1)[0]
+        takes_next = "=" not in arg and i + 1 < len(argv) and not argv[i + 1].startswith("--")
+        if name == "--nproc":
+            raw = arg.split("=", 1)[1] if "=" in arg else (argv[i + 1] if takes_next else "")
             if not raw.isdigit() or int(raw) < 1:
-                raise ValueError(f"--nproc must be a positive integer, got {raw!r}")
-            nproc = int(raw)
+                raise ConfigError(f"--nproc must be a positive integer, got {raw!r}")
+            args.nproc, i = int(raw), i + (1 if "=" in arg else 2)
             continue
-        if not arg.startswith("-") and config_path is None and not overrides:
-            config_path = arg
+        if arg in ("--print-config", "--debug", "--help", "-h"):
+            setattr(args, {"-h": "help"}.get(arg, arg[2:].replace("-", "_")), True)
+        elif arg.startswith("--") and "." in name:
+            args.overrides.append(arg if "=" in arg or not takes_next else f"{arg}={argv[i + 1]}")
+            i += 0 if "=" in arg or not takes_next else 1
+        elif arg.startswith("-"):
+            raise ConfigError(f"unknown option {arg!r}; options are --nproc, --print-config, --debug, --help and "
+                              "--section.key=value")
+        elif args.config_path is not None:
+            raise ConfigError(f"two config files given: {args.config_path!r} and {arg!r}")
         else:
-            overrides.append(arg)
+            args.config_path = arg
         i += 1
-    return config_path, nproc, overrides
+    return args
 
 
 def cmd_train(argv: list[str]) -> int:
-    from .train.config import ConfigError, load_config
+    from .train.config import describe_keys, load_config
 
-    try:
-        config_path, nproc, overrides = split_train_args(argv)
-        config = load_config(config_path, overrides)
-        if under_launcher():
-            world = int(os.environ["WORLD_SIZE"])
-        else:
-            world = nproc or config.train.nproc or default_nproc()
-        config.accumulation_steps(world)
-    except (ConfigError, ValueError) as err:
-        return fail(str(err))
-    if under_launcher() or world == 1:
-        from .train import train
-
-        train(config)
+    args = parse_train_args(argv)
+    if args.help:
+        print(TRAIN_HELP + describe_keys())
         return 0
-    # the ranks take their world size from torchrun, so --nproc is not passed on (torchrun's own
-    # parser would also read it as an abbreviation of its --nproc-per-node)
-    forwarded = ([config_path] if config_path else []) + overrides
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-               "-m", "fullshard.cli", "train", *forwarded]
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    print(f"[fullshard] launching {world} processes: torchrun --standalone --nproc_per_node={world} "
-          f"-m fullshard.cli train {' '.join(forwarded)}", flush=True)
-    return subprocess.call(command, env=env)
+    config = load_config(args.config_path, args.overrides)
+    if args.print_config:
+        import yaml
+
+        print(yaml.safe_dump(config.to_dict(), sort_keys=False), end="")
+        return 0
+    if under_launcher():
+        return run_as_rank(config, args)
+    from .train.preflight import check_before_launch
+
+    world = args.nproc or config.train.nproc or default_nproc()
+    check_before_launch(config, world)
+    rank_args = ["train", *([args.config_path] if args.config_path else []), *args.overrides]
+    return launch(world, rank_args, config.log_dir, config.checkpoint.on_stop_timeout_s, debug=args.debug)
+
+
+def run_as_rank(config, args: TrainArgs) -> int:
+    """One rank under torchrun: train, and report a failure through the log directory."""
+    from .train import train
+
+    if os.environ.get(LAUNCHED_ENV) == "1":
+        die_with_parent()
+    config.accumulation_steps(int(os.environ["WORLD_SIZE"]))
+    return run_rank(lambda: train(config), os.environ.get(LOG_DIR_ENV, config.log_dir), debug=args.debug)
 
 
 # ---------------------------------------------------------------------------------------------- plan
 
 
-def build_meta_model(source: str):
-    """A model on the meta device (no weights read) and the training settings that go with it.
-
-    `source` is a YAML config (its model section and settings), a built-in model name, or a
-    local HF directory.
-    """
-    from .loading import meta_init
-    from .train.config import BUILTIN_MODELS, load_config
-    from .train.data import byte_tokenizer
-
-    if source.endswith((".yaml", ".yml")):
-        config = load_config(source)
-    else:
-        config = load_config(None, {"model": {"name_or_path": source}})
-    name = config.model.name_or_path
-    with meta_init():
-        if name in BUILTIN_MODELS:
-            from transformers import LlamaConfig, LlamaForCausalLM
-
-            hf_config = LlamaConfig(vocab_size=len(byte_tokenizer()), max_position_embeddings=config.data.seq_len,
-                                    **BUILTIN_MODELS[name])
-            model = LlamaForCausalLM(hf_config)
-        else:
-            from .loading import init_empty_model
-            from transformers import AutoConfig
-
-            model = init_empty_model(AutoConfig.from_pretrained(name))
-    return model, config
-
-
 def cmd_plan(argv: list[str]) -> int:
+    from .distributed import detect_device_type
     from .dtypes import DTYPES
     from .plan import build_plan
-    from .train.config import ConfigError
+    from .strategy import batch_arithmetic, describe_mesh
     from .train.memory import estimate_memory
 
     parser = argparse.ArgumentParser(prog="fullshard plan")
-    parser.add_argument("source", help="a YAML config, a built-in model name, or a local HF directory")
+    parser.add_argument("source", help="a YAML config, a built-in model name, a local HF directory or a Hub id")
     parser.add_argument("--nproc", type=int, default=None, help="ranks the model is sharded over")
     parser.add_argument("--micro-batch-size", type=int, default=None)
     parser.add_argument("--seq-len", type=int, default=None)
+    parser.add_argument("--trust-remote-code", action="store_true", help="run the model repository's own code")
     args = parser.parse_args(argv)
-    try:
-        model, config = build_meta_model(args.source)
-    except (ConfigError, ValueError, OSError) as err:
-        return fail(str(err))
+    config, model = plan_config_and_model(args)
     nproc = args.nproc or config.train.nproc or default_nproc()
-    dp_replicate = config.fsdp.dp_replicate
-    if nproc % dp_replicate:
-        return fail(f"--nproc {nproc} is not divisible by fsdp.dp_replicate={dp_replicate}")
-    shard_size = nproc // dp_replicate
+    dims = config.parallel_dims(nproc)
     plan = build_plan(model, config.fsdp.plan)
-    precision = config.fsdp.mixed_precision
-    compute = DTYPES[precision]
+    assignments = tp_assignments(model, config.fsdp.tp_plan, dims.tp)
+    precision, fsdp = config.fsdp.mixed_precision, config.fsdp
     micro = args.micro_batch_size or config.train.micro_batch_size
     seq_len = args.seq_len or config.data.seq_len
-    estimate = estimate_memory(model, plan, shard_size, micro, seq_len, compute, config.fsdp.activation_checkpointing,
-                               config.optim.name)
-    print(f"{type(model).__name__}: {sum(p.numel() for p in model.parameters()):,} parameters, sharded over {shard_size} "
-          f"rank(s) x {dp_replicate} replica(s)\n")
-    print(plan.describe(model, shard_size))
-    print(f"\nper-rank memory estimate (micro batch {micro} x {seq_len} tokens, compute {precision}, "
-          f"activation checkpointing {config.fsdp.activation_checkpointing}, {config.optim.name}):")
+    try:
+        accumulation = batch_arithmetic(config.train.global_batch_size, micro, dims.dp_size,
+                                        names=("train.global_batch_size", "--micro-batch-size"))
+    except FullshardError as err:  # the model's plan is still worth showing; the estimate assumes accumulation
+        print(f"note: {err}")
+        accumulation = None
+    device_type = detect_device_type()
+    estimate = estimate_memory(model, plan, dims.dp_shard, micro, seq_len, DTYPES[precision],
+                               fsdp.activation_checkpointing, config.optim.name, accumulation_steps=accumulation,
+                               device_type=device_type, reduce_dtype=DTYPES[fsdp.reduce_dtype],
+                               tp_assignments=assignments, tp_size=dims.tp, cp_size=dims.cp)
+    print(f"{type(model).__name__}: {sum(p.numel() for p in model.parameters()):,} parameters, {describe_mesh(dims)}\n")
+    print(plan.describe(model, dims.fsdp_shard_size))
+    if dims.tp > 1:
+        print(f"\ntensor parallel (tp {dims.tp}; the table above counts whole parameters, each tp rank holds its "
+              "slice of the split ones):\n" + describe_tp(model, assignments, dims.tp))
+    print(f"\nper-rank memory estimate (micro batch {micro} x {seq_len} tokens over cp {dims.cp}, compute {precision}, "
+          f"activation checkpointing {fsdp.activation_checkpointing}, {config.optim.name}, "
+          f"{accumulation or 'unknown'} micro-batch(es) per step, {device_type}):")
     print(estimate.describe())
     return 0
+
+
+def plan_config_and_model(args):
+    """The config `fullshard plan` was given (a YAML file or a model name) and its model on meta."""
+    from .train.config import load_config
+    from .train.preflight import build_meta_model
+
+    if args.source.endswith((".yaml", ".yml")):
+        config = load_config(args.source, ["--model.trust_remote_code=true"] if args.trust_remote_code else [])
+    else:
+        config = load_config(None, {"model": {"name_or_path": args.source, "trust_remote_code": args.trust_remote_code}})
+    return config, build_meta_model(config)
+
+
+def tp_assignments(model, tp_plan, tp_size: int) -> dict[str, str]:
+    """Module name -> TP style, validated as the engine does (a `PlanError` naming the entry); none at tp 1."""
+    if tp_size == 1:
+        return {}
+    from .parallel.tp import plan_assignments, resolve_tp_plan
+
+    return plan_assignments(model, resolve_tp_plan(model, tp_plan), tp_size)
+
+
+def describe_tp(model, assignments: dict[str, str], tp_size: int) -> str:
+    """One line per parameter kind the plan splits (layers folded): its style, whole shape and the
+    slice tp rank r holds."""
+    import re
+
+    from .train.memory import TensorParallelSplit
+
+    split, lines = TensorParallelSplit(model, assignments, tp_size), {}
+    for name, param in model.named_parameters():
+        module = name.rpartition(".")[0]
+        if module not in assignments:
+            continue
+        dim, shape = split.split_dim(name), list(param.shape)
+        if dim is None:
+            held = "whole on every tp rank"
+        else:
+            part = shape[dim] // tp_size
+            held = f"tp rank r holds dim {dim} [r*{part}:(r+1)*{part}] -> {list(split.local(name, param).shape)}"
+        lines.setdefault(re.sub(r"\.\d+\.", ".*.", name), f"{assignments[module]:<8} {str(shape):<10} {held}")
+    width = max(len(k) for k in lines)
+    return "\n".join(f"  {k:<{width}}  {v}" for k, v in lines.items())
 
 
 # ---------------------------------------------------------------------------------------------- export
@@ -168,10 +243,7 @@ def cmd_export(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     from .checkpoint import export_checkpoint
 
-    try:
-        path = export_checkpoint(args.checkpoint, args.output, dtype=args.dtype)
-    except (FileNotFoundError, ValueError, KeyError) as err:
-        return fail(str(err))
+    path = export_checkpoint(args.checkpoint, args.output, dtype=args.dtype)
     print(f"[fullshard] exported {args.checkpoint} to {path}")
     return 0
 
@@ -181,10 +253,22 @@ COMMANDS = {"train": cmd_train, "plan": cmd_plan, "export": cmd_export}
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "--version":
+        print(f"fullshard {version()}")
+        return 0
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print(USAGE, file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
-    return COMMANDS[argv[0]](argv[1:])
+        asked = bool(argv) and argv[0] in ("-h", "--help")
+        print(USAGE, file=sys.stdout if asked else sys.stderr)
+        return 0 if asked else 2
+    try:
+        return COMMANDS[argv[0]](argv[1:])
+    except FullshardError as err:  # bad input: the message names it
+        return fail(describe(err))
+    except Exception as err:  # noqa: BLE001 - a library's error or a bug: one line, the traceback on demand
+        if debug_enabled():
+            raise
+        print(error_line(f"{describe(err)} (FULLSHARD_DEBUG=1 shows the traceback)"), file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -7,12 +7,17 @@ that matches the device and builds the `DeviceMesh` that `fully_shard` shards ov
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from .errors import ConfigError, FullshardError
 
 BACKEND_FOR_DEVICE = {"cuda": "nccl", "cpu": "gloo", "xpu": "xccl", "hpu": "hccl"}
 
@@ -60,11 +65,18 @@ def init_distributed(device_type: str | None = None, timeout_s: float | None = N
 
     Without a launcher (no WORLD_SIZE in the environment) a world of one is started on a free
     local port, so single-process scripts and notebooks use the same code path as torchrun.
+    `timeout_s` bounds how long a collective waits for a rank that stopped calling it: past it,
+    every waiting rank fails instead of hanging. More ranks on a node than it has devices is
+    one error naming both counts, raised by every rank before any collective.
     Calling it again is a no-op that returns the bound device.
     """
     device_type = device_type or detect_device_type()
     if device_type not in BACKEND_FOR_DEVICE:
         raise ValueError(f"no backend known for device type {device_type!r}; known: {sorted(BACKEND_FOR_DEVICE)}")
+    if timeout_s is not None and not timeout_s > 0:
+        raise ConfigError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    if device_type != "cpu":
+        _check_devices_per_node(device_type)
     device = current_device(device_type)
     if device_type != "cpu":
         torch.accelerator.set_device_index(device.index)
@@ -74,17 +86,22 @@ def init_distributed(device_type: str | None = None, timeout_s: float | None = N
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(find_free_port()))
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    kwargs = {}
-    if timeout_s is not None:
-        from datetime import timedelta
-
-        kwargs["timeout"] = timedelta(seconds=timeout_s)
     backend = BACKEND_FOR_DEVICE[device_type]
     if device_type != "cpu":
         # lets CPU-side collectives (object broadcasts, error agreement) run beside the device ones
         backend = f"cpu:gloo,{device_type}:{backend}"
-    dist.init_process_group(backend=backend, **kwargs)
+    timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
+    dist.init_process_group(backend=backend, timeout=timeout)
     return device
+
+
+def _check_devices_per_node(device_type: str) -> None:
+    """Rank k of a node binds device k: a node with fewer devices than ranks cannot run."""
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", get_local_rank() + 1))
+    devices = torch.accelerator.device_count()
+    if max(ranks, get_local_rank() + 1) > devices:
+        raise ConfigError(f"{ranks} processes per node but this node has {devices} {device_type} device(s): "
+                          f"start at most {devices} per node (--nproc, torchrun --nproc_per_node)")
 
 
 def find_free_port() -> int:
@@ -97,34 +114,44 @@ def find_free_port() -> int:
 
 @dataclass
 class ParallelDims:
-    """The data-parallel layout: `dp_replicate` groups of `dp_shard` ranks each.
+    """The layout of the world: `dp_replicate x dp_shard x cp x tp` ranks, the fastest-linked dims last.
 
     dp_replicate > 1 gives HSDP (parameters sharded inside a group, replicated across groups,
-    gradients reduce-scattered then all-reduced). `dp_shard=-1` takes whatever the world leaves.
+    gradients reduce-scattered then all-reduced). `tp` splits each layer's weights (tensor
+    parallel); `cp` splits each sequence (context parallel). FSDP shards over `dp_shard x cp`
+    flattened: cp ranks hold the same weights, so they may as well share the shards.
+    `dp_shard=-1` takes whatever the world leaves.
     """
 
     dp_replicate: int = 1
     dp_shard: int = -1
     world_size: int = 1
+    cp: int = 1
+    tp: int = 1
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
-        if self.dp_replicate < 1:
-            raise ValueError(f"dp_replicate must be >= 1, got {self.dp_replicate}")
+            raise ConfigError(f"world_size must be >= 1, got {self.world_size}")
+        for name in ("dp_replicate", "cp", "tp"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        others = self.dp_replicate * self.cp * self.tp
         if self.dp_shard == -1:
-            if self.world_size % self.dp_replicate:
-                raise ValueError(
-                    f"world size {self.world_size} is not divisible by dp_replicate={self.dp_replicate}"
-                )
-            self.dp_shard = self.world_size // self.dp_replicate
+            if self.world_size % others:
+                label = self._label("dp_replicate", "cp", "tp")
+                raise ConfigError(f"world size {self.world_size} is not divisible by {label}")
+            self.dp_shard = self.world_size // others
         if self.dp_shard < 1:
-            raise ValueError(f"dp_shard must be >= 1 or -1 (infer), got {self.dp_shard}")
-        if self.dp_replicate * self.dp_shard != self.world_size:
-            raise ValueError(
-                f"dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} = "
-                f"{self.dp_replicate * self.dp_shard}, but the world size is {self.world_size}"
-            )
+            raise ConfigError(f"dp_shard must be >= 1 or -1 (infer), got {self.dp_shard}")
+        if others * self.dp_shard != self.world_size:
+            label = self._label("dp_replicate", "dp_shard", "cp", "tp")
+            raise ConfigError(f"{label}, but the world size is {self.world_size}")
+
+    def _label(self, *names: str) -> str:
+        """"dp_replicate=3 x tp=2 = 6": the dims named (cp and tp only when used) and their product."""
+        used = [n for n in names if n not in ("cp", "tp") or getattr(self, n) > 1]
+        product = math.prod(getattr(self, n) for n in used)
+        return " x ".join(f"{n}={getattr(self, n)}" for n in used) + (f" = {product}" if len(used) > 1 else "")
 
     @property
     def hsdp(self) -> bool:
@@ -132,16 +159,60 @@ class ParallelDims:
 
     @property
     def dp_size(self) -> int:
-        """How many data-parallel ranks see different data."""
+        """How many data-parallel ranks see different data (cp and tp ranks of one group see the same batch)."""
         return self.dp_replicate * self.dp_shard
 
+    @property
+    def fsdp_shard_size(self) -> int:
+        return self.dp_shard * self.cp
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """Where `rank` sits on each dim (row-major over dp_replicate, dp_shard, cp, tp), and its dp rank."""
+        tp, rest = rank % self.tp, rank // self.tp
+        cp, dp = rest % self.cp, rest // self.cp
+        return {"dp": dp, "dp_replicate": dp // self.dp_shard, "dp_shard": dp % self.dp_shard, "cp": cp, "tp": tp}
+
     def build_mesh(self, device_type: str | None = None) -> DeviceMesh:
+        """The mesh `fully_shard` shards over (1-D, or 2-D for HSDP)."""
+        return self.build_meshes(device_type).fsdp
+
+    def build_meshes(self, device_type: str | None = None) -> "Meshes":
+        """The world mesh and the sub-meshes each parallelism uses.
+
+        At tp = cp = 1 the world mesh is the FSDP mesh itself, exactly as before tp and cp existed.
+        """
         device_type = device_type or detect_device_type()
-        if self.hsdp:
-            return init_device_mesh(
-                device_type, (self.dp_replicate, self.dp_shard), mesh_dim_names=("dp_replicate", "dp_shard")
-            )
-        return init_device_mesh(device_type, (self.dp_shard,), mesh_dim_names=("dp_shard",))
+        if self.tp == 1 and self.cp == 1:
+            if self.hsdp:
+                mesh = init_device_mesh(
+                    device_type, (self.dp_replicate, self.dp_shard), mesh_dim_names=("dp_replicate", "dp_shard")
+                )
+            else:
+                mesh = init_device_mesh(device_type, (self.dp_shard,), mesh_dim_names=("dp_shard",))
+            return Meshes(world=mesh, fsdp=mesh)
+        sizes = {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "cp": self.cp, "tp": self.tp}
+        names = tuple(n for n, size in sizes.items() if size > 1 or n == "dp_shard")
+        world = init_device_mesh(device_type, tuple(sizes[n] for n in names), mesh_dim_names=names)
+        # the flattened mesh is kept as returned (torch deprecates slicing it back out of the root),
+        # except for HSDP, whose 2-D (dp_replicate, dp_shard_cp) mesh only the root can give
+        shard = world["dp_shard", "cp"]._flatten("dp_shard_cp") if self.cp > 1 else world["dp_shard"]
+        fsdp = world["dp_replicate", shard.mesh_dim_names[0]] if self.hsdp else shard
+        return Meshes(
+            world=world,
+            fsdp=fsdp,
+            tp=world["tp"] if self.tp > 1 else None,
+            cp=world["cp"] if self.cp > 1 else None,
+        )
+
+
+@dataclass
+class Meshes:
+    """The world mesh and its parts: `fsdp` (what `fully_shard` shards over), `tp` and `cp` (None at size 1)."""
+
+    world: DeviceMesh
+    fsdp: DeviceMesh
+    tp: DeviceMesh | None = None
+    cp: DeviceMesh | None = None
 
 
 def build_mesh(dp_replicate: int = 1, dp_shard: int = -1, device_type: str | None = None) -> DeviceMesh:
@@ -153,28 +224,97 @@ def build_mesh(dp_replicate: int = 1, dp_shard: int = -1, device_type: str | Non
 
 def shard_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The sub-mesh that parameters are sharded over (the last dim of an HSDP mesh)."""
-    return mesh["dp_shard"] if mesh.ndim > 1 else mesh
+    return mesh[mesh.mesh_dim_names[-1]] if mesh.ndim > 1 else mesh
+
+
+class agreed:
+    """Run a block on every rank; if it raised on any rank, raise on every rank, so no rank is left
+    waiting in a later collective for one that failed.
+
+        with agreed(LoadError, "reading checkpoint 'x'"):
+            ...
+
+    The error every rank raises has the messages of all failing ranks (identical ones grouped,
+    each labelled with its ranks) and keeps the failing rank's own error type when that is an
+    `error_type` (a `PlanError` stays a `PlanError`); any other exception becomes `error_type`,
+    its message prefixed with `context` and its type name. Every rank must enter the block.
+    """
+
+    def __init__(self, error_type: type[Exception] = RuntimeError, context: str = "") -> None:
+        self.error_type, self.context = error_type, context
+
+    def __enter__(self) -> "agreed":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc is not None and not isinstance(exc, (Exception, CheckpointException)):
+            return False  # KeyboardInterrupt, SystemExit: not ours to agree on
+        failure = None
+        if exc is not None:
+            if isinstance(exc, FullshardError) and isinstance(exc, self.error_type):
+                failure = (str(exc), type(exc))  # already names what is wrong
+            else:
+                prefix = f"{self.context}: " if self.context else ""
+                cls = type(exc) if isinstance(exc, self.error_type) else self.error_type
+                failure = (f"{prefix}{type(exc).__name__}: {exc}", cls)
+        raise_if_any_failed(failure, self.error_type)  # raises on every rank when any failed
+        return False
+
+
+def raise_if_any_failed(failure: tuple[str, type] | None, error_type: type[Exception] = RuntimeError) -> None:
+    """The collective behind `agreed`: each rank passes None or (message, error class)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        failures = [failure]
+    else:
+        # one small all-reduce on the common path; the messages are gathered only when a rank failed
+        cpu_ok = "gloo" in str(dist.get_backend())  # a process group started elsewhere may be device-only
+        device = "cpu" if cpu_ok else current_device()
+        flag = torch.tensor([0 if failure is None else 1], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if not flag.item():
+            return
+        failures = [None] * dist.get_world_size()
+        dist.all_gather_object(failures, failure)
+    ranks_by_message: dict[str, list[int]] = {}
+    cls = None
+    for rank, item in enumerate(failures):
+        if item is not None:
+            ranks_by_message.setdefault(item[0], []).append(rank)
+            cls = cls or item[1]
+    if not ranks_by_message:
+        return
+    if len(failures) == 1:
+        message = next(iter(ranks_by_message))
+    else:
+        message = "; ".join(f"{_ranks_label(ranks)}: {msg}" for msg, ranks in ranks_by_message.items())
+    cls = cls if isinstance(cls, type) and issubclass(cls, error_type) else error_type
+    try:
+        error = cls(message)
+    except TypeError:  # an error class whose constructor wants more than a message
+        error = error_type(message)
+    raise error from None
 
 
 def all_ranks_agree_ok(ok: bool, message: str = "", error_type: type[Exception] = RuntimeError) -> None:
-    """Raise `error_type` on every rank when any rank failed, so no rank is left waiting in a
-    later collective.
+    """`agreed` for code that already caught its error: each rank says whether it succeeded."""
+    raise_if_any_failed(None if ok else (message, error_type), error_type)
 
-    Each rank passes whether its own step succeeded and, if not, what went wrong; every rank
-    then raises with the messages of all failing ranks.
-    """
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        if not ok:
-            raise error_type(message)
-        return
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (ok, message))
-    ranks_by_message: dict[str, list[int]] = {}
-    for rank, (rank_ok, msg) in enumerate(gathered):
-        if not rank_ok:
-            ranks_by_message.setdefault(msg, []).append(rank)
-    if ranks_by_message:
-        raise error_type("; ".join(f"{_ranks_label(ranks)}: {msg}" for msg, ranks in ranks_by_message.items()))
+
+def run_agreed(fn, on_rank: int | None = None, error_type: type[Exception] = RuntimeError):
+    """Run `fn` on every rank (or only `on_rank`) inside `agreed`; returns its result on the ranks that ran it."""
+    result = None
+    with agreed(error_type):
+        if on_rank is None or get_rank() == on_rank:
+            result = fn()
+    return result
+
+
+def broadcast_from_rank0(value):
+    if not dist.is_initialized() or get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _ranks_label(ranks: list[int]) -> str:

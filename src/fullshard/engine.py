@@ -6,7 +6,6 @@ model built on the meta device lives in `fullshard.loading`; the engine only cal
 
 from __future__ import annotations
 
-import functools
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -14,13 +13,26 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.utils.checkpoint import checkpoint
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from .compile import compile_blocks, set_block_prefetch
 from .dtypes import DTYPES
-from .distributed import ParallelDims, detect_device_type, get_world_size, has_accelerator, init_distributed, shard_mesh
-from .plan import ShardingPlan, build_plan, find_blocks
-
+from .distributed import (
+    Meshes,
+    ParallelDims,
+    agreed,
+    detect_device_type,
+    get_world_size,
+    has_accelerator,
+    init_distributed,
+    shard_mesh,
+)
+from .errors import ConfigError, PlanError
+from .fsdp import apply_activation_checkpointing, is_on_meta
+from .loading import materialize_and_load
+from .parallel.cp import check_context_parallel, enable_context_parallel
+from .parallel.tp import apply_tp_styles, plan_assignments, resolve_tp_plan
+from .plan import ShardingPlan, build_plan
 
 
 @dataclass
@@ -37,6 +49,14 @@ class EngineConfig:
     activation_checkpointing: recompute each block's activations in backward (non-reentrant).
     plan: "auto", a seed-003 `fsdp_plan` dict, or a `ShardingPlan`.
     dp_replicate / dp_shard: the mesh (HSDP when dp_replicate > 1).
+    compile: `torch.compile` each block in place before sharding (`fullshard.compile`).
+    prefetch: explicit all-gather prefetch depth across block units (0: FSDP's default order;
+        `fullshard.compile.set_block_prefetch`).
+    tp_size: tensor-parallel ranks per layer; the mesh is dp_replicate x dp_shard x cp x tp.
+    tp_plan: "auto" (the model's transformers TP plan) or a dict of module glob -> style name.
+    cp_size: context-parallel ranks per sequence; FSDP shards over dp_shard x cp.
+    timeout_s: how long a collective waits for a rank that stopped calling it before every rank
+        fails (the process group's timeout), so a stalled rank ends the run instead of hanging it.
     """
 
     mixed_precision: str = "fp32"
@@ -48,7 +68,13 @@ class EngineConfig:
     plan: Any = "auto"
     dp_replicate: int = 1
     dp_shard: int = -1
+    tp_size: int = 1
+    tp_plan: Any = "auto"
+    cp_size: int = 1
     dcp_path: str | None = None
+    compile: bool = False
+    prefetch: int = 0
+    timeout_s: float = 1800.0
 
     def __post_init__(self) -> None:
         for key in ("mixed_precision", "reduce_dtype"):
@@ -57,6 +83,11 @@ class EngineConfig:
         raf = self.reshard_after_forward
         if not isinstance(raf, (bool, int)) or (not isinstance(raf, bool) and raf < 1):
             raise ValueError(f"reshard_after_forward must be a bool or an int >= 1, got {raf!r}")
+        if not isinstance(self.prefetch, int) or self.prefetch < 0:
+            raise ConfigError(f"prefetch must be an int >= 0, got {self.prefetch!r}")
+        for key in ("tp_size", "cp_size"):
+            if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
+                raise ConfigError(f"{key} must be an int >= 1, got {getattr(self, key)!r}")
 
     @classmethod
     def from_any(cls, config: "EngineConfig | dict | None", **overrides) -> "EngineConfig":
@@ -77,22 +108,27 @@ class EngineConfig:
 
 
 class FSDP2Engine:
-    """Shards models with FSDP2 over a data-parallel mesh.
+    """Shards models with FSDP2 over the data-parallel dims of a mesh, after tensor parallelism on its tp dim.
 
     `FSDP2Engine({"mixed_precision": "bf16", ...})` starts the process group when needed (world
-    size 1 works without torchrun) and builds the mesh from `dp_replicate` / `dp_shard`, unless a
-    `device_mesh` is given.
+    size 1 works without torchrun) and builds the mesh from `dp_replicate` / `dp_shard` /
+    `cp_size` / `tp_size`, unless a `device_mesh` is given (one with a "tp" dim gives TP that dim
+    and FSDP the others). `self.mesh` is the mesh FSDP shards over.
     """
 
     def __init__(self, dist_config: EngineConfig | dict | None = None, device_mesh: DeviceMesh | None = None, **overrides):
         self.config = EngineConfig.from_any(dist_config, **overrides)
         self.device_type = device_mesh.device_type if device_mesh is not None else detect_device_type()
-        self.device = init_distributed(self.device_type)
+        self.device = init_distributed(self.device_type, timeout_s=self.config.timeout_s)
         if device_mesh is None:
-            dims = ParallelDims(self.config.dp_replicate, self.config.dp_shard, get_world_size())
-            device_mesh = dims.build_mesh(self.device_type)
-        self.mesh = device_mesh
+            self.dims = ParallelDims(dp_replicate=self.config.dp_replicate, dp_shard=self.config.dp_shard,
+                                     world_size=get_world_size(), cp=self.config.cp_size, tp=self.config.tp_size)
+            self.meshes = self.dims.build_meshes(self.device_type)
+        else:
+            self.meshes, self.dims = meshes_of(device_mesh, self.config)
+        self.mesh = self.meshes.fsdp
         self.plan: ShardingPlan | None = None
+        self.tp_assignments: dict[str, str] = {}
 
     # ------------------------------------------------------------------ policies
 
@@ -123,8 +159,12 @@ class FSDP2Engine:
         stay meta (to be materialised by the loader).
         """
         plan = build_plan(model, self.config.plan)
+        self.apply_tensor_parallel(model)
+        self.apply_context_parallel(model)
         if self.config.activation_checkpointing:
             apply_activation_checkpointing(model)
+        if self.config.compile:  # after checkpointing, before sharding: torchtitan's order
+            compile_blocks(model)
         modules = dict(model.named_modules())
         for unit in plan.sharding_order():
             targets = [modules[name] for name in unit.modules]
@@ -144,9 +184,33 @@ class FSDP2Engine:
             mp_policy=self.get_mp_policy(),
             offload_policy=self.get_offload_policy(),
         )
+        if self.config.prefetch:
+            set_block_prefetch(model, self.config.prefetch)
         self.plan = plan
-        model.fullshard_plan = plan
         return model
+
+    def apply_tensor_parallel(self, model: nn.Module) -> None:
+        """Split the layers the TP plan names over the tp mesh (a no-op without one).
+
+        The plan is checked on every rank first, so a bad entry is one agreed `PlanError` rather
+        than some ranks waiting in `parallelize_module`'s collectives for ones that raised.
+        """
+        if self.meshes.tp is None:
+            return
+        with agreed(PlanError, "tensor parallel plan"):
+            plan = resolve_tp_plan(model, self.config.tp_plan)
+            assignments = plan_assignments(model, plan, self.meshes.tp.size())
+        apply_tp_styles(model, self.meshes.tp, assignments)
+        self.tp_assignments = assignments
+
+    def apply_context_parallel(self, model: nn.Module) -> None:
+        """Route attention through the all-to-all over the cp mesh (a no-op without one); batches
+        must then be split with `fullshard.parallel.cp.context_parallel_batch`."""
+        if self.meshes.cp is None:
+            return
+        with agreed(PlanError, "context parallel"):
+            check_context_parallel(model, self.dims.tp, self.dims.cp)
+        enable_context_parallel(model, self.meshes.cp)
 
     def _placement(self, param: nn.Parameter) -> Shard | None:
         """Shard dim 0 unless it is shorter than the shard group (e.g. 8 experts over 16 ranks,
@@ -181,64 +245,31 @@ class FSDP2Engine:
         return self.materialize_and_load(self.prepare_model(model), source, self.config.dcp_path, **load_kwargs)
 
     def materialize_and_load(self, model: nn.Module, hf_model_path: str | None, dcp_path: str | None = None, **kwargs):
-        from .loading import materialize_and_load
-
         return materialize_and_load(model, hf_model_path, dcp_path=dcp_path, device=self.device, **kwargs)
 
 
-def is_on_meta(model: nn.Module) -> bool:
-    return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
-
-
-def apply_activation_checkpointing(model: nn.Module) -> None:
-    """Recompute each outermost block in backward (non-reentrant checkpointing).
-
-    The block's `forward` is wrapped in place, not the module, so parameter names and state-dict
-    keys stay exactly those of the checkpoint on disk.
-    """
-    modules = dict(model.named_modules())
-    for name in find_blocks(model):
-        block = modules[name]
-        if getattr(block, "_fullshard_checkpointed", False):
-            continue
-        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
-        block._fullshard_checkpointed = True
-
-
-def reshard_all(model: nn.Module) -> None:
-    """Put every FSDP unit back in its sharded state.
-
-    After a `no_grad` forward the root unit stays unsharded; an optimizer built then would hold
-    the unsharded tensors and silently never update the real parameters.
-    """
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
+def meshes_of(device_mesh: DeviceMesh, config: EngineConfig) -> tuple[Meshes, ParallelDims]:
+    """Split a caller's mesh: a dim named "tp" is tensor parallel, the others (one, or two for HSDP)
+    are FSDP's, as in seed 003's ("fsdp", "tp") mesh. A tp dim of size 1 still applies the plan."""
+    names = device_mesh.mesh_dim_names or ()
+    if config.cp_size > 1:
+        raise ConfigError("cp_size > 1 needs the engine to build its own mesh; do not pass device_mesh")
+    if "tp" not in names:
+        if config.tp_size > 1:
+            raise ConfigError(f"tp_size={config.tp_size} but the given device_mesh has no 'tp' dim (dims: {names})")
+        meshes = Meshes(world=device_mesh, fsdp=device_mesh)
+    else:
+        tp = device_mesh["tp"]
+        if config.tp_size not in (1, tp.size()):
+            raise ConfigError(f"tp_size={config.tp_size} but the device_mesh's 'tp' dim has {tp.size()} ranks")
+        rest = tuple(n for n in names if n != "tp")
+        meshes = Meshes(world=device_mesh, fsdp=device_mesh[rest] if len(rest) > 1 else device_mesh[rest[0]], tp=tp)
+    shape = tuple(meshes.fsdp.shape)
+    dims = ParallelDims(dp_replicate=shape[0] if len(shape) > 1 else 1, dp_shard=shape[-1], world_size=device_mesh.size(),
+                        tp=meshes.tp.size() if meshes.tp is not None else 1)
+    return meshes, dims
 
 
 def apply_fsdp2(model: nn.Module, device_mesh: DeviceMesh | None = None, fsdp_plan: dict | str | None = None, **config):
     """Seed 003's entry point: shard `model` over `device_mesh` following `fsdp_plan`."""
     return FSDP2Engine(dict(config, plan=fsdp_plan or "auto"), device_mesh=device_mesh).prepare_model(model)
-
-
-def fsdp_units(model: nn.Module) -> dict[tuple[str, ...], list[nn.Parameter]]:
-    """What `fully_shard` actually built: each unit's module names and the parameters it manages.
-
-    Read back from FSDP's own state rather than from the plan, so tests can prove the plan was
-    applied as printed.
-    """
-    names = {id(m): n for n, m in model.named_modules()}
-    units: dict[tuple[str, ...], list[nn.Parameter]] = {}
-    seen_groups: set[int] = set()
-    for module in model.modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        group = module._get_fsdp_state()._fsdp_param_group
-        if group is None:  # a unit left with no parameters of its own (e.g. a root whose children took all)
-            units[(names[id(module)],)] = []
-            continue
-        if id(group) in seen_groups:
-            continue
-        seen_groups.add(id(group))
-        units[tuple(names[id(m)] for m in group.modules)] = [p.sharded_param for p in group.fsdp_params]
-    return units

@@ -26,10 +26,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .checkpoint.agree import broadcast_from_rank0, run_agreed
-from .checkpoint.export import GatheredTensor, gather_full, staging_dir, export_hf
-from .distributed import get_rank
-from .engine import reshard_all
+from .checkpoint.export import GatheredTensor, export_hf, gather_full, staging_dir
+from .distributed import broadcast_from_rank0, get_rank, run_agreed
+from .errors import CheckpointError, ConfigError
+from .fsdp import reshard_all
 
 PEFT_PREFIX = "base_model.model."
 BASE_LAYER = ".base_layer"
@@ -54,7 +54,7 @@ def lora_config(config) -> "peft.LoraConfig":  # noqa: F821 - peft is imported l
     try:
         return LoraConfig(**values)
     except TypeError as err:
-        raise ValueError(f"bad LoRA config {config!r}: {err}") from None
+        raise ConfigError(f"bad LoRA config {config!r}: {err}") from None
 
 
 # --------------------------------------------------------------------------------- adapters on meta
@@ -155,7 +155,7 @@ class LoraCheckpointView:
     def name(self, state_name: str) -> str | None:
         if state_name in self.adapter_names:
             return None
-        return state_name.removeprefix(PEFT_PREFIX).replace(BASE_LAYER + ".", ".")
+        return base_name(state_name)
 
 
 def lora_checkpoint_view(peft_model) -> LoraCheckpointView:
@@ -196,15 +196,12 @@ def save_adapter(peft_model, output_dir: str | os.PathLike, adapter_name: str = 
         if keep:
             tensors[key] = full.to("cpu").contiguous()
         del full
-    config = peft_model.peft_config[adapter_name]
     staging = Path(broadcast_from_rank0(str(staging_dir(output_dir)) if keep else None))
 
     def write() -> None:
         staging.mkdir(parents=True)
         save_file(tensors, str(staging / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-        if config.base_model_name_or_path is None:
-            config.base_model_name_or_path = getattr(peft_model.get_base_model().config, "_name_or_path", None)
-        config.save_pretrained(str(staging))
+        write_adapter_config(peft_model, staging, adapter_name)
         output_dir.mkdir(parents=True, exist_ok=True)
         for item in staging.iterdir():
             os.replace(item, output_dir / item.name)
@@ -218,48 +215,50 @@ def save_adapter(peft_model, output_dir: str | os.PathLike, adapter_name: str = 
     return output_dir
 
 
+def write_adapter_config(peft_model, directory: Path, adapter_name: str = "default") -> None:
+    """PEFT's `adapter_config.json` for `adapter_name`, naming the base model it was trained on."""
+    config = peft_model.peft_config[adapter_name]
+    if config.base_model_name_or_path is None:
+        config.base_model_name_or_path = getattr(peft_model.get_base_model().config, "_name_or_path", None)
+    config.save_pretrained(str(directory))
+
+
+def adapter_file_names(state_keys, adapter_name: str = "default") -> dict[str, str]:
+    """Adapter state key -> its name in `adapter_model.safetensors` (PEFT drops the adapter name)."""
+    marks = (f".lora_A.{adapter_name}.", f".lora_B.{adapter_name}.")
+    return {k.replace(f".{adapter_name}", ""): k for k in state_keys if any(m in k for m in marks)}
+
+
 # --------------------------------------------------------------------------------- merged export
 
 
-def _merge_for(layer, adapters: list[str], base_weight: torch.Tensor):
-    """A collective returning `base_weight` with the adapters merged, as PEFT's `Linear.merge` does:
-    W + transpose(B @ A, fan_in_fan_out) * scaling, the delta cast to W's dtype."""
+def base_name(state_name: str) -> str:
+    """The base model's name of a PEFT state name (`base_model.model.x.base_layer.weight` -> `x.weight`)."""
+    return state_name.removeprefix(PEFT_PREFIX).replace(BASE_LAYER + ".", ".")
+
+
+def merge_lora(base: torch.Tensor, terms: list[tuple[torch.Tensor | None, torch.Tensor, float]],
+               fan_in_fan_out: bool) -> torch.Tensor:
+    """`base` with LoRA terms merged in, as PEFT's `Linear.merge` does: W + transpose(B @ A) * scaling
+    per adapter (a bias term has no A: b * scaling), the delta in fp32 then cast to W's dtype. The live
+    export and the offline one (from a checkpoint) both merge here, so they write the same bits."""
     from peft.utils.other import transpose
 
-    def gather() -> torch.Tensor:
-        merged = gather_full(base_weight).clone()
-        for adapter in adapters:
-            a = gather_full(layer.lora_A[adapter].weight)
-            b = gather_full(layer.lora_B[adapter].weight)
-            delta = transpose(b.float() @ a.float(), layer.fan_in_fan_out) * layer.scaling[adapter]
-            merged += delta.to(merged.dtype)
-        return merged
-
-    return gather
+    merged = base.detach().clone()
+    for a, b, scaling in terms:
+        delta = b.float() if a is None else transpose(b.float() @ a.float(), fan_in_fan_out)
+        merged += (delta * scaling).to(merged.dtype)
+    return merged
 
 
-def _merge_bias_for(layer, adapters: list[str], base_bias: torch.Tensor | None):
-    def gather() -> torch.Tensor:
-        merged = gather_full(base_bias).clone()
-        for adapter in adapters:
-            merged += (gather_full(layer.lora_B[adapter].bias) * layer.scaling[adapter]).to(merged.dtype)
-        return merged
+def _unmergeable(peft_model, layers: dict) -> list[str]:
+    """Why each layer's adapters cannot be merged into plain weights (empty when all can)."""
+    from peft.utils import ModulesToSaveWrapper
 
-    return gather
-
-
-def merged_state(peft_model) -> dict[str, torch.Tensor | GatheredTensor]:
-    """The base model's state dict under its own names, every LoRA layer's weight merged lazily.
-
-    Only plain LoRA on `nn.Linear`-like layers is merged here; DoRA and other variants are refused
-    by name rather than exported wrong.
-    """
-    from peft.tuners.lora import LoraLayer
-
-    base = peft_model.get_base_model()
-    layers = {name: m for name, m in base.named_modules() if isinstance(m, LoraLayer)}
-    problems = []
+    problems = [f"{base_name(name)} (modules_to_save copy)" for name, m in peft_model.named_modules()
+                if isinstance(m, ModulesToSaveWrapper)]
     for name, layer in layers.items():
+        name = base_name(name)
         for adapter in layer.active_adapters:
             if adapter in layer.lora_embedding_A:
                 problems.append(f"{name} (LoRA on an embedding)")
@@ -269,26 +268,65 @@ def merged_state(peft_model) -> dict[str, torch.Tensor | GatheredTensor]:
                 problems.append(f"{name} (DoRA or another LoRA variant)")
             elif not isinstance(layer.lora_A[adapter], nn.Linear) or not hasattr(layer, "fan_in_fan_out"):
                 problems.append(f"{name} ({type(layer).__name__})")
+    return problems
+
+
+def merge_recipe(peft_model, state_keys) -> dict:
+    """How to write the merged model from the PEFT model's state (live or in a checkpoint):
+    `names` maps each output name (the base model's, tied aliases left out) to its state key, and
+    `merges` gives the LoRA terms `[A key or None, B key, scaling]` to add to an output tensor.
+    Plain LoRA on linear layers only: anything else is refused by name with a CheckpointError."""
+    from peft.tuners.lora import LoraLayer
+
+    from .checkpoint.export import alias_names
+
+    layers = {name: m for name, m in peft_model.named_modules() if isinstance(m, LoraLayer)}
+    problems = _unmergeable(peft_model, layers)
     if problems:
-        raise NotImplementedError(f"export_merged merges plain LoRA on linear layers only; cannot merge {problems}")
-    state: dict[str, torch.Tensor | GatheredTensor] = {}
-    for key, tensor in base.state_dict().items():
+        raise CheckpointError(f"cannot export LoRA merged into the base weights: only plain LoRA on linear layers "
+                              f"merges, not {', '.join(problems)}")
+    aliases = {base_name(n) for n in alias_names(peft_model.get_base_model())}
+    names, merges = {}, {}
+    for key in state_keys:
         owner, _, leaf = key.rpartition(".")
-        if owner.endswith(BASE_LAYER) and owner[:-len(BASE_LAYER)] in layers:
-            layer_name = owner[:-len(BASE_LAYER)]
-            layer = layers[layer_name]
-            adapters = [a for a in layer.active_adapters if a in layer.lora_A]
-            if leaf == "weight":
-                gather = _merge_for(layer, adapters, tensor)
-            elif leaf == "bias" and any(layer.lora_B[a].bias is not None for a in adapters):
-                gather = _merge_bias_for(layer, adapters, tensor)
-            else:
-                state[f"{layer_name}.{leaf}"] = tensor
-                continue
-            state[f"{layer_name}.{leaf}"] = GatheredTensor(tuple(tensor.shape), tensor.dtype, gather)
-        elif not any(owner == n or owner.startswith(n + ".") for n in layers):
-            state[key] = tensor
-    return state
+        layer_name = owner[:-len(BASE_LAYER)] if owner.endswith(BASE_LAYER) else None
+        if layer_name not in layers:
+            if not any(owner == n or owner.startswith(n + ".") for n in layers) and base_name(key) not in aliases:
+                names[base_name(key)] = key  # not part of a LoRA layer: as it is
+            continue
+        layer, out = layers[layer_name], base_name(key)
+        names[out] = key
+        adapters = [a for a in layer.active_adapters if a in layer.lora_A]
+        if leaf == "weight":
+            terms = [[f"{layer_name}.lora_A.{a}.weight", f"{layer_name}.lora_B.{a}.weight", layer.scaling[a]]
+                     for a in adapters]
+        else:
+            terms = [[None, f"{layer_name}.lora_B.{a}.{leaf}", layer.scaling[a]] for a in adapters
+                     if getattr(layer.lora_B[a], leaf, None) is not None]
+        if terms:
+            merges[out] = {"terms": terms, "fan_in_fan_out": bool(layer.fan_in_fan_out)}
+    adapter = peft_model.active_adapter
+    return {"names": names, "merges": merges, "adapter": {"name": adapter, "files": adapter_file_names(state_keys, adapter)}}
+
+
+def merged_state(peft_model) -> dict[str, torch.Tensor | GatheredTensor]:
+    """The base model's state dict under its own names, every LoRA layer's weight merged lazily
+    (one layer gathered at a time, by `merge_lora`). DoRA and other variants are refused by name."""
+    state = peft_model.state_dict()
+    recipe = merge_recipe(peft_model, state)
+    out: dict[str, torch.Tensor | GatheredTensor] = {}
+    for name, key in recipe["names"].items():
+        merge = recipe["merges"].get(name)
+        if merge is None:
+            out[name] = state[key]
+            continue
+
+        def gather(key=key, merge=merge) -> torch.Tensor:
+            terms = [(None if a is None else gather_full(state[a]), gather_full(state[b]), s) for a, b, s in merge["terms"]]
+            return merge_lora(gather_full(state[key]), terms, merge["fan_in_fan_out"])
+
+        out[name] = GatheredTensor(tuple(state[key].shape), state[key].dtype, gather)
+    return out
 
 
 def export_merged(peft_model, output_dir: str | os.PathLike, tokenizer=None, dtype=None,
@@ -303,5 +341,5 @@ def export_merged(peft_model, output_dir: str | os.PathLike, tokenizer=None, dty
                      max_shard_size=max_shard_size, tensors=state)
 
 
-__all__ = ["LoraCheckpointView", "apply_lora", "export_merged", "is_peft_model", "lora_checkpoint_view",
-           "lora_config", "merged_state", "save_adapter"]
+__all__ = ["LoraCheckpointView", "apply_lora", "base_name", "export_merged", "is_peft_model", "lora_checkpoint_view",
+           "lora_config", "merge_lora", "merge_recipe", "merged_state", "save_adapter"]

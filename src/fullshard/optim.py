@@ -16,7 +16,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .engine import reshard_all
+from .fsdp import reshard_all
+from .tensors import local_tensor
 
 SCHEDULES = ("constant", "linear", "cosine")
 
@@ -48,11 +49,9 @@ def param_groups(
                 embeddings.add(id(module.weight))
     extra = tuple(extra_no_decay)
     groups: dict[tuple, dict] = {}
-    seen: set[int] = set()
-    for name, param in model.named_parameters():
-        if not param.requires_grad or id(param) in seen:
+    for name, param in model.named_parameters():  # a tied weight once, under its first name
+        if not param.requires_grad:
             continue
-        seen.add(id(param))
         no_decay = is_no_decay(name, param, embeddings) or any(token in name for token in extra)
         key = (no_decay, *_placement_key(param))
         group = groups.setdefault(key, {"params": [], "param_names": [], "weight_decay": 0.0 if no_decay else weight_decay})
@@ -127,10 +126,6 @@ def create_scheduler(
 # ---------------------------------------------------------------------------------------------- norms
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def _grads(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     return [p.grad for p in params if p.grad is not None]
 
@@ -163,7 +158,7 @@ def scale_grads_(params: Iterable[torch.Tensor], factor: float) -> None:
     """Multiply every gradient in place; each rank touches only its own shards (no communication)."""
     by_key: dict[tuple, list[torch.Tensor]] = {}
     for grad in _grads(params):
-        local = _local(grad)
+        local = local_tensor(grad)
         by_key.setdefault((local.device, local.dtype), []).append(local)
     for grads in by_key.values():
         torch._foreach_mul_(grads, factor)
@@ -289,7 +284,7 @@ def _move(t: torch.Tensor, device: torch.device, pin: bool) -> torch.Tensor:
 
 
 def _tensor_bytes(t: torch.Tensor) -> int:
-    local = _local(t)
+    local = local_tensor(t)
     return local.numel() * local.element_size()
 
 
@@ -328,7 +323,7 @@ def reload_optimizer(optimizer: torch.optim.Optimizer, device: torch.device | st
     """Move the optimizer state back next to its parameters (or to `device`)."""
     if device is None:
         params = optimizer_params(optimizer)
-        device = _local(params[0]).device if params else torch.device("cpu")
+        device = local_tensor(params[0]).device if params else torch.device("cpu")
     return _move_optimizer_state(optimizer, torch.device(device), pin=False)
 
 

@@ -8,11 +8,13 @@ same error instead of hanging.
 
 Rules the auto plan follows, each for a reason:
 - one unit per transformer block (the repeated layer): the memory/communication sweet spot;
-  only the outermost block when blocks nest (an MoE sparse block inside a decoder layer);
+  only the outermost block when blocks nest (an MoE sparse block inside a decoder layer); blocks
+  are those the model declares, else the largest ModuleList of identical modules (XLNet, XLM);
+  a reversible block (Reformer) is sharded by its children, which its backward calls;
 - the input embedding is its own unit when untied, so its (often largest) weight is freed
   during the layers;
-- the final norm and the output head form a tail unit that keeps its full weight after forward,
-  because backward needs it immediately;
+- the final norm (beside the last trainable block) and the output head form a tail unit that
+  keeps its full weight after forward, because backward needs it immediately;
 - a weight shared by several modules (tied embedding / head) lives in exactly one unit, else the
   two ends are sharded into two different tensors and drift apart from the second step.
 """
@@ -27,6 +29,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from .errors import PlanError
+from .tensors import tensor_aliases
+
 POLICIES = {
     "free_full_weight": ("reshard_after_forward", True),
     "keep_full_weight": ("reshard_after_forward", False),
@@ -40,8 +45,6 @@ BLOCK_CONTAINER_PATHS = ("layers", "model.layers", "h", "transformer.h", "blocks
 FINAL_NORM_NAMES = ("norm", "final_layernorm", "final_layer_norm", "ln_f", "norm_f", "final_norm")
 
 
-class PlanError(ValueError):
-    """A sharding plan that cannot be applied to this model; the message names the entry."""
 
 
 @dataclass(frozen=True)
@@ -64,7 +67,6 @@ class ShardingPlan:
     """The units to shard, innermost first; the root unit (the whole model) is implicit and last."""
 
     units: list[UnitSpec] = field(default_factory=list)
-    mode: str = "manual"
 
     def unit_index_of(self, module_name: str) -> int | None:
         """The innermost unit that holds `module_name` (itself or an ancestor); None means the root."""
@@ -96,7 +98,7 @@ class ShardingPlan:
 
     def parameter_units(self, model: nn.Module) -> dict[str, str]:
         """Each parameter's unit ("<root>" for the root), by its first (canonical) name."""
-        owners = parameter_aliases(model)
+        owners = tensor_aliases(model)
         return {
             names[0]: self._unit_label(self.unit_index_of_parameter(names[0])) for names in owners.values()
         }
@@ -135,7 +137,7 @@ class ShardingPlan:
                 if unit.reshard_after_forward < 1:
                     raise PlanError(f"plan entry {unit.name!r}: reshard_after_forward must be >= 1")
 
-        for names in parameter_aliases(model).values():
+        for names in tensor_aliases(model).values():
             units = {self.unit_index_of_parameter(n) for n in names}
             if len(units) > 1:
                 labels = sorted(self._unit_label(u) for u in units)
@@ -219,22 +221,17 @@ def _module_of(param_name: str) -> str:
     return param_name.rpartition(".")[0]
 
 
-def parameter_aliases(model: nn.Module) -> dict[int, list[str]]:
-    """Every parameter (by identity) with all the names it is reachable under; ties have several.
-
-    Identity, not `_tied_weights_keys`, is the truth: it also catches ties a config does not
-    declare (BERT's decoder bias) and ones made by hand."""
-    owners: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        owners.setdefault(id(param), []).append(name)
-    return owners
-
-
 # --------------------------------------------------------------------------- block detection
 
 
 def get_transformer_block_classes(model: nn.Module) -> set[type[nn.Module]]:
-    """The classes of the repeated blocks, by the first source that names any.
+    """The classes of the repeated blocks (see `find_blocks` for how they are found)."""
+    modules = dict(model.named_modules())
+    return {type(modules[name]) for name in find_blocks(model)}
+
+
+def _declared_block_classes(model: nn.Module) -> set[type[nn.Module]]:
+    """Block classes the model names itself, by the first source that names any.
 
     Order: the model's `_no_split_modules`, then transformers' `GradientCheckpointingLayer`
     subclasses, then the class of the children of a `layers` / `model.layers` / `h` / `blocks`
@@ -271,13 +268,48 @@ def get_transformer_layer_cls(model: nn.Module) -> type[nn.Module] | None:
 
 
 def find_blocks(model: nn.Module) -> list[str]:
-    """Names of the outermost block modules, in model order."""
-    classes = get_transformer_block_classes(model)
+    """Names of the outermost block modules, in model order.
+
+    Blocks the model declares (`_declared_block_classes`) win; a model that declares none
+    (XLNet, XLM, Reformer, CPM-Ant) gets its repeated blocks found from its structure
+    (`_repeated_block_lists`).
+    """
+    classes = tuple(_declared_block_classes(model))
+    if not classes:
+        lists = _repeated_block_lists(model)
+        return [f"{name}.{index}" for name in lists for index in range(len(model.get_submodule(name)))]
     blocks: list[str] = []
     for name, module in model.named_modules():
-        if name and isinstance(module, tuple(classes)) and not any(_is_within(name, b) for b in blocks):
+        if name and isinstance(module, classes) and not any(_is_within(name, b) for b in blocks):
             blocks.append(name)
     return blocks
+
+
+def _parameter_count(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _repeated_block_lists(model: nn.Module) -> list[str]:
+    """The ModuleList of identical blocks holding the most parameters, with its parallel siblings.
+
+    Parallel siblings are lists beside it of the same length that hold at least a quarter of its
+    parameters: XLM keeps each layer's attention and feed-forward in two such lists, and both
+    deserve a unit per layer (its per-layer norms, far smaller, stay in the root).
+    """
+    lists = {
+        name: module for name, module in model.named_modules()
+        if isinstance(module, nn.ModuleList) and len(module) > 1
+        and len({type(m) for m in module}) == 1 and _parameter_count(module) > 0
+    }
+    if not lists:
+        return []
+    largest = max(lists, key=lambda n: _parameter_count(lists[n]))
+    parent, size = largest.rpartition(".")[0], _parameter_count(lists[largest])
+    return [
+        name for name, module in lists.items()
+        if name == largest or (name.rpartition(".")[0] == parent and len(module) == len(lists[largest])
+                               and 4 * _parameter_count(module) >= size)
+    ]
 
 
 def _block_container(model: nn.Module) -> nn.ModuleList | None:
@@ -305,10 +337,16 @@ def _module_name(model: nn.Module, target: nn.Module | None) -> str | None:
 
 
 def find_final_norm(model: nn.Module, blocks: list[str]) -> str | None:
-    """The norm applied after the last block: a sibling of the block list named like a final norm."""
+    """The norm applied after the last block: a sibling of the block list named like a final norm.
+
+    The last block that trains decides, not the last one registered: BLT registers a frozen side
+    model (`model.patcher`, with a norm of its own) after its decoder.
+    """
     if not blocks:
         return None
-    parent = blocks[-1].rpartition(".")[0].rpartition(".")[0]  # "model.layers.3" -> "model"
+    trainable = [b for b in blocks if any(p.requires_grad for p in model.get_submodule(b).parameters())]
+    last = (trainable or blocks)[-1]
+    parent = last.rpartition(".")[0].rpartition(".")[0]  # "model.layers.3" -> "model"
     for candidate in FINAL_NORM_NAMES:
         name = f"{parent}.{candidate}" if parent else candidate
         if _get_submodule(model, name) is not None:
@@ -335,13 +373,30 @@ def auto_plan(model: nn.Module, cpu_offload: bool | None = None, mixed_precision
     units = []
     if embed is not None and embed != "" and not _shares_parameters(model, embed, head):
         units.append(unit([embed], source="auto: input embeddings"))
-    units += [unit([b], source=f"auto: block {b}") for b in blocks]
+    units += [unit([b], source=f"auto: block {b}") for b in _block_unit_roots(model, blocks)]
     tail = [norm, head]
     if embed is not None and _shares_parameters(model, embed, head):
         tail = [embed, norm, head]
     units.append(unit(tail, reshard=False, source="auto: tail"))
-    plan = ShardingPlan([u for u in units if u is not None], mode="auto")
+    plan = ShardingPlan([u for u in units if u is not None])
     return _split_trainable(model, _merge_shared(model, plan))
+
+
+def _block_unit_roots(model: nn.Module, blocks: list[str]) -> list[str]:
+    """The module each block unit is rooted at: the block, or its children for a reversible block.
+
+    A reversible block (Reformer's, marked by the RevNet convention of a `backward_pass` method)
+    recomputes its children by hand in backward without calling the block itself, so a unit around
+    the block would never be gathered there; its children, which are called, become the units.
+    """
+    roots = []
+    for name in blocks:
+        block = model.get_submodule(name)
+        if callable(getattr(block, "backward_pass", None)):
+            roots += [f"{name}.{child}" for child, module in block.named_children() if _parameter_count(module)]
+        else:
+            roots.append(name)
+    return roots
 
 
 def _safe_call(fn):
@@ -368,8 +423,8 @@ def _merge_shared(model: nn.Module, plan: ShardingPlan) -> ShardingPlan:
     changed = True
     while changed:
         changed = False
-        current = ShardingPlan(units, plan.mode)
-        for names in parameter_aliases(model).values():
+        current = ShardingPlan(units)
+        for names in tensor_aliases(model).values():
             owner_modules = [_module_of(n) for n in names]
             indices = {current.unit_index_of(m) for m in owner_modules}
             if len(indices) <= 1:
@@ -390,7 +445,7 @@ def _merge_shared(model: nn.Module, plan: ShardingPlan) -> ShardingPlan:
             units[targets[0]] = merged
             changed = True
             break
-    return ShardingPlan(units, plan.mode)
+    return ShardingPlan(units)
 
 
 def _split_trainable(model: nn.Module, plan: ShardingPlan) -> ShardingPlan:
@@ -403,17 +458,24 @@ def _split_trainable(model: nn.Module, plan: ShardingPlan) -> ShardingPlan:
     block, not one per adapter.
     """
     modules = dict(model.named_modules())
-    extra = []
+    units, extra = [], []
     for index, unit in enumerate(plan.units):
         names = [n for n in modules if plan.unit_index_of(n) == index]
         flags = {p.requires_grad for n in names for p in modules[n].parameters(recurse=False)}
         if flags != {True, False}:
+            units.append(unit)
             continue
         # modules that own parameters directly are the ones whose forward runs (a ModuleDict of
         # adapters is only indexed, so hooks on it would never fire)
         trainable = [n for n in names if {p.requires_grad for p in modules[n].parameters(recurse=False)} == {True}]
+        # a module that moves out whole (a trainable head listed beside a frozen norm) leaves the unit
+        kept = tuple(m for m in unit.modules if m not in trainable)
+        if not kept:  # the frozen part sits below a trainable root: no unit can hold it apart
+            units.append(unit)
+            continue
+        units.append(replace(unit, modules=kept))
         extra.append(replace(unit, modules=tuple(trainable), source=f"{unit.source}: trainable part"))
-    return ShardingPlan(plan.units + extra, plan.mode)
+    return ShardingPlan(units + extra)
 
 
 def _glob_to_regex(pattern: str) -> re.Pattern:
@@ -453,7 +515,7 @@ def manual_plan(model: nn.Module, modules: dict[str, list[str] | str]) -> Shardi
             units += [UnitSpec((m,), source=key, **settings) for m in matched_groups[0]]
         else:
             units.append(UnitSpec(tuple(m for group in matched_groups for m in group), source=key, **settings))
-    return ShardingPlan(units, mode="manual")
+    return ShardingPlan(units)
 
 
 def build_plan(model: nn.Module, spec: ShardingPlan | dict | str | None = None) -> ShardingPlan:

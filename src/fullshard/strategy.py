@@ -3,119 +3,163 @@
 The strategy keeps the state a training loop written against that API expects to be hidden:
 which micro-batch of the accumulation window this is (to defer or not defer the gradient sync
 and to step only at the window's end), the loss scaler, and the engine that shards models.
-Everything it does is a call into `engine`, `optim` and `checkpoint`; nothing is reimplemented.
+Its options are the engine's `EngineConfig` (taken whole, unknown keys refused) plus its own
+few; the batch arithmetic is `batch_arithmetic`, used by the trainer's config too. Everything it
+does is a call into `engine`, `optim` and `checkpoint`; nothing is reimplemented.
 """
 
 from __future__ import annotations
 
 import contextlib
-from types import SimpleNamespace
-from typing import Any
+from dataclasses import replace
+from datetime import timedelta
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from . import optim
-from .distributed import ParallelDims, get_rank, get_world_size, init_distributed
 from .checkpoint.rng import seed_everything
-from .engine import FSDP2Engine, is_on_meta
+from .distributed import ParallelDims, get_rank, get_world_size, init_distributed
+from .engine import EngineConfig, FSDP2Engine, is_on_meta
+from .errors import ConfigError
+from .log import warn_rank0
 
 ACCUMULATION_POLICIES = ("reduce_scatter_every", "defer_sync")
 
 
-def batch_arithmetic(train_batch_size: int, micro_batch_size: int, dp_size: int) -> int:
-    """Micro-batches per rank per optimizer step; a train batch that does not split evenly is an error
-    (a silent remainder would train on a batch size nobody asked for)."""
-    for key, value in (("train_batch_size", train_batch_size), ("micro_train_batch_size", micro_batch_size)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{key} must be a positive integer, got {value!r}")
+def batch_arithmetic(train_batch_size: int, micro_batch_size: int, dp_size: int,
+                     names: tuple[str, str] = ("train_batch_size", "micro_train_batch_size")) -> int:
+    """Micro-batches per rank per optimizer step: the one place this is computed and checked.
+
+    A train batch that does not split evenly is an error (a silent remainder would train on a
+    batch size nobody asked for). `names` are the keys the caller knows the two sizes by, so the
+    error names them as the user wrote them (`train.global_batch_size` in a config).
+    """
+    for key, value in zip(names, (train_batch_size, micro_batch_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{key} must be a positive integer, got {value!r}")
     per_step = micro_batch_size * dp_size
     if train_batch_size % per_step:
-        raise ValueError(
-            f"train_batch_size={train_batch_size} is not divisible by micro_train_batch_size={micro_batch_size} "
-            f"x data-parallel size {dp_size} = {per_step}"
-        )
+        raise ConfigError(f"{names[0]}={train_batch_size} is not divisible by {names[1]}={micro_batch_size} "
+                          f"x data-parallel size {dp_size} = {per_step}")
     return train_batch_size // per_step
+
+
+def describe_mesh(dims: ParallelDims) -> str:
+    """One line for logs and `fullshard plan`: each mesh dim, and what the data and FSDP split over."""
+    sizes = f"dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard} x cp {dims.cp} x tp {dims.tp}"
+    return (f"mesh {sizes} = {dims.world_size} rank(s): data split {dims.dp_size} way(s), sharded over "
+            f"{dims.fsdp_shard_size} rank(s)" + (f" x {dims.dp_replicate} replica(s)" if dims.hsdp else ""))
+
+
+def resolve_precision(bf16: bool | None, fp16: bool, configured: str | None) -> str:
+    """Seed 001's `bf16` / `fp16` flags and the engine config's `mixed_precision` are one setting:
+    the flags may restate the config but not contradict it (which one would win is a guess)."""
+    if bf16 and fp16:
+        raise ConfigError("bf16=True and fp16=True are exclusive: pick one compute dtype")
+    flagged = "fp16" if fp16 else "bf16" if bf16 else "fp32" if bf16 is False else None
+    if configured is None:
+        return flagged or "bf16"  # seed 001's default
+    if flagged is not None and flagged != configured:
+        raise ConfigError(f"bf16={bf16}, fp16={fp16} ask for {flagged} compute but the engine config has "
+                          f"mixed_precision={configured!r}: set one of them")
+    return configured
+
+
+def engine_config(config: EngineConfig | dict | None) -> tuple[EngineConfig, str | None]:
+    """The engine config (unknown keys refused by name) and the precision it sets, if it sets one."""
+    try:
+        resolved = EngineConfig.from_any(config)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(str(err)) from None
+    configured = config.get("mixed_precision") if isinstance(config, dict) else (
+        None if config is None else resolved.mixed_precision)
+    return resolved, configured
 
 
 class FSDPStrategy:
     """Distributed training with FSDP2 behind seed 001's methods.
 
-    `max_norm=0.0` means no clipping (the gradients are left untouched; the norm is still
-    measured). `args` (a dict or namespace) carries the rest: `accumulation_policy`
-    ("reduce_scatter_every", the default, keeps gradients sharded between micro-batches;
-    "defer_sync" reduces once per window, trading memory for communication; on HSDP only the
-    cross-replica all-reduce is deferred), `fp16`, `adam_offload`, `dp_replicate`,
-    `activation_checkpointing`, `offload_params`, `reduce_dtype`.
+    `config` is the engine's: an `EngineConfig` (the trainer hands it `fsdp` whole) or the
+    seed-000 dict; every field reaches the engines this strategy builds, and an unknown key is an
+    error. The strategy's own options: `max_norm=0.0` means no clipping (the norm is still
+    measured); `bf16` / `fp16` are seed 001's spelling of `mixed_precision`;
+    `accumulation_policy` "reduce_scatter_every" (the default) keeps gradients sharded between
+    micro-batches, "defer_sync" reduces once per window, trading memory for communication (on
+    HSDP only the cross-replica all-reduce is deferred); `adam_offload` moves the optimizer state
+    to CPU between phases (`maybe_offload_optimizer`).
     """
 
     def __init__(self, seed: int = 42, max_norm: float = 0.0, micro_train_batch_size: int = 1,
-                 train_batch_size: int = 1, bf16: bool = True, args: Any = None):
+                 train_batch_size: int = 1, bf16: bool | None = None, *, config: EngineConfig | dict | None = None,
+                 fp16: bool = False, accumulation_policy: str = "reduce_scatter_every", adam_offload: bool = False):
         self.seed = seed
         self.max_norm = float(max_norm)
         self.micro_train_batch_size = micro_train_batch_size
         self.train_batch_size = train_batch_size
-        self.bf16 = bf16
-        self.args = SimpleNamespace(**args) if isinstance(args, dict) else (args or SimpleNamespace())
-        self.accumulation_policy = self._arg("accumulation_policy", "reduce_scatter_every")
-        if self.accumulation_policy not in ACCUMULATION_POLICIES:
-            raise ValueError(f"accumulation_policy must be one of {ACCUMULATION_POLICIES}, got {self.accumulation_policy!r}")
-        self.fp16 = bool(self._arg("fp16", False))
-        if self.fp16 and self.bf16:
-            raise ValueError("bf16=True and fp16=True are exclusive: pick one compute dtype")
-        self.adam_offload = bool(self._arg("adam_offload", False))
+        if accumulation_policy not in ACCUMULATION_POLICIES:
+            raise ConfigError(f"accumulation_policy must be one of {ACCUMULATION_POLICIES}, got {accumulation_policy!r}")
+        self.accumulation_policy = accumulation_policy
+        resolved, configured = engine_config(config)
+        self.config = replace(resolved, mixed_precision=resolve_precision(bf16, fp16, configured))
+        self.bf16, self.fp16 = self.config.mixed_precision == "bf16", self.config.mixed_precision == "fp16"
+        self.adam_offload = adam_offload
         self.scaler = optim.ShardedGradScaler() if self.fp16 else None
-        self.engines: dict[int, FSDP2Engine] = {}
+        self.engines: dict[tuple, FSDP2Engine] = {}
         self.dims: ParallelDims | None = None
         self.accumulated_gradient = 1
         self.last_step: optim.StepResult | None = None
         self.skipped_steps = 0
         self._micro_step = 0
 
-    def _arg(self, name: str, default: Any) -> Any:
-        return getattr(self.args, name, default)
-
     # ------------------------------------------------------------------ setup
 
-    def setup_distributed(self, timeout=None) -> None:
-        """Start the process group (world 1 without a launcher), seed every RNG, check the batch arithmetic."""
+    def setup_distributed(self, timeout: timedelta | float | None = None) -> None:
+        """Start the process group (world 1 without a launcher) with the config's `timeout_s` (or
+        `timeout`), seed every RNG, and check the batch arithmetic against the mesh."""
         seed_everything(self.seed)
-        self.device = init_distributed(timeout_s=timeout.total_seconds() if hasattr(timeout, "total_seconds") else timeout)
-        self.dims = ParallelDims(dp_replicate=self._arg("dp_replicate", 1), dp_shard=-1, world_size=get_world_size())
-        self.accumulated_gradient = batch_arithmetic(self.train_batch_size, self.micro_train_batch_size, self.dims.dp_size)
+        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+        self.device = init_distributed(timeout_s=self.config.timeout_s if seconds is None else seconds)
+        try:
+            self.dims = ParallelDims(self.config.dp_replicate, self.config.dp_shard, get_world_size(),
+                                     cp=self.config.cp_size, tp=self.config.tp_size)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        self.accumulated_gradient = batch_arithmetic(self.train_batch_size, self.micro_train_batch_size,
+                                                     self.dims.dp_size)
 
     def _ensure_setup(self) -> None:
         if self.dims is None:
             self.setup_distributed()
 
     @property
-    def dp_size(self) -> int:
+    def parallel_dims(self) -> ParallelDims:
+        """The mesh's layout (dp_replicate x dp_shard x cp x tp), setting the strategy up if needed."""
         self._ensure_setup()
-        return self.dims.dp_size
+        return self.dims
 
-    def engine(self, shard_size: int = -1, reshard_after_forward: bool | int = True) -> FSDP2Engine:
+    @property
+    def dp_size(self) -> int:
+        """Ranks that see different data: the batch arithmetic's divisor (cp and tp ranks share a batch)."""
+        return self.parallel_dims.dp_size
+
+    def engine(self, shard_size: int = -1, reshard_after_forward: bool | int | None = None) -> FSDP2Engine:
+        """The engine for the config, or for another shard group size / reshard policy (seed 001's
+        `prepare_model` options); one engine per such pair, built once."""
         self._ensure_setup()
-        world = get_world_size()
-        if shard_size == -1:
-            dp_replicate, shard_size = self.dims.dp_replicate, self.dims.dp_shard
-        else:
-            if world % shard_size:
-                raise ValueError(f"shard_size={shard_size} does not divide the world size {world}")
-            dp_replicate = world // shard_size
-        key = (shard_size, reshard_after_forward)
+        overrides = {}
+        if shard_size != -1:  # the FSDP shard group: dp_shard x cp ranks, replicated over the rest but tp
+            cp, tp = self.dims.cp, self.dims.tp
+            if get_world_size() % (shard_size * tp) or shard_size % cp:
+                raise ConfigError(f"shard_size={shard_size} x tp_size={tp} does not divide the world size "
+                                  f"{get_world_size()}, or cp_size={cp} does not divide shard_size")
+            overrides.update(dp_replicate=get_world_size() // (shard_size * tp), dp_shard=shard_size // cp)
+        if reshard_after_forward is not None:
+            overrides["reshard_after_forward"] = reshard_after_forward
+        key = tuple(sorted(overrides.items()))
         if key not in self.engines:
-            precision = "bf16" if self.bf16 else "fp16" if self.fp16 else "fp32"
-            self.engines[key] = FSDP2Engine({
-                "mixed_precision": precision,
-                "reduce_dtype": self._arg("reduce_dtype", "fp32"),
-                "reshard_after_forward": reshard_after_forward,
-                "offload_params": bool(self._arg("offload_params", False)),
-                "activation_checkpointing": bool(self._arg("activation_checkpointing", False)),
-                "plan": self._arg("plan", "auto"),
-                "dp_replicate": dp_replicate,
-                "dp_shard": shard_size,
-            })
+            self.engines[key] = FSDP2Engine(replace(self.config, **overrides))
         return self.engines[key]
 
     def init_model_context(self, meta_init: bool = False):
@@ -128,7 +172,7 @@ class FSDPStrategy:
         return meta_init()
 
     def prepare_model(self, model: nn.Module, is_training: bool = False, shard_size: int = -1,
-                      reshard_after_forward: bool | int = True) -> nn.Module:
+                      reshard_after_forward: bool | int | None = None) -> nn.Module:
         """Shard `model` (loading its weights if it was built on meta); eval mode unless training."""
         engine = self.engine(shard_size, reshard_after_forward)
         model = engine.shard_model(model) if is_on_meta(model) else engine.prepare_model(model)
@@ -182,8 +226,8 @@ class FSDPStrategy:
         result = optim.clip_and_step(optimizer, self.max_norm, scheduler, self.scaler)
         self.last_step = result
         self.skipped_steps += int(result.skipped)
-        if result.skipped and get_rank() == 0:
-            print(f"[fullshard] {name}: non-finite grad norm ({result.grad_norm}); step skipped on every rank")
+        if result.skipped:
+            warn_rank0(f"{name}: non-finite grad norm ({result.grad_norm}); step skipped on every rank", once=False)
         return result
 
     # ------------------------------------------------------------------ offload (generation phases)
@@ -208,26 +252,21 @@ class FSDPStrategy:
 
     def save_ckpt(self, model, save_dir, tag=None, max_num=3, max_mem=1000, client_state=None, save_latest=True,
                   optimizer=None, scheduler=None):
-        """Sharded DCP checkpoint with rotation by count and total size (GB); the step counter and
-        the loss scaler ride along in the client state."""
+        """Sharded DCP checkpoint with rotation by count and total size (MB); the strategy's own
+        state (step counter, loss scaler) is saved once, as the checkpoint's "strategy" state."""
         from .checkpoint import save_ckpt
 
-        state = dict(client_state or {})
-        state["fullshard_strategy"] = self.state_dict()
-        return save_ckpt(model, save_dir, tag=tag, max_num=max_num, max_mem=max_mem, client_state=state,
-                         save_latest=save_latest, optimizer=optimizer, scheduler=scheduler)
+        return save_ckpt(model, save_dir, tag=tag, max_num=max_num, max_mem=max_mem, client_state=client_state,
+                         save_latest=save_latest, optimizer=optimizer, scheduler=scheduler, states={"strategy": self})
 
     def load_ckpt(self, model, load_dir, optimizer=None, scheduler=None, load_module_strict=True,
                   load_optimizer_states=True, load_lr_scheduler_states=True):
         """Returns `(load_dir, client_state)`, as seed 001 does; restores the strategy's own state."""
         from .checkpoint import load_ckpt
 
-        load_path, client_state = load_ckpt(
-            model, load_dir, optimizer=optimizer if load_optimizer_states else None,
-            scheduler=scheduler if load_lr_scheduler_states else None, load_module_strict=load_module_strict)
-        if client_state and "fullshard_strategy" in client_state:
-            self.load_state_dict(client_state.pop("fullshard_strategy"))
-        return load_path, client_state
+        return load_ckpt(model, load_dir, optimizer=optimizer, scheduler=scheduler, load_module_strict=load_module_strict,
+                         load_optimizer_states=load_optimizer_states,
+                         load_lr_scheduler_states=load_lr_scheduler_states, states={"strategy": self})
 
     def save_model(self, model, tokenizer, output_dir, **kwargs) -> None:
         """A plain Hugging Face directory (safetensors, config, tokenizer), gathered without any
@@ -237,11 +276,18 @@ class FSDPStrategy:
         save_model(model, tokenizer, output_dir, **kwargs)
 
     def state_dict(self) -> dict:
-        return {"micro_step": self._micro_step, "skipped_steps": self.skipped_steps,
+        return {"micro_step": self._micro_step, "window": self.accumulated_gradient, "skipped_steps": self.skipped_steps,
                 "scaler": self.scaler.state_dict() if self.scaler is not None else None}
 
     def load_state_dict(self, state: dict) -> None:
-        self._micro_step = state["micro_step"]
+        """Resumes at the same optimizer step on any world size: the micro-step counter is kept in
+        optimizer steps, since the window (micro-batches per step) changes with the dp size (once
+        set up; before `setup_distributed` the window is not known and the count is kept as saved)."""
+        window = state.get("window")
+        if self.dims is not None and window:
+            self._micro_step = state["micro_step"] // window * self.accumulated_gradient
+        else:
+            self._micro_step = state["micro_step"]
         self.skipped_steps = state["skipped_steps"]
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
@@ -252,6 +298,8 @@ class FSDPStrategy:
         return get_rank() == 0
 
     def print(self, *args, **kwargs) -> None:
+        """The training script's own output on rank 0, as seed 001 prints it (fullshard's own
+        messages go through `fullshard.log`)."""
         if self.is_rank_0():
             print(*args, **kwargs)
 

@@ -15,7 +15,6 @@ import re
 import shutil
 import struct
 import uuid
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -23,11 +22,12 @@ from typing import Callable
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..distributed import all_ranks_agree_ok, get_rank, get_world_size
+from ..distributed import all_ranks_agree_ok, broadcast_from_rank0, get_rank, get_world_size, run_agreed
 from ..dtypes import SAFETENSORS_NAMES, dtype_name, resolve_dtype
-from ..engine import reshard_all
+from ..errors import CheckpointError
+from ..fsdp import reshard_all
+from ..tensors import tensor_aliases
 from . import layout
-from .agree import broadcast_from_rank0, run_agreed
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -43,48 +43,45 @@ def parse_size(size: int | str) -> int:
     else:
         match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", str(size), re.I)
         if not match:
-            raise ValueError(f"max_shard_size {size!r} is not a size like 5GB, 500MB or an int of bytes")
+            raise CheckpointError(f"max_shard_size {size!r} is not a size like 5GB, 500MB or an int of bytes")
         value = int(float(match.group(1)) * _UNITS[(match.group(2) or "").upper()])
     if value <= 0:
-        raise ValueError(f"max_shard_size must be positive, got {size!r}")
+        raise CheckpointError(f"max_shard_size must be positive, got {size!r}")
     return value
 
 
 def source_dtype(model: torch.nn.Module) -> torch.dtype:
-    """The dtype the model's weights came in: what an export writes unless told otherwise.
-
-    Master weights are often upcast (bf16 files trained in fp32), so the parameters' dtype is
-    the last resort; a loader that knows better sets `model.fullshard_source_dtype`.
-    """
-    for candidate in (getattr(model, "fullshard_source_dtype", None), getattr(getattr(model, "config", None), "dtype", None)):
-        if candidate is not None:
-            try:
-                resolved = resolve_dtype(candidate)
-            except ValueError:
-                continue
-            if resolved is not None:
-                return resolved
+    """The dtype the model's weights came in (its config's `dtype`): what an export writes unless
+    told otherwise. Master weights are often upcast (bf16 files trained in fp32), so the
+    parameters' dtype is the last resort."""
+    try:
+        configured = resolve_dtype(getattr(getattr(model, "config", None), "dtype", None))
+    except ValueError:
+        configured = None
+    if configured is not None:
+        return configured
     floating = [p.dtype for p in model.parameters() if p.is_floating_point()]
     return floating[0] if floating else torch.float32
 
 
-def tied_alias_keys(model: torch.nn.Module) -> list[str]:
-    """State keys that are the same parameter as an earlier-named one; written once, under the
-    canonical name, as `save_pretrained` does (the HF tie map names the alias; otherwise the
-    second name of a shared parameter is the alias)."""
-    named = dict(model.named_parameters(remove_duplicate=False))
-    aliases: set[str] = set()
+def alias_names(model: torch.nn.Module) -> set[str]:
+    """Parameter names that are the same tensor as another, canonical one: written once, under the
+    canonical name, as `save_pretrained` does. The canonical name is the tie's target in the HF tie
+    map when the model declares one (the loader ties the alias to it), else the first registered."""
     tie_map = getattr(model, "all_tied_weights_keys", None) or getattr(model, "_tied_weights_keys", None)
-    if isinstance(tie_map, dict):
-        for alias, canonical in tie_map.items():
-            if alias in named and canonical in named and named[alias] is named[canonical]:
-                aliases.add(alias)
-    first_name: dict[int, str] = {}
-    for name, param in named.items():
-        if id(param) in first_name and name not in aliases and first_name[id(param)] not in aliases:
-            aliases.add(name)
-        first_name.setdefault(id(param), name)
-    return sorted(aliases)
+    targets = set(tie_map.values()) if isinstance(tie_map, dict) else set()
+    aliases = set()
+    for names in tensor_aliases(model).values():
+        canonical = next((n for n in names if n in targets), names[0])
+        aliases.update(n for n in names if n != canonical)
+    return aliases
+
+
+def export_recipe(model: torch.nn.Module, state_keys) -> dict:
+    """What an export writes from a model's state: output name -> state key (aliases left out).
+    A LoRA model's recipe (`fullshard.lora.merge_recipe`) also merges adapters; this is the plain one."""
+    aliases = alias_names(model)
+    return {"names": {k: k for k in state_keys if k not in aliases}, "merges": {}}
 
 
 def config_json(model: torch.nn.Module) -> str | None:
@@ -99,7 +96,7 @@ def generation_config_json(model: torch.nn.Module) -> str | None:
 
 
 @dataclass
-class _Entry:
+class Entry:
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype  # the dtype written
@@ -112,13 +109,13 @@ class _Entry:
         return numel * self.dtype.itemsize
 
 
-def _out_dtype(stored: torch.dtype, dtype: torch.dtype) -> torch.dtype:
+def written_dtype(stored: torch.dtype, dtype: torch.dtype) -> torch.dtype:
     return dtype if stored.is_floating_point else stored
 
 
-def plan_files(entries: list[_Entry], max_bytes: int) -> list[tuple[str, list[_Entry]]]:
+def plan_files(entries: list[Entry], max_bytes: int) -> list[tuple[str, list[Entry]]]:
     """Group tensors in order into files of at most `max_bytes` (a bigger tensor gets its own file)."""
-    groups: list[list[_Entry]] = []
+    groups: list[list[Entry]] = []
     size = 0
     for entry in entries:
         if not groups or (groups[-1] and size + entry.nbytes > max_bytes):
@@ -131,7 +128,7 @@ def plan_files(entries: list[_Entry], max_bytes: int) -> list[tuple[str, list[_E
     return [(f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors", group) for i, group in enumerate(groups)]
 
 
-def _export_config(raw: str, class_name: str, dtype: torch.dtype) -> str:
+def export_config(raw: str, class_name: str, dtype: torch.dtype) -> str:
     config = json.loads(raw)
     config["architectures"] = [class_name]
     config["dtype"] = dtype_name(dtype)
@@ -144,7 +141,7 @@ def staging_dir(output_dir: Path) -> Path:
     return output_dir.parent / f".{output_dir.name}{layout.TMP_PREFIX}{uuid.uuid4().hex[:8]}"
 
 
-class _SafetensorsStream:
+class SafetensorsStream:
     """Writes one safetensors file a tensor at a time.
 
     The header (names, dtypes, shapes, offsets) follows from the plan alone, so it goes first and
@@ -152,12 +149,12 @@ class _SafetensorsStream:
     tensor in hand, whatever `max_shard_size` is.
     """
 
-    def __init__(self, path: Path, entries: list[_Entry]):
+    def __init__(self, path: Path, entries: list[Entry]):
         header: dict = {"__metadata__": {"format": "pt"}}
         offset = 0
         for entry in entries:
             if entry.dtype not in SAFETENSORS_NAMES:
-                raise TypeError(f"tensor {entry.name!r} has dtype {entry.dtype}, which safetensors cannot store")
+                raise CheckpointError(f"tensor {entry.name!r} has dtype {entry.dtype}, which safetensors cannot store")
             header[entry.name] = {"dtype": SAFETENSORS_NAMES[entry.dtype], "shape": list(entry.shape),
                                   "data_offsets": [offset, offset + entry.nbytes]}
             offset += entry.nbytes
@@ -171,19 +168,19 @@ class _SafetensorsStream:
     def write(self, name: str, tensor: torch.Tensor) -> None:
         expected, nbytes = self.pending.pop(0)
         if name != expected or tensor.numel() * tensor.element_size() != nbytes:
-            raise RuntimeError(f"{self.path}: got {name!r} ({tuple(tensor.shape)}) where {expected!r} of {nbytes} bytes belongs")
+            raise CheckpointError(f"{self.path}: got {name!r} ({tuple(tensor.shape)}) where {expected!r} of {nbytes} bytes belongs")
         self.handle.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data)
 
     def close(self) -> None:
         if self.pending:
-            raise RuntimeError(f"{self.path}: {len(self.pending)} tensors never arrived, first {self.pending[0][0]!r}")
+            raise CheckpointError(f"{self.path}: {len(self.pending)} tensors never arrived, first {self.pending[0][0]!r}")
         self.handle.flush()
         os.fsync(self.handle.fileno())
         self.handle.close()
 
 
-def _finish_directory(staging: Path, output_dir: Path, files: list[tuple[str, list[_Entry]]], config: str | None,
-                      generation_config: str | None, tokenizer) -> None:
+def finish_directory(staging: Path, output_dir: Path, files: list[tuple[str, list[Entry]]], config: str | None,
+                     generation_config: str | None, tokenizer) -> None:
     """Index, configs and tokenizer into `staging`, then move every file into `output_dir`.
 
     Weight files of an earlier export that the new one does not have are removed, so the
@@ -208,7 +205,7 @@ def _finish_directory(staging: Path, output_dir: Path, files: list[tuple[str, li
     for item in staging.iterdir():
         target = output_dir / item.name
         if target.is_dir() and not item.is_dir():
-            raise IsADirectoryError(f"cannot write {target}: a directory of that name exists")
+            raise CheckpointError(f"cannot write {target}: a directory of that name exists")
         if item.is_dir():
             shutil.rmtree(target, ignore_errors=True)
         os.replace(item, target)
@@ -250,16 +247,16 @@ def export_hf(model: torch.nn.Module, output_dir: str | os.PathLike, tokenizer=N
     output_dir = Path(output_dir)
     config = config_json(model)
     if config is None:
-        raise ValueError(f"{type(model).__name__} has no Hugging Face config: export_hf needs a transformers model")
+        raise CheckpointError(f"{type(model).__name__} has no Hugging Face config: export_hf needs a transformers model")
     out_dtype = resolve_dtype(dtype) or source_dtype(model)
     max_bytes = parse_size(max_shard_size)
     reshard_all(model)
     state = model.state_dict() if tensors is None else tensors
-    aliases = set(tied_alias_keys(model))
-    entries = [_Entry(k, tuple(t.shape), _out_dtype(t.dtype, out_dtype)) for k, t in state.items() if k not in aliases]
+    aliases = alias_names(model)
+    entries = [Entry(k, tuple(t.shape), written_dtype(t.dtype, out_dtype)) for k, t in state.items() if k not in aliases]
     files = plan_files(entries, max_bytes)
     staging = Path(broadcast_from_rank0(str(staging_dir(output_dir)) if get_rank() == 0 else None))
-    run_agreed(lambda: staging.mkdir(parents=True), on_rank=0)
+    run_agreed(lambda: staging.mkdir(parents=True), on_rank=0, error_type=CheckpointError)
     rank, world = get_rank(), get_world_size()
     error = ""
     try:
@@ -269,7 +266,7 @@ def export_hf(model: torch.nn.Module, output_dir: str | os.PathLike, tokenizer=N
             stream = None
             if number % world == rank and not error:
                 try:
-                    stream = _SafetensorsStream(staging / fname, group)
+                    stream = SafetensorsStream(staging / fname, group)
                 except Exception as err:  # noqa: BLE001
                     error = f"{type(err).__name__}: {err}"
             for entry in group:
@@ -285,60 +282,11 @@ def export_hf(model: torch.nn.Module, output_dir: str | os.PathLike, tokenizer=N
                     stream.close()
                 except Exception as err:  # noqa: BLE001
                     error = f"{type(err).__name__}: {err}"
-        all_ranks_agree_ok(not error, error)
-        run_agreed(lambda: _finish_directory(staging, output_dir, files, _export_config(config, type(model).__name__, out_dtype),
-                                              generation_config_json(model), tokenizer), on_rank=0)
+        all_ranks_agree_ok(not error, error, CheckpointError)
+        run_agreed(lambda: finish_directory(staging, output_dir, files, export_config(config, type(model).__name__, out_dtype),
+                                             generation_config_json(model), tokenizer), on_rank=0, error_type=CheckpointError)
     except BaseException:
         if rank == 0:
             shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return output_dir
-
-
-def export_checkpoint(checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike,
-                      dtype: torch.dtype | str | None = None, max_shard_size: int | str = DEFAULT_SHARD_SIZE) -> Path:
-    """Turn a fullshard checkpoint (any world size) into an HF directory in this one process.
-
-    `checkpoint_dir` is one checkpoint or a save directory (its newest complete checkpoint). No
-    process group is needed; tensors are read from the DCP shards and written one at a time.
-    """
-    import torch.distributed.checkpoint as dcp
-
-    checkpoint = layout.resolve_checkpoint(checkpoint_dir)
-    meta = layout.read_json(checkpoint / layout.MODEL_META)
-    if not (checkpoint / layout.CONFIG).is_file():
-        raise FileNotFoundError(f"{checkpoint / layout.CONFIG} is missing: the checkpoint was saved from a model "
-                                "without a Hugging Face config, so there is nothing to export it as")
-    state_dir = checkpoint / layout.STATE_DIR
-    metadata = layout.read_dcp_metadata(state_dir)
-    layout.check_storage_files(state_dir, metadata)
-    out_dtype = resolve_dtype(dtype) or resolve_dtype(meta["dtype"])
-    entries, stored = [], {}
-    for name in meta["state_keys"]:
-        item = metadata.state_dict_metadata.get(f"model.{name}")
-        if item is None or not hasattr(item, "size"):
-            raise KeyError(f"{checkpoint}: tensor {name!r} is listed in {layout.MODEL_META} but not in the DCP index")
-        stored[name] = item.properties.dtype
-        entries.append(_Entry(name, tuple(item.size), _out_dtype(item.properties.dtype, out_dtype)))
-    files = plan_files(entries, parse_size(max_shard_size))
-    output_dir = Path(output_dir)
-    staging = staging_dir(output_dir)
-    staging.mkdir(parents=True)
-    try:
-        for fname, group in files:
-            stream = _SafetensorsStream(staging / fname, group)
-            for entry in group:
-                buffer = {f"model.{entry.name}": torch.empty(entry.shape, dtype=stored[entry.name])}
-                with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-                    warnings.simplefilter("ignore", UserWarning)
-                    dcp.load(buffer, storage_reader=dcp.FileSystemReader(str(state_dir)), no_dist=True)
-                stream.write(entry.name, buffer[f"model.{entry.name}"].to(entry.dtype))
-            stream.close()
-        generation = checkpoint / layout.GENERATION_CONFIG
-        _finish_directory(staging, output_dir, files,
-                          _export_config((checkpoint / layout.CONFIG).read_text(), meta["class_name"], out_dtype),
-                          generation.read_text() if generation.is_file() else None, tokenizer=None)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
         raise
     return output_dir

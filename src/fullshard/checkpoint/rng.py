@@ -8,14 +8,12 @@ keeps ranks decorrelated, and says so.
 
 from __future__ import annotations
 
-import logging
 import random
-import warnings
 
 import numpy as np
 import torch
 
-logger = logging.getLogger(__name__)
+from ..log import warn_rank0
 
 
 def capture_rng_state() -> dict:
@@ -66,7 +64,5 @@ def rederive_rng_state(base_seed: int, step: int, rank: int, saved_world: int, w
     message = (f"checkpoint was saved on {saved_world} ranks and is resumed on {world}: per-rank RNG states "
                f"cannot be resharded, so rank {rank} re-seeded python/numpy/torch RNGs with "
                f"derived_seed(base_seed={base_seed}, step={step}, rank={rank}) = {seed}")
-    if rank == 0:
-        warnings.warn(message, stacklevel=3)
-    logger.warning(message)
+    warn_rank0(message)
     return seed

@@ -1,7 +1,8 @@
 """PyTorch `.bin` files, read with `weights_only=True`: a pickle can only rebuild tensors, never run code.
 
-Files in the zip format are memory-mapped, so slicing touches only the requested rows; the old
-(pre-1.6) format cannot be mapped and is read whole.
+Files in the zip format are memory-mapped (`mmap=True`), so their tensors already are views of
+the file and slicing touches only the requested rows; the old (pre-1.6) format cannot be mapped
+and is read whole.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import CheckpointError
+from ..errors import LoadError
 from .readers import TensorInfo, TensorReader
 
 
@@ -23,18 +24,18 @@ class BinReader(TensorReader):
             state = _load(path)
             for key, value in state.items():
                 if not isinstance(value, torch.Tensor):
-                    raise CheckpointError(f"key {key!r} in {str(path)!r} is a {type(value).__name__}, not a tensor")
+                    raise LoadError(f"key {key!r} in {str(path)!r} is a {type(value).__name__}, not a tensor")
                 if key in self._tensors:
-                    raise CheckpointError(f"key {key!r} is stored twice: in {str(self.infos[key].file)!r} and {str(path)!r}")
+                    raise LoadError(f"key {key!r} is stored twice: in {str(self.infos[key].file)!r} and {str(path)!r}")
                 self._tensors[key] = value
                 self.infos[key] = TensorInfo(tuple(value.shape), value.dtype, path)
         if weight_map:
             wrong = sorted(k for k, f in weight_map.items() if k not in self.infos or self.infos[k].file != f)
             if wrong:
-                raise CheckpointError(f"the .bin index does not match its files for {len(wrong)} keys: {wrong[:10]}")
+                raise LoadError(f"the .bin index does not match its files for {len(wrong)} keys: {wrong[:10]}")
 
-    def _read(self, key: str, index: tuple[slice, ...]) -> torch.Tensor:
-        return self._tensors[key][index].clone()
+    def view(self, key: str) -> torch.Tensor:
+        return self._tensors[key]
 
     def close(self) -> None:
         self._tensors.clear()
@@ -50,12 +51,12 @@ def _load(path: Path) -> dict:
             state = torch.load(path, map_location="cpu", weights_only=True)  # legacy format: no mmap
     except pickle.UnpicklingError as exc:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(
+        raise LoadError(
             f".bin file {str(path)!r} was refused: it holds objects other than tensors, and loading it would run "
             f"arbitrary code (weights_only=True): {first_line}"
         ) from None
     except Exception as exc:  # noqa: BLE001 - any other failure means a corrupt or truncated file
-        raise CheckpointError(f".bin file {str(path)!r} is corrupt or truncated: {type(exc).__name__}: {exc}") from None
+        raise LoadError(f".bin file {str(path)!r} is corrupt or truncated: {type(exc).__name__}: {exc}") from None
     if not isinstance(state, dict):
-        raise CheckpointError(f".bin file {str(path)!r} holds a {type(state).__name__}, not a state dict")
+        raise LoadError(f".bin file {str(path)!r} holds a {type(state).__name__}, not a state dict")
     return state

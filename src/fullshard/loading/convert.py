@@ -7,15 +7,15 @@ MoE experts stored one per key are fused into one 3-D tensor on load (`experts.*
 tables transformers uses decide the mapping here, so whatever its `from_pretrained` accepts
 loads the same way.
 
-Each model tensor becomes a `Lazy` recipe. `read(index)` returns just the region `index` of the
-converted tensor: a stack of experts reads only the experts in the requested rows, a
-concatenation along a later dim reads the same rows of every part. Conversions with no sliceable
+Each model tensor becomes a `Lazy` recipe. `read_into(index, out)` writes just the region `index`
+of the converted tensor into `out`, each part straight into its place (no stack or cat is ever
+built): a stack of experts reads only the experts in the requested rows, a concatenation along a
+later dim reads the same rows of every part. Conversions with no sliceable
 form fall back to converting the whole tensor (reported as such), never to a wrong answer.
 """
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, field
 
@@ -25,19 +25,23 @@ from .readers import TensorReader
 
 
 class Lazy:
+    """A model tensor as a recipe over checkpoint keys; `read_into` writes a region of it straight
+    into a destination (a shard's storage), casting in the copy when the dtypes differ."""
+
     shape: tuple[int, ...]
     dtype: torch.dtype
     sources: list[str]  # checkpoint keys it reads
 
-    def read(self, index: tuple[slice, ...]) -> torch.Tensor:
+    def read_into(self, index: tuple[slice, ...], out: torch.Tensor) -> None:
         raise NotImplementedError
+
+    def read(self, index: tuple[slice, ...]) -> torch.Tensor:
+        out = torch.empty([len(range(*s.indices(n))) for n, s in zip(self.shape, index)], dtype=self.dtype)
+        self.read_into(index, out)
+        return out
 
     def read_all(self) -> torch.Tensor:
         return self.read(tuple(slice(0, n) for n in self.shape))
-
-
-def _empty(shape, dtype, index) -> torch.Tensor:
-    return torch.empty([len(range(*s.indices(n))) for n, s in zip(shape, index)], dtype=dtype)
 
 
 @dataclass
@@ -49,10 +53,9 @@ class Stored(Lazy):
         info = self.reader.infos[self.key]
         self.shape, self.dtype, self.sources = info.shape, info.dtype, [self.key]
 
-    def read(self, index):
-        if math.prod(len(range(*s.indices(n))) for n, s in zip(self.shape, index)) == 0:
-            return _empty(self.shape, self.dtype, index)
-        return self.reader.read(self.key, index)
+    def read_into(self, index, out):
+        if out.numel():
+            self.reader.read_into(self.key, index, out)
 
 
 @dataclass
@@ -67,12 +70,10 @@ class Stack(Lazy):
         self.shape = (*first[: self.dim], len(self.parts), *first[self.dim:])
         self.dtype, self.sources = self.parts[0].dtype, [k for p in self.parts for k in p.sources]
 
-    def read(self, index):
-        chosen = range(*index[self.dim].indices(len(self.parts)))
+    def read_into(self, index, out):
         inner = index[: self.dim] + index[self.dim + 1:]
-        if len(chosen) == 0:
-            return _empty(self.shape, self.dtype, index)
-        return torch.stack([self.parts[i].read(inner) for i in chosen], dim=self.dim)
+        for position, part in enumerate(range(*index[self.dim].indices(len(self.parts)))):
+            self.parts[part].read_into(inner, out.select(self.dim, position))
 
 
 @dataclass
@@ -88,19 +89,16 @@ class Concat(Lazy):
         self.shape, self.dtype = tuple(first), self.parts[0].dtype
         self.sources = [k for p in self.parts for k in p.sources]
 
-    def read(self, index):
+    def read_into(self, index, out):
         start, stop, _ = index[self.dim].indices(self.shape[self.dim])
-        pieces, offset = [], 0
+        offset = 0
         for part in self.parts:
             size = part.shape[self.dim]
             lo, hi = max(start, offset), min(stop, offset + size)
             if lo < hi:
                 sub = index[: self.dim] + (slice(lo - offset, hi - offset),) + index[self.dim + 1:]
-                pieces.append(part.read(sub))
+                part.read_into(sub, out.narrow(self.dim, lo - start, hi - lo))
             offset += size
-        if not pieces:
-            return _empty(self.shape, self.dtype, index)
-        return torch.cat(pieces, dim=self.dim)
 
 
 @dataclass
@@ -129,6 +127,9 @@ class Converted(Lazy):
 
     def read(self, index):
         return self.convert()[index]
+
+    def read_into(self, index, out):
+        out.copy_(self.convert()[index])
 
 
 SLICEABLE_OPS = {"MergeModulelist", "Concatenate"}

@@ -1,46 +1,45 @@
-"""`materialize_and_load` and `from_pretrained`: a sharded model on meta, filled from a checkpoint.
+"""`materialize_and_load`: a sharded model on meta, filled from a checkpoint, in four named phases.
 
-The order is what makes failures safe: everything that can be checked from metadata (files,
-keys, shapes) is checked on every rank and agreed on before any storage is touched, so a bad
-checkpoint leaves the model as it was; reading happens with no collective in flight, and its
-failures are agreed on afterwards, so no rank is ever left waiting for one that raised.
+1. plan reads: metadata only (files, keys, shapes); agreed on every rank before any storage is
+   touched, so a checkpoint that does not fit leaves the model as it was;
+2. materialise: storage on the device, buffers restored or recomputed, adapters kept;
+3. read slices: each rank copies only its region of every tensor, with no collective in flight;
+   failures are agreed on afterwards, so no rank is left waiting for one that raised;
+4. prove: ties are still one tensor, and with `verify` nothing is left unwritten.
+
+Every phase works on a `ModelView`, taken once before anything changes, and
+on a `Source` (`source.py`, `dcp.py`), so no phase forks on the checkpoint format.
 """
 
 from __future__ import annotations
 
-import math
 import re
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from ..dtypes import resolve_dtype
-from ..distributed import current_device, get_rank, get_world_size
-from .bin_reader import BinReader
-from .convert import Converted, Lazy, ignored_unexpected, plan_keys, transformers_conversions
-from .dcp import choose_prefix, load_dcp, read_dcp_metadata
-from .errors import CheckpointError, agree
-from .materialize import (broken_ties, find_unfilled, init_empty_model, materialize, named_buffer_slots,
-                          snapshot_buffers, tie_groups)
-from .readers import TensorReader
-from .resolve import CheckpointFiles, find_checkpoint_files, resolve_checkpoint_dir
-from .safetensors_reader import SafetensorsReader
+from ..distributed import agreed, current_device, get_rank, get_world_size
+from ..dtypes import dtype_name, resolve_dtype
+from ..errors import LoadError
+from ..tensors import local_tensor, named_state_tensors, tensor_aliases, tied_groups
+from .dcp import DCPSource
+from .materialize import BufferSnapshot, broken_ties, find_unfilled, materialize, snapshot_buffers
+from .resolve import resolve_checkpoint_dir
+from .shards import shard_count, slice_bytes
+from .source import HFSource, Source, SourcePlan
 
 
 @dataclass
 class LoadReport:
-    """What one rank did. `bytes_read` counts tensor bytes returned by the readers; `byte_budget` is
+    """What one rank did. `bytes_read` counts tensor bytes the readers copied; `byte_budget` is
     this rank's fair share (checkpoint / shards) plus one row of every tensor for uneven splits."""
 
     source: str
     format: str
     rank: int
     world_size: int
-    dtype: str
+    dtype: str = ""
     bytes_read: int = 0
     checkpoint_bytes: int = 0
     byte_budget: int = 0
@@ -55,101 +54,138 @@ class LoadReport:
     kept: list[str] = field(default_factory=list)  # held their values through materialising (checkpoint_view)
     verified: bool = False
 
-    def as_dict(self) -> dict:
-        return asdict(self)
 
+@dataclass
+class ModelView:
+    """The model as the checkpoint names it, taken once, before anything is materialised; every
+    phase reads it instead of walking the model again.
 
-# --------------------------------------------------------------------------- the model's side
-
-
-def model_slots(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every state-dict name (tied aliases included) -> its parameter or persistent buffer."""
-    slots = dict(model.named_parameters(remove_duplicate=False))
-    for module_name, module in model.named_modules(remove_duplicate=False):
-        for attr, buf in module._buffers.items():
-            if buf is not None and attr not in module._non_persistent_buffers_set:
-                slots[f"{module_name}.{attr}" if module_name else attr] = buf
-    return slots
-
-
-def viewed_slots(model: nn.Module, view=None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """`model_slots` under the names the checkpoint uses, and each such name's name in the model.
-
-    `view.name(state_name)` renames a wrapper's tensor to the wrapped model's name (a PEFT model's
-    `base_model.model.x.base_layer.weight` is the checkpoint's `x.weight`), or returns None for a
-    tensor the checkpoint does not hold (a LoRA adapter); those are left out.
+    `own_name` maps each checkpoint-side name to the model's name for it (the identity unless a
+    `checkpoint_view` renames a wrapper's tensors); `groups` are the names sharing one tensor;
+    `kept` are parameters the checkpoint does not hold (LoRA adapters), with their values.
     """
-    slots = model_slots(model)
-    if view is None:
-        return slots, {n: n for n in slots}
-    names = {n: view.name(n) for n in slots}
-    return {v: slots[n] for n, v in names.items() if v is not None}, {v: n for n, v in names.items() if v is not None}
+
+    keys_model: nn.Module
+    names: dict[str, torch.Tensor]
+    own_name: dict[str, str]
+    groups: list[list[str]]
+    kept: dict[str, torch.Tensor]
+    snapshot: BufferSnapshot
+    ties: list[list[str]]
 
 
-def local_region(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
-    """This rank's storage of `tensor` and the region of the global tensor it holds."""
-    if not isinstance(tensor, DTensor):
-        return tensor, tuple(slice(0, n) for n in tensor.shape)
-    local = tensor.to_local()
-    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
-    if tuple(shape) != tuple(local.shape):
-        raise CheckpointError(f"local shard shape {tuple(local.shape)} is not the expected {tuple(shape)}")
-    return local, tuple(slice(o, o + n) for o, n in zip(offset, shape))
+def view_model(model: nn.Module, checkpoint_view=None) -> ModelView:
+    state = named_state_tensors(model)
+    rename = checkpoint_view.name if checkpoint_view is not None else (lambda name: name)
+    own_name = {rename(n): n for n in state if rename(n) is not None}
+    groups = [[rename(n) for n in group if rename(n) is not None]
+              for group in tensor_aliases(model, persistent_buffers=True).values()]
+    params = dict(model.named_parameters())
+    viewed = set(own_name.values())
+    kept = {n: local_tensor(t).detach().clone() for n, t in state.items() if n not in viewed and n in params}
+    return ModelView(keys_model=checkpoint_view.model if checkpoint_view is not None else model,
+                     names={c: state[n] for c, n in own_name.items()}, own_name=own_name,
+                     groups=[g for g in groups if g], kept=kept, snapshot=snapshot_buffers(model),
+                     ties=tied_groups(model))
 
 
-def shard_count(model: nn.Module) -> int:
-    counts = [math.prod(p.device_mesh.size(i) for i, pl in enumerate(p.placements) if pl.is_shard())
-              for p in model.parameters() if isinstance(p, DTensor)]
-    return max(counts, default=1)
+# --------------------------------------------------------------------------- phase 1: plan reads
 
 
-def slice_bytes(target: torch.Tensor, dtype: torch.dtype) -> int:
-    """Bytes of one index along the dim `target` is sharded on: what an uneven split can add to a rank."""
-    dims = [p.dim for p in target.placements if p.is_shard()] if isinstance(target, DTensor) else []
-    if not target.shape:
-        return dtype.itemsize
-    dim = dims[0] if dims else 0
-    return dtype.itemsize * math.prod(target.shape) // max(target.shape[dim], 1)
+def plan_reads(model: nn.Module, view: ModelView, source: Source, dtype: torch.dtype | None, strict: bool,
+               report: LoadReport) -> tuple[SourcePlan, torch.dtype | None]:
+    """What the source fills and the dtype to load into; raises if the checkpoint does not fit."""
+    plan = source.plan(view.names)
+    target = dtype or plan.dtype or next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+    report.format, report.dtype = source.format, dtype_name(target) if target is not None else ""
+    report.checkpoint_bytes, report.whole_tensor_conversions = plan.checkpoint_bytes, plan.whole_tensor_conversions
+    ignore_missing = _matching(view.keys_model, "_keys_to_ignore_on_load_missing", view.names)
+    for group in view.groups:
+        if any(n in plan.shapes for n in group) or set(group) & ignore_missing:
+            continue
+        if all(view.snapshot.values.get(view.own_name[n]) is not None for n in group):
+            report.buffers_from_init += group  # a real persistent buffer the checkpoint lacks
+        else:
+            report.missing.append(group[0])
+    report.unexpected = plan.unexpected
+    report.mismatched = sorted(f"{k}: checkpoint {list(shape)}, model {list(view.names[k].shape)}"
+                               for k, shape in plan.shapes.items() if tuple(shape) != tuple(view.names[k].shape))
+    problems = [_listing(title, names) for title, names in (
+        ("missing keys", report.missing), ("unexpected keys", report.unexpected),
+        ("shape mismatches", report.mismatched)) if names]
+    if report.mismatched or (strict and problems):
+        raise LoadError(f"checkpoint {source.location!r} does not fit {type(model).__name__}: " + "; ".join(problems))
+    return plan, target
 
 
-def _groups(slots: dict[str, torch.Tensor]) -> list[list[str]]:
-    by_id: dict[int, list[str]] = {}
-    for name, tensor in slots.items():
-        by_id.setdefault(id(tensor), []).append(name)
-    return list(by_id.values())
+# --------------------------------------------------------------------------- phase 2: materialise
 
 
-def _matching(model: nn.Module, attr: str, names: list[str]) -> set[str]:
-    patterns = getattr(model, attr, None) or []
-    if not patterns:
-        return set()
-    regex = re.compile("|".join(f"({p})" for p in patterns))
-    return {n for n in names if regex.search(n)}
+def materialise(model: nn.Module, view: ModelView, target: torch.dtype | None, device: torch.device, verify: bool,
+                report: LoadReport) -> dict[str, torch.Tensor]:
+    """Storage for every tensor; buffers and kept adapters back; missing keys (strict=False) given
+    the model's own init. Returns the new tensors under their checkpoint-side names."""
+    if target is not None and any(p.is_floating_point() and p.dtype != target
+                                  for n, p in model.named_parameters() if n not in view.kept):
+        model.to(target)  # still on meta: free; buffers get their own dtype back from the snapshot
+    report.recomputed_buffers = materialize(model, device, view.snapshot, fill=verify)
+    report.restored_buffers = sorted(n for n, v in view.snapshot.values.items()
+                                     if v is not None and n in view.snapshot.non_persistent)
+    state = named_state_tensors(model)
+    with torch.no_grad():
+        for name, value in view.kept.items():
+            local_tensor(state[name]).copy_(value)
+        if report.missing:
+            _init_missing(model, [view.own_name[n] for n in report.missing], state)
+    return {c: state[n] for c, n in view.own_name.items()}
 
 
-def _listing(title: str, names: list[str], limit: int = 20) -> str:
-    more = f" ... and {len(names) - limit} more" if len(names) > limit else ""
-    return f"{title} ({len(names)}): {names[:limit]}{more}"
+def _init_missing(model: nn.Module, missing: list[str], state: dict[str, torch.Tensor]) -> None:
+    """strict=False: give keys the checkpoint lacks the model's own init instead of garbage."""
+    init = getattr(model, "_init_weights", None)
+    modules = dict(model.named_modules())
+    for name in missing:
+        module = modules.get(name.rpartition(".")[0])
+        if init is not None and module is not None:
+            init(module)
+        else:
+            local_tensor(state[name]).zero_()
 
 
-# --------------------------------------------------------------------------- sources
+# --------------------------------------------------------------------------- phase 3: read slices
 
 
-def open_reader(files: CheckpointFiles) -> TensorReader:
-    reader_cls = SafetensorsReader if files.format == "safetensors" else BinReader
-    return reader_cls(files.files, files.weight_map)
+def read_slices(model: nn.Module, view: ModelView, source: Source, plan: SourcePlan,
+                names: dict[str, torch.Tensor], report: LoadReport) -> None:
+    """One read per tensor (a tie stored under two names is read once), then the byte budget."""
+    targets = {}
+    for group in view.groups:
+        stored = next((n for n in group if n in plan.shapes), None)
+        if stored is not None:
+            targets[stored] = names[stored]
+    report.bytes_read = source.read(targets)
+    report.tensors_loaded = len(targets)
+    rows = sum(slice_bytes(t, plan.dtypes[k]) for k, t in targets.items())
+    report.byte_budget = report.checkpoint_bytes // shard_count(model) + rows
 
 
-def checkpoint_dtype(infos) -> torch.dtype | None:
-    """The floating dtype holding most of the checkpoint's bytes."""
-    totals: dict[torch.dtype, int] = {}
-    for info in infos:
-        if info.dtype.is_floating_point:
-            totals[info.dtype] = totals.get(info.dtype, 0) + math.prod(info.shape) * info.dtype.itemsize
-    return max(totals, key=totals.get) if totals else None
+# --------------------------------------------------------------------------- phase 4: prove
 
 
-# --------------------------------------------------------------------------- entry points
+def prove(model: nn.Module, view: ModelView, verify: bool, location: str, report: LoadReport) -> None:
+    broken = broken_ties(model, view.ties)
+    if broken:
+        raise LoadError(f"tied weights {broken} are no longer one tensor after materialising; both ends of a tie "
+                        "must sit in one FSDP unit (the auto plan does this)")
+    if verify:
+        unfilled = find_unfilled(model)
+        if unfilled:
+            raise LoadError(_listing(f"after loading {location!r}, tensors still hold the NaN poison "
+                                     "(never written)", unfilled))
+        report.verified = True
+
+
+# --------------------------------------------------------------------------- entry point
 
 
 def materialize_and_load(
@@ -168,223 +204,57 @@ def materialize_and_load(
     """Give a (sharded) model on the meta device storage and fill it from a checkpoint.
 
     Each rank reads only its own region of every tensor. `dtype=None` keeps the checkpoint's
-    floating dtype; a named dtype loads into it, casting after each slice is read (fp32 masters
+    floating dtype; a named dtype loads into it, casting as each slice is copied (fp32 masters
     from a bf16 checkpoint). `strict=False` loads what matches, initialises the rest with the
     model's own init and reports the lists instead of raising (a shape mismatch is always an
     error: no slice of a wrong-shaped tensor is right). `dcp_path`, when given, wins over
-    `hf_model_path`. `verify=True` poisons the fresh
-    storage with NaN and proves afterwards that nothing poisoned is left. The per-rank report is
-    returned on the model as `model.fullshard_load_report`.
+    `hf_model_path`. `verify=True` poisons the fresh storage with NaN and proves afterwards that
+    nothing poisoned is left. The per-rank report is returned on the model as
+    `model.fullshard_load_report`.
 
     `checkpoint_view` loads a wrapper (a PEFT model, see `fullshard.lora.lora_checkpoint_view`)
     from the checkpoint of the model it wraps: `view.model` is the wrapped model (its key
-    conversions apply) and `view.name` maps the wrapper's tensor names (see `viewed_slots`).
-    Tensors it maps to None already hold their values (adapters initialised on the CPU); they keep
+    conversions apply) and `view.name` maps the wrapper's tensor names to the checkpoint's, or to
+    None for tensors that already hold their values (adapters initialised on the CPU); those keep
     them through materialising and are not expected in the checkpoint.
     """
     device = torch.device(device) if device is not None else current_device()
-    dtype = resolve_dtype(dtype)
-    if dcp_path is None and not hf_model_path:
-        raise ValueError("materialize_and_load needs hf_model_path (a directory or Hub id) or dcp_path")
-    directory = None if dcp_path is not None else resolve_checkpoint_dir(hf_model_path, revision, cache_dir)
-
-    slots, own_name = viewed_slots(model, checkpoint_view)
-    keys_model = checkpoint_view.model if checkpoint_view is not None else model
-    params = dict(model.named_parameters())
-    viewed = set(own_name.values())
-    kept = {n: local_region(t)[0].detach().clone() for n, t in model_slots(model).items()
-            if n not in viewed and n in params}
-    snapshot = snapshot_buffers(model)
-    ties = tie_groups(model)
-    source = str(dcp_path if dcp_path is not None else directory)
-    report = LoadReport(source=source, format="dcp" if dcp_path is not None else "", rank=get_rank(),
-                        world_size=get_world_size(), dtype="", kept=sorted(kept))
-
-    # ---- phase 1: metadata only; nothing is touched yet
-    reader, recipes, stored_shapes, message = None, {}, {}, ""
+    view = view_model(model, checkpoint_view)
+    source = open_source(view.keys_model, hf_model_path, dcp_path, key_mapping, revision, cache_dir)
+    report = LoadReport(source=source.location, format=source.format, rank=get_rank(), world_size=get_world_size(),
+                        kept=sorted(view.kept))
+    context = f"reading checkpoint {source.location!r} failed"
     try:
-        if dcp_path is not None:
-            stored = read_dcp_metadata(dcp_path)
-            prefix = choose_prefix(stored, list(slots))
-            stored_shapes = {k[len(prefix):]: s for k, s in stored.items() if k.startswith(prefix) and s is not None}
-            present = set(stored_shapes) & set(slots)
-            unexpected = sorted(set(stored_shapes) - set(slots))
-            shapes = {k: stored_shapes[k] for k in present}
-            target_dtype = dtype or _float_dtype_of(model)
-        else:
-            files = find_checkpoint_files(directory)
-            report.format = files.format
-            reader = open_reader(files)
-            plan = plan_keys(reader, slots, transformers_conversions(keys_model, key_mapping),
-                             getattr(keys_model, "base_model_prefix", None))
-            recipes = plan.recipes
-            buffer_names = {n for n, *_ in named_buffer_slots(model)}
-            ignored = set(ignored_unexpected(keys_model, plan.unexpected,
-                                             lambda suffix: any(b.endswith(suffix) for b in buffer_names)))
-            unexpected = [k for k in plan.unexpected if k not in ignored]
-            for key, recipe in recipes.items():
-                if isinstance(recipe, Converted):
-                    tensor = recipe.convert()
-                    recipe.shape, recipe.dtype = tuple(tensor.shape), tensor.dtype
-                    report.whole_tensor_conversions.append(key)
-            shapes = {k: tuple(r.shape) for k, r in recipes.items()}
-            present = set(recipes)
-            target_dtype = dtype or checkpoint_dtype(reader.infos.values()) or _float_dtype_of(model)
-            report.checkpoint_bytes = sum(math.prod(i.shape) * i.dtype.itemsize for i in reader.infos.values())
-        report.dtype = str(target_dtype).replace("torch.", "")
-        ignore_missing = _matching(keys_model, "_keys_to_ignore_on_load_missing", list(slots))
-        for group in _groups(slots):
-            if any(n in present for n in group) or set(group) & ignore_missing:
-                continue
-            if all(snapshot.values.get(own_name[n]) is not None for n in group):
-                report.buffers_from_init += group  # a real persistent buffer the checkpoint lacks
-            else:
-                report.missing.append(group[0])
-        report.unexpected = unexpected
-        report.mismatched = sorted(
-            f"{k}: checkpoint {list(shapes[k])}, model {list(slots[k].shape)}"
-            for k in present if tuple(shapes[k]) != tuple(slots[k].shape)
-        )
-        problems = [_listing(t, l) for t, l in (("missing keys", report.missing), ("unexpected keys", report.unexpected),
-                                                ("shape mismatches", report.mismatched)) if l]
-        if report.mismatched or (strict and problems):
-            raise CheckpointError(f"checkpoint {source!r} does not fit {type(model).__name__}: " + "; ".join(problems))
-    except CheckpointError as exc:
-        message = str(exc)
-    except Exception as exc:  # noqa: BLE001 - reported on every rank
-        message = f"reading checkpoint {source!r} failed: {type(exc).__name__}: {exc}"
-    agree(not message, message)
-
-    # ---- phase 2: storage, buffers, then the reads (no collective until all are done)
-    if target_dtype is not None and any(p.is_floating_point() and p.dtype != target_dtype
-                                        for n, p in model.named_parameters() if n not in kept):
-        model.to(target_dtype)  # still on meta: free; buffers get their own dtype back from the snapshot
-    report.recomputed_buffers = materialize(model, device, snapshot, fill=verify)
-    report.restored_buffers = sorted(n for n, v in snapshot.values.items() if v is not None and n in snapshot.non_persistent)
-    slots, _ = viewed_slots(model, checkpoint_view)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name in kept:
-                local_region(param)[0].copy_(kept[name])
-    message = ""
-    try:
-        if report.missing:
-            _init_missing(model, [own_name[n] for n in report.missing])
-        if dcp_path is not None:
-            targets = {next(n for n in g if n in present): slots[g[0]] for g in _groups(slots)
-                       if any(n in present for n in g)}
-            report.bytes_read = load_dcp(dcp_path, targets, prefix)
-            report.tensors_loaded = len(targets)
-            report.checkpoint_bytes = sum(math.prod(stored_shapes[k]) * slots[k].element_size() for k in targets)
-            rows = sum(slice_bytes(slots[k], slots[k].dtype) for k in targets)
-        else:
-            rows = _copy_all(recipes, slots, report)
-            report.bytes_read = reader.bytes_read
-        report.byte_budget = report.checkpoint_bytes // shard_count(model) + rows
-    except CheckpointError as exc:
-        message = str(exc)
-    except Exception as exc:  # noqa: BLE001
-        message = f"reading checkpoint {source!r} failed: {type(exc).__name__}: {exc}"
+        with agreed(LoadError, context):
+            plan, target = plan_reads(model, view, source, resolve_dtype(dtype), strict, report)
+        with agreed(LoadError, context):  # no collective inside: one agreement for the three phases
+            names = materialise(model, view, target, device, verify, report)
+            read_slices(model, view, source, plan, names, report)
+            prove(model, view, verify, source.location, report)
     finally:
-        if reader is not None:
-            reader.close()
-    agree(not message, message)
-
-    # ---- phase 3: proofs
-    message = ""
-    broken = broken_ties(model, ties)
-    if broken:
-        message = (f"tied weights {broken} are no longer one tensor after materialising; both ends of a tie "
-                   "must sit in one FSDP unit (the auto plan does this)")
-    elif verify:
-        unfilled = find_unfilled(model)
-        if unfilled:
-            message = _listing(f"after loading {source!r}, tensors still hold the NaN poison (never written)", unfilled)
-        report.verified = not unfilled
-    agree(not message, message)
+        source.close()
     model.fullshard_load_report = report
     return model
 
 
-def _copy_all(recipes: dict[str, Lazy], slots: dict[str, torch.Tensor], report: LoadReport) -> int:
-    """Copy every recipe's rows into this rank's shard; returns the row-padding allowance in bytes."""
-    done: set[int] = set()
-    rows = 0
-    with torch.no_grad():
-        for key, recipe in recipes.items():
-            target = slots[key]
-            if id(target) in done:  # a tie stored under both names: one read is enough
-                continue
-            done.add(id(target))
-            local, region = local_region(target)
-            rows += slice_bytes(target, recipe.dtype)
-            if local.numel() == 0:
-                continue
-            try:
-                data = recipe.read(region)
-            except Exception as exc:  # noqa: BLE001 - name the key and file
-                files = sorted({str(recipe.reader.infos[k].file) if hasattr(recipe, "reader") else k
-                                for k in recipe.sources})
-                raise CheckpointError(f"reading {key!r} (from {recipe.sources[:4]} in {files[:2]}) failed: "
-                                      f"{type(exc).__name__}: {exc}") from None
-            local.copy_(data.reshape(local.shape))  # cast after slicing: only this rank's rows are converted
-            report.tensors_loaded += 1
-    return rows
+def open_source(keys_model: nn.Module, hf_model_path: str | None, dcp_path: str | None,
+                key_mapping: dict[str, str] | None, revision: str | None, cache_dir: str | None) -> Source:
+    """The source to load from; a Hub id is resolved (downloaded once per node) here, on every rank."""
+    if dcp_path is not None:
+        return DCPSource(dcp_path)
+    if not hf_model_path:
+        raise ValueError("materialize_and_load needs hf_model_path (a directory or Hub id) or dcp_path")
+    return HFSource(resolve_checkpoint_dir(hf_model_path, revision, cache_dir), keys_model, key_mapping)
 
 
-def _init_missing(model: nn.Module, missing: list[str]) -> None:
-    """strict=False: give keys the checkpoint lacks the model's own init instead of garbage."""
-    init = getattr(model, "_init_weights", None)
-    modules = dict(model.named_modules())
-    with torch.no_grad():
-        for name in missing:
-            module = modules.get(name.rpartition(".")[0])
-            if init is not None and module is not None:
-                init(module)
-            else:
-                local, _ = local_region(model_slots(model)[name])
-                local.zero_()
+def _matching(model: nn.Module, attr: str, names) -> set[str]:
+    patterns = getattr(model, attr, None) or []
+    if not patterns:
+        return set()
+    regex = re.compile("|".join(f"({p})" for p in patterns))
+    return {n for n in names if regex.search(n)}
 
 
-def _float_dtype_of(model: nn.Module) -> torch.dtype | None:
-    return next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
-
-
-def from_pretrained(name_or_path: str, engine=None, dtype=None, model_class=None, revision: str | None = None,
-                    cache_dir: str | None = None, lora=None, **load_kwargs) -> nn.Module:
-    """The short path: build the model on meta from its config, shard it with `engine`, load it sharded.
-
-    `engine` defaults to `FSDP2Engine()` (fp32, auto plan, whole world). `dtype=None` keeps the
-    checkpoint's dtype. Remote code is never run (`trust_remote_code` stays off). `lora` (a
-    `peft.LoraConfig` or a dict of its fields) wraps the model on meta with PEFT LoRA before it is
-    sharded (`fullshard.lora.apply_lora`): the result is a `PeftModel` whose base loads sharded from
-    the checkpoint and whose adapters are initialised as `get_peft_model` would.
-    """
-    from transformers import AutoConfig
-
-    from ..engine import FSDP2Engine
-
-    engine = engine if engine is not None else FSDP2Engine()
-    directory = resolve_checkpoint_dir(name_or_path, revision, cache_dir)
-    message, model = "", None
-    try:
-        config = AutoConfig.from_pretrained(directory, trust_remote_code=False)
-        build_dtype = resolve_dtype(dtype)
-        if build_dtype is None:
-            files = find_checkpoint_files(directory)
-            reader = open_reader(files)
-            build_dtype = checkpoint_dtype(reader.infos.values())
-            reader.close()
-        model = init_empty_model(config, model_class, dtype=build_dtype)
-    except Exception as exc:  # noqa: BLE001 - every rank raises together
-        message = f"cannot build a model from {str(directory)!r}: {type(exc).__name__}: {exc}"
-    agree(not message, message)
-    model.config._name_or_path = str(name_or_path)
-    if lora is not None:
-        from ..lora import apply_lora, lora_checkpoint_view
-
-        model = apply_lora(model, lora)
-        load_kwargs["checkpoint_view"] = lora_checkpoint_view(model)
-    model.eval()  # as transformers' from_pretrained returns it
-    return engine.shard_model(model, hf_model_path=str(directory), dtype=dtype, revision=revision, cache_dir=cache_dir,
-                              **load_kwargs)
+def _listing(title: str, names: list[str], limit: int = 20) -> str:
+    more = f" ... and {len(names) - limit} more" if len(names) > limit else ""
+    return f"{title} ({len(names)}): {names[:limit]}{more}"

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..plan import parameter_aliases
+from ..tensors import local_tensor, tied_groups
 
 
 @contextlib.contextmanager
@@ -26,10 +26,13 @@ def meta_init():
     """Build parameters on the meta device and keep buffers real (computed by their module's code).
 
     Like accelerate's `init_empty_weights(include_buffers=False)`: a parameter is moved to meta as
-    soon as it is registered, so the module's own weight init runs on meta and costs nothing, while
-    buffers such as `inv_freq` keep the values their constructor computed.
+    soon as it is registered, while buffers such as `inv_freq` keep the values their constructor
+    computed. The meta parameters are marked initialised while the model is built, so transformers'
+    `_init_weights` skips them (init ops on meta still cost a Python decomposition each) and only
+    initialises the buffers.
     """
     original = nn.Module.register_parameter
+    created: list[nn.Parameter] = []
 
     def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         original(module, name, param)
@@ -37,13 +40,18 @@ def meta_init():
             param_cls = type(param)
             kwargs = {k: v for k, v in param.__dict__.items()}
             kwargs["requires_grad"] = param.requires_grad
-            module._parameters[name] = param_cls(param.to("meta"), **kwargs)
+            meta = param_cls(param.to("meta"), **kwargs)
+            meta._is_hf_initialized = True  # transformers' init functions skip it: no init compute on meta
+            module._parameters[name] = meta
+            created.append(meta)
 
     nn.Module.register_parameter = register_on_meta
     try:
         yield
     finally:
         nn.Module.register_parameter = original
+        for param in created:  # a later `_init_weights` (strict=False, missing keys) must not skip them
+            param.__dict__.pop("_is_hf_initialized", None)
 
 
 def init_empty_model(config, model_class=None, dtype: torch.dtype | None = None, trust_remote_code: bool = False):
@@ -52,13 +60,16 @@ def init_empty_model(config, model_class=None, dtype: torch.dtype | None = None,
     `model_class` defaults to the first of `config.architectures` that transformers knows, then
     to `AutoModelForCausalLM`.
     """
-    if model_class is None:
-        model_class = _model_class_for(config)
     kwargs = {"dtype": dtype} if dtype is not None else {}
-    if trust_remote_code:
-        kwargs["trust_remote_code"] = True
+    if model_class is None and trust_remote_code:
+        # the repository's own class, found through its config's auto_map: only the auto class knows it
+        from transformers import AutoModelForCausalLM
+
+        model_class, kwargs["trust_remote_code"] = AutoModelForCausalLM, True
+    elif model_class is None:
+        model_class = _model_class_for(config)
     with meta_init():
-        if hasattr(model_class, "_from_config"):
+        if hasattr(model_class, "_from_config") and "trust_remote_code" not in kwargs:
             model = model_class._from_config(config, **kwargs)
         else:
             model = model_class.from_config(config, **kwargs)
@@ -152,12 +163,8 @@ def materialize(model: nn.Module, device: torch.device | str, snapshot: BufferSn
     return recomputed
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
 def _poison(tensor: torch.Tensor) -> None:
-    local = _local(tensor)
+    local = local_tensor(tensor)
     if local.is_floating_point() or local.is_complex():
         local.fill_(float("nan"))
     elif local.dtype != torch.bool:
@@ -173,18 +180,13 @@ def find_unfilled(model: nn.Module, skip: set[str] = frozenset()) -> list[str]:
         if name in skip or id(tensor) in seen:
             continue
         seen.add(id(tensor))
-        local = _local(tensor)
+        local = local_tensor(tensor)
         if local.is_floating_point() or local.is_complex():
             if torch.isnan(local).any():
                 bad.append(name)
         elif local.dtype != torch.bool and local.numel() and (local == torch.iinfo(local.dtype).min).any():
             bad.append(name)
     return bad
-
-
-def tie_groups(model: nn.Module) -> list[list[str]]:
-    """Names that share one parameter object; each group must still share it after loading."""
-    return [names for names in parameter_aliases(model).values() if len(names) > 1]
 
 
 def broken_ties(model: nn.Module, groups: list[list[str]]) -> list[list[str]]:

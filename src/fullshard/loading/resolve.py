@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..distributed import get_local_rank
-from .errors import CheckpointError, agree
+from ..distributed import all_ranks_agree_ok
+from ..errors import LoadError
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SINGLE = "model.safetensors"
@@ -49,16 +50,16 @@ def resolve_checkpoint_dir(name_or_path: str | os.PathLike, revision: str | None
     if path.is_dir():
         return path
     if path.exists():
-        raise CheckpointError(f"checkpoint path {str(path)!r} is a file; pass the directory that holds it")
+        raise LoadError(f"checkpoint path {str(path)!r} is a file; pass the directory that holds it")
     repo_id = str(name_or_path)
     downloader = get_local_rank() == 0
     result, error = None, ""
     if downloader:
         result, error = _snapshot(repo_id, revision, cache_dir, local_files_only=False)
-    agree(error == "", error)  # the others wait here until the download is done (or failed)
+    all_ranks_agree_ok(error == "", error, LoadError)  # the others wait here until the download is done (or failed)
     if not downloader:
         result, error = _snapshot(repo_id, revision, cache_dir, local_files_only=True)
-    agree(error == "", error)
+    all_ranks_agree_ok(error == "", error, LoadError)
     return result
 
 
@@ -96,7 +97,7 @@ def find_checkpoint_files(directory: str | os.PathLike) -> CheckpointFiles:
     single = directory / BIN_SINGLE
     if single.is_file():
         return CheckpointFiles(directory, "bin", [single])
-    raise CheckpointError(
+    raise LoadError(
         f"no weights in {str(directory)!r}: looked for {SAFETENSORS_INDEX}, {SAFETENSORS_SINGLE}, *.safetensors, "
         f"{BIN_INDEX} and {BIN_SINGLE}"
     )
@@ -108,9 +109,9 @@ def _from_index(index: Path, fmt: str) -> CheckpointFiles:
         if not isinstance(weight_map, dict):
             raise TypeError("weight_map is not an object")
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"index {str(index)!r} is unreadable: {type(exc).__name__}: {exc}") from None
+        raise LoadError(f"index {str(index)!r} is unreadable: {type(exc).__name__}: {exc}") from None
     paths = {name: index.parent / name for name in sorted(set(weight_map.values()))}
     absent = [str(p) for p in paths.values() if not p.is_file()]
     if absent:
-        raise CheckpointError(f"index {str(index)!r} names files that do not exist: {absent}")
+        raise LoadError(f"index {str(index)!r} names files that do not exist: {absent}")
     return CheckpointFiles(index.parent, fmt, list(paths.values()), {k: paths[v] for k, v in weight_map.items()})

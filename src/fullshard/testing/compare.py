@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ..distributed import get_rank, get_world_size
+from ..optim import global_grad_norm
 from .zoo import build_model, make_batch
 
 
@@ -22,10 +23,9 @@ def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def grad_norm(params) -> torch.Tensor:
-    """The global L2 grad norm, for plain and sharded parameters alike (a collective)."""
-    params = [p for p in params if p.grad is not None]
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm=float("inf"))
-    return full_tensor(norm)
+    """The global L2 grad norm, for plain and sharded parameters alike, on one mesh or several
+    (FSDP and TP x FSDP parameters side by side, which `clip_grad_norm_` cannot combine; a collective)."""
+    return global_grad_norm(params)
 
 
 def data_slice(batch: dict, rank: int, world: int) -> dict:
@@ -36,13 +36,10 @@ def data_slice(batch: dict, rank: int, world: int) -> dict:
 def train_against_reference(
     name: str,
     shard: Callable[[torch.nn.Module], torch.nn.Module],
-    steps: int = 5,
-    lr: float = 1e-3,
-    batch_size: int = 4,
-    dp_rank: int | None = None,
-    dp_size: int | None = None,
-    check_tie: bool = True,
-    model_kwargs: dict | None = None,
+    steps: int = 5, lr: float = 1e-3, batch_size: int = 4, seq_len: int = 16,
+    dp_rank: int | None = None, dp_size: int | None = None,
+    split: Callable[[dict], dict] | None = None,
+    check_tie: bool = True, model_kwargs: dict | None = None,
     prepare: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
     inspect: Callable[[torch.nn.Module], object] | None = None,
 ) -> dict:
@@ -50,24 +47,26 @@ def train_against_reference(
 
     `model_kwargs` override the zoo config; `prepare` turns each freshly built model into the one to
     train (a PEFT wrapper, a hooked router), for the reference and before sharding alike;
-    `inspect(sharded_model)` runs after training and its result is returned as "inspect".
+    `inspect(sharded_model)` runs after training and its result is returned as "inspect"; `split`
+    cuts this rank's part from the whole batch (default: its dp slice; context parallelism also
+    splits the sequence).
     Returns the per-step losses and grad norms of both and the largest weight difference.
     """
     dp_rank = get_rank() if dp_rank is None else dp_rank
     dp_size = get_world_size() if dp_size is None else dp_size
+    split = split or (lambda batch: data_slice(batch, dp_rank, dp_size))
     model_kwargs = model_kwargs or {}
     prepare = prepare or (lambda m: m)
     reference, model = prepare(build_model(name, **model_kwargs)), prepare(build_model(name, **model_kwargs))
     model = shard(model)
-    # eps=1e-6: Adam's first step moves a weight by about lr * g / (|g| + eps), so with the default
-    # 1e-8 a gradient that is 1e-9 in both runs but differs in its last bits (a sum taken in another
-    # order) moves the weight by different multiples of lr. That is Adam amplifying rounding, not
-    # a sharding error; a larger eps keeps the comparison about sharding.
+    # eps=1e-6: Adam's first step moves a weight by about lr * g / (|g| + eps); with the default 1e-8 a
+    # 1e-9 gradient whose last bits differ (a sum in another order) moves it by different multiples of
+    # lr: Adam amplifying rounding, not a sharding error.
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=lr, weight_decay=0.01, eps=1e-6)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, eps=1e-6)
     out = {"loss": [], "ref_loss": [], "norm": [], "ref_norm": [], "tied": []}
     for step in range(steps):
-        batch = make_batch(name, batch_size=batch_size, seed=100)
+        batch = make_batch(name, batch_size=batch_size, seq_len=seq_len, seed=100)
         ref_loss = reference(**batch).loss
         ref_loss.backward()
         out["ref_norm"].append(float(grad_norm(reference.parameters())))
@@ -75,7 +74,7 @@ def train_against_reference(
         ref_opt.zero_grad()
         out["ref_loss"].append(float(ref_loss.detach()))
 
-        loss = model(**data_slice(batch, dp_rank, dp_size)).loss
+        loss = model(**split(batch)).loss
         loss.backward()
         out["norm"].append(float(grad_norm(model.parameters())))
         opt.step()

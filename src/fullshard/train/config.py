@@ -1,26 +1,46 @@
 """The training config: YAML sections, `--section.key=value` overrides, and every check that can be
-made before a process group starts.
+made from the values alone, before a process group starts.
+
+The sections are plain dataclasses; their types, ranges (`Annotated[int, Field(ge=1)]`) and the
+attribute docstrings under each key are the single definition that validation, `--help` and
+`--print-config` all read. Validation is pydantic 2 (`TypeAdapter` over the stdlib dataclasses),
+chosen over tyro / jsonargparse / OmegaConf because it validates the dataclasses we already have
+without turning them into its own classes (the trainer and the engine use them unchanged), accepts
+values as people write them (`"3e-5"` for a float, `10.0` for an int, `null`), checks ranges
+declared in the type, and reports each error with the key's location, which we print as one line.
+The others would each own the command line too; ours must also take a YAML file anywhere on the
+line and start torchrun. Our own code only does what pydantic cannot know: unknown sections and
+keys (named with the known ones), the one canonical section name, YAML 1.1's dotless floats
+(`1e-4`), and paths with `~` and `$VARS`.
 
 A mistyped key that is silently ignored trains the wrong run for hours, so an unknown key, a
-value of the wrong type, or a batch that does not split over the ranks is a `ConfigError` naming
-the key and the numbers, raised in the launching process before any rank exists.
+value of the wrong type or out of range, or a batch that does not split over the ranks is a
+`ConfigError` naming the key and the value.
 """
 
 import dataclasses
+import math
+import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Annotated, Any, Literal, Optional
 
 import yaml
+from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
 
+from ..distributed import ParallelDims
 from ..engine import EngineConfig
+from ..errors import ConfigError
 
-
-class ConfigError(ValueError):
-    pass
-
+PositiveInt = Annotated[int, Field(ge=1)]
+NonNegativeInt = Annotated[int, Field(ge=0)]
+PositiveFloat = Annotated[float, Field(gt=0)]
+NonNegativeFloat = Annotated[float, Field(ge=0)]
+Ratio = Annotated[float, Field(ge=0, le=1)]
+Beta = Annotated[float, Field(ge=0, lt=1)]
 
 BUILTIN_MODELS = {
     # name -> LlamaConfig kwargs; vocab size comes from the tokenizer, max positions from data.seq_len
@@ -33,69 +53,141 @@ BUILTIN_MODELS = {
 
 @dataclass
 class ModelSection:
-    """`name_or_path`: a built-in config (`tiny-llama`, `micro-llama`: random weights, byte-level
-    tokenizer, nothing downloaded) or a local Hugging Face directory (weights and tokenizer)."""
+    """The model to train."""
 
     name_or_path: str = "tiny-llama"
-    dtype: str = "fp32"  # dtype of the sharded master weights
+    """a built-in config (tiny-llama, micro-llama: random weights, byte tokenizer), a local HF directory or a Hub id"""
+    dtype: str = "fp32"
+    """dtype of the sharded master weights (fp32, bf16, fp16)"""
+    trust_remote_code: bool = False
+    """run the Python code a model repository ships (its config, model and tokenizer classes)"""
 
 
 @dataclass
 class DataSection:
-    """`path`: a .txt file, a .jsonl file, a directory of them, or a saved `datasets` dataset;
-    empty means the built-in generated corpus."""
+    """What to train on (path unset: the built-in generated corpus), as text or as chat."""
 
     path: Optional[str] = None
+    """a data file (.txt .md .jsonl .json .parquet .arrow), a directory of them, a saved or cached Hub dataset"""
+    eval_path: Optional[str] = None
+    """held-out data, read like path; unset: the last eval_fraction of path's rows (streaming: no eval)"""
+    split: str = "train"
+    """the split of a saved DatasetDict or a Hub dataset"""
+    format: Literal["text", "chat"] = "text"
+    """text: every token trains; chat: conversations rendered with the chat template, only assistant turns train"""
     text_field: str = "text"
+    """the field of a JSON / Parquet record holding the document (format text)"""
+    messages_field: str = "messages"
+    """the field holding a conversation, a list of {role, content} (format chat)"""
+    prompt_field: str = "prompt"
+    """with response_field: the fields of a one-turn record (format chat)"""
+    response_field: str = "response"
+    """the assistant's answer of a prompt/response record (format chat)"""
+    chat_template: Optional[str] = None
+    """a Jinja chat template, or a file holding one; unset: the tokenizer's"""
+    overlong: Literal["drop", "truncate"] = "drop"
+    """a conversation longer than seq_len: drop it, or keep its first seq_len tokens"""
     seq_len: int = 128
+    """tokens per packed row"""
     eval_fraction: float = 0.02
+    """share of the packed rows held out for evaluation when eval_path is unset"""
     shuffle: bool = True
+    """shuffle the rows every epoch, seeded by train.seed (streaming reads in order)"""
+    streaming: bool = False
+    """read and tokenize on the fly, for data larger than the disk cache; the position is checkpointed"""
+    cache_dir: Optional[str] = None
+    """where tokenized, packed data is cached; unset: <HF datasets cache>/fullshard"""
+    num_proc: Optional[PositiveInt] = None
+    """tokenizing processes on each node's first rank; unset: half the cores, one per 20k records"""
 
 
 @dataclass
 class TrainSection:
-    steps: int = 240
-    micro_batch_size: int = 8
-    global_batch_size: int = 16
+    """The run: its length, batch and where it writes."""
+
+    steps: PositiveInt = 240
+    """optimizer steps of the whole run"""
+    micro_batch_size: PositiveInt = 8
+    """sequences per rank per forward/backward"""
+    global_batch_size: PositiveInt = 16
+    """sequences per optimizer step over all ranks (a multiple of micro_batch_size x data-parallel size)"""
     seed: int = 42
+    """seed of the random weights, the data order and every rank's RNG"""
     accumulation_policy: str = "reduce_scatter_every"
-    max_norm: float = 1.0
-    log_every: int = 10
-    eval_every: int = 0  # 0: evaluate at the end only
-    eval_batches: int = 4
+    """when gradients of accumulated micro-batches are reduced (see FSDPStrategy)"""
+    max_norm: NonNegativeFloat = 1.0
+    """global gradient-norm clip; 0 disables clipping"""
+    log_every: PositiveInt = 10
+    """steps between metric lines"""
+    eval_every: NonNegativeInt = 0
+    """steps between evaluations; 0 evaluates at the end only"""
+    eval_batches: NonNegativeInt = 4
+    """micro-batches per rank in one evaluation"""
     output_dir: str = "runs/demo"
-    nproc: Optional[int] = None  # processes to self-launch without torchrun; default GPUs or 2 CPU processes
-    stop_after: Optional[int] = None  # stop (as if interrupted) after this many steps of this run
-    peak_tflops: Optional[float] = None  # per device, for the MFU estimate; known GPUs are looked up
+    """where metrics, checkpoints, the exported model, the loss plot and logs/ go"""
+    nproc: Optional[PositiveInt] = None
+    """processes to self-launch without torchrun; default: one per GPU, or 2 on CPU"""
+    stop_after: Optional[PositiveInt] = None
+    """stop (as if interrupted) after this many steps of this run"""
+    peak_tflops: Optional[PositiveFloat] = None
+    """peak TFLOP/s of one device, for MFU; known GPUs are looked up"""
     plot: bool = True
+    """write loss.png at the end"""
+    report_to: list[str] = field(default_factory=list)
+    """trackers to send metrics to besides metrics.jsonl: any of tensorboard, wandb, trackio"""
 
 
 @dataclass
 class OptimSection:
+    """The optimizer and its learning-rate schedule."""
+
     name: str = "adamw"
-    lr: float = 3e-3
-    weight_decay: float = 0.01
-    betas: list = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
+    """optimizer (adamw, adam, sgd)"""
+    lr: PositiveFloat = 3e-3
+    """peak learning rate"""
+    weight_decay: NonNegativeFloat = 0.01
+    """decoupled weight decay (not applied to norms and biases)"""
+    betas: Annotated[list[Beta], Field(min_length=2, max_length=2)] = field(default_factory=lambda: [0.9, 0.95])
+    """Adam's two moment decays, each in [0, 1)"""
+    eps: PositiveFloat = 1e-8
+    """Adam's epsilon"""
     schedule: str = "cosine"
-    warmup_steps: int = 20
-    min_lr_ratio: float = 0.1
+    """learning-rate schedule after warmup (constant, linear, cosine)"""
+    warmup_steps: NonNegativeInt = 20
+    """linear warmup steps from 0 to lr"""
+    min_lr_ratio: Ratio = 0.1
+    """final learning rate as a fraction of lr"""
     decay_embeddings: bool = False
+    """apply weight decay to embeddings too"""
 
 
 @dataclass
 class CheckpointSection:
-    every: int = 0  # steps between checkpoints; 0: only at the end
-    dir: Optional[str] = None  # default: <output_dir>/checkpoints
-    max_num: int = 3
-    resume: str = "auto"  # auto: the latest complete checkpoint in dir, if any; none; or a checkpoint path
-    export: bool = True  # write a plain HF directory to <output_dir>/hf at the end
+    """Sharded checkpoints (resumable on any world size) and the final export."""
+
+    every: NonNegativeInt = 0
+    """steps between checkpoints; 0: only at the end"""
+    dir: Optional[str] = None
+    """where checkpoints go; default: <train.output_dir>/checkpoints"""
+    max_num: PositiveInt = 3
+    """complete checkpoints kept (older ones are deleted)"""
+    resume: Optional[str] = "auto"
+    """auto (the latest complete checkpoint in dir, if any), none (or null), or a checkpoint path"""
+    export: bool = True
+    """write a plain Hugging Face directory to <train.output_dir>/hf at the end"""
     async_save: bool = False
+    """write checkpoints in the background while training goes on"""
+    on_stop_timeout_s: NonNegativeFloat = 120.0
+    """on Ctrl-C / SIGTERM: seconds allowed to finish the step and save before the ranks are killed"""
 
 
 @dataclass
 class FsdpSection(EngineConfig):
-    pass
+    """How the model is sharded (the engine's settings).
+
+    reduce_dtype: dtype gradients are reduced in
+    dcp_path: a DCP checkpoint to load the weights from instead of model.name_or_path
+    """
 
 
 @dataclass
@@ -103,12 +195,18 @@ class LoraSection:
     """PEFT LoRA on the model; unset `r` trains the whole model. The base is frozen (and, from a
     directory, loaded sharded under the adapters); only the adapters train and sit in the optimizer."""
 
-    r: Optional[int] = None
-    alpha: float = 16.0
-    dropout: float = 0.0
-    target_modules: Optional[list] = None  # default: PEFT's choice for the architecture (q_proj, v_proj for LLaMA)
-    save_adapter: bool = True  # write <output_dir>/adapter in PEFT's format at the end
-    merge_on_export: bool = True  # checkpoint.export writes the base with the adapters merged; False: no merged copy
+    r: Optional[PositiveInt] = None
+    """adapter rank; unset: no LoRA, the whole model trains"""
+    alpha: PositiveFloat = 16.0
+    """LoRA scaling numerator (scale = alpha / r)"""
+    dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0
+    """dropout on the adapter input"""
+    target_modules: Optional[Annotated[list[str], Field(min_length=1)]] = None
+    """module names to adapt; default: PEFT's choice for the architecture (q_proj, v_proj for LLaMA)"""
+    save_adapter: bool = True
+    """write <train.output_dir>/adapter in PEFT's format at the end"""
+    merge_on_export: bool = True
+    """checkpoint.export writes the base with the adapters merged; false: no merged copy"""
 
     @property
     def enabled(self) -> bool:
@@ -123,7 +221,11 @@ class LoraSection:
 
 SECTIONS = {"model": ModelSection, "data": DataSection, "train": TrainSection, "optim": OptimSection,
             "fsdp": FsdpSection, "checkpoint": CheckpointSection, "lora": LoraSection}
-ALIASES = {"engine": "fsdp"}
+ALIASES = {"engine": "fsdp"}  # old name -> canonical name; a file may not use both
+PATH_KEYS = ("model.name_or_path", "data.path", "data.eval_path", "data.cache_dir", "train.output_dir",
+             "checkpoint.dir", "checkpoint.resume", "fsdp.dcp_path")
+for _section in SECTIONS.values():  # key descriptions for --help come from the docstring under each key
+    _section.__pydantic_config__ = ConfigDict(use_attribute_docstrings=True)
 
 
 @dataclass
@@ -147,101 +249,74 @@ class TrainConfig:
     def checkpoint_dir(self) -> Path:
         return Path(self.checkpoint.dir) if self.checkpoint.dir else self.output_dir / "checkpoints"
 
+    @property
+    def log_dir(self) -> Path:
+        """Every rank's traceback of a failed run, and the launcher's log."""
+        return self.output_dir / "logs"
+
+    def parallel_dims(self, world_size: int) -> ParallelDims:
+        """The mesh of `world_size` processes; a `ConfigError` naming the fsdp.* keys and the numbers
+        when their product does not match (cp and tp named when used)."""
+        fsdp = self.fsdp
+        keys = {"dp_replicate": fsdp.dp_replicate, "dp_shard": fsdp.dp_shard, "cp_size": fsdp.cp_size,
+                "tp_size": fsdp.tp_size}
+        try:
+            return ParallelDims(fsdp.dp_replicate, fsdp.dp_shard, world_size, cp=fsdp.cp_size, tp=fsdp.tp_size)
+        except ConfigError:
+            mesh = " x ".join(f"fsdp.{k}={v}" for k, v in keys.items() if k.startswith("dp") or v > 1)
+            fixed = math.prod(v for v in keys.values() if v != -1)
+            why = (f"{world_size} is not divisible by {fixed}" if fsdp.dp_shard == -1
+                   else f"their product is {fixed}")
+            raise ConfigError(f"{mesh} does not match the {world_size} processes ({why})") from None
+
     def accumulation_steps(self, world_size: int) -> int:
-        """Micro-batches per rank per step; the batch arithmetic is checked here, naming the keys."""
-        dp = self.fsdp.dp_replicate * (self.fsdp.dp_shard if self.fsdp.dp_shard != -1 else world_size // self.fsdp.dp_replicate)
-        if dp != world_size or world_size % self.fsdp.dp_replicate:
-            raise ConfigError(f"fsdp.dp_replicate={self.fsdp.dp_replicate} x fsdp.dp_shard={self.fsdp.dp_shard} "
-                              f"does not match the {world_size} processes")
-        micro, total = self.train.micro_batch_size, self.train.global_batch_size
-        if total % (micro * dp):
-            raise ConfigError(f"train.global_batch_size={total} is not divisible by train.micro_batch_size={micro} "
-                              f"x data-parallel size {dp} = {micro * dp}")
-        return total // (micro * dp)
+        """Micro-batches per rank per step, over the data-parallel ranks of the mesh (cp and tp ranks
+        share a batch); the mesh and batch arithmetic is checked here, naming the keys."""
+        from ..strategy import batch_arithmetic
+
+        dims = self.parallel_dims(world_size)
+        return batch_arithmetic(self.train.global_batch_size, self.train.micro_batch_size, dims.dp_size,
+                                names=("train.global_batch_size", "train.micro_batch_size"))
 
 
-# ---------------------------------------------------------------------------------------------- checks
+# ---------------------------------------------------------------------------------------------- reading
 
 
-def _type_name(tp) -> str:
-    return getattr(tp, "__name__", str(tp).replace("typing.", ""))
+class _Loader(yaml.SafeLoader):
+    """YAML as people write it: PyYAML follows YAML 1.1, where `1e-4` (no dot) is a string."""
 
 
-def _coerce(key: str, value: Any, tp) -> Any:
-    """`value` as type `tp`, or a ConfigError naming the key, the value and the type expected."""
-    origin = typing.get_origin(tp)
-    if origin in (Union, types.UnionType):
-        options = typing.get_args(tp)
-        if value is None and type(None) in options:
-            return None
-        errors = []
-        for option in options:
-            if option is type(None):
-                continue
-            try:
-                return _coerce(key, value, option)
-            except ConfigError as err:
-                errors.append(err)
-        raise errors[0]
-    if tp is Any:
-        return value
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-    elif tp is str:
-        if isinstance(value, str):
-            return value
-    elif tp is list or origin is list:
-        if isinstance(value, (list, tuple)):
-            return list(value)
-    else:
-        return value
-    raise ConfigError(f"{key} must be {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+_Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:\d+\.?\d*|\.\d+)[eE][-+]?\d+$"),
+                              list("-+0123456789."))
 
 
-def _build_section(name: str, values: Any):
-    cls = SECTIONS[name]
-    if values is None:
-        values = {}
-    if not isinstance(values, dict):
-        raise ConfigError(f"section {name!r} must be a mapping of keys to values, got {values!r}")
-    hints = typing.get_type_hints(cls)
-    known = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(values) - set(known))
-    if unknown:
-        raise ConfigError(f"unknown key {name}.{unknown[0]}; the keys of section {name!r} are: {', '.join(known)}")
-    coerced = {key: _coerce(f"{name}.{key}", value, hints[key]) for key, value in values.items()}
-    try:
-        return cls(**coerced)
-    except ValueError as err:
-        raise ConfigError(f"section {name!r}: {err}") from None
+def read_yaml(text: str):
+    return yaml.load(text, Loader=_Loader)  # a SafeLoader: builds plain data only
+
+
+def split_override(arg: str) -> tuple[str, str]:
+    """`--section.key=value` into ("section.key", "value"); a ConfigError for anything else."""
+    if not arg.startswith("--") or "=" not in arg or "." not in arg.split("=", 1)[0]:
+        raise ConfigError(f"cannot read {arg!r}: overrides look like --section.key=value")
+    dotted, raw = arg[2:].split("=", 1)
+    return dotted, raw
 
 
 def parse_overrides(args: list[str]) -> dict[str, dict[str, Any]]:
     """`--section.key=value` (or `--section.key value`) into nested dicts; values are read as YAML,
-    so `--train.steps=10` is an int and `--data.path=null` is None."""
+    so `--train.steps=10` is an int, `--optim.lr=3e-5` a float and `--data.path=null` is None."""
     result: dict[str, dict[str, Any]] = {}
     i = 0
     while i < len(args):
         arg = args[i]
-        if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
-            raise ConfigError(f"cannot read {arg!r}: overrides look like --section.key=value")
-        if "=" in arg:
-            dotted, raw = arg[2:].split("=", 1)
-        elif i + 1 < len(args):
-            dotted, raw = arg[2:], args[i + 1]
-            i += 1
-        else:
+        if "=" not in arg and arg.startswith("--") and "." in arg and i + 1 < len(args):
+            arg, i = f"{arg}={args[i + 1]}", i + 1
+        elif "=" not in arg and arg.startswith("--") and "." in arg:
             raise ConfigError(f"override {arg!r} has no value")
+        dotted, raw = split_override(arg)
         section, _, key = dotted.partition(".")
         try:
-            value = yaml.safe_load(raw) if raw != "" else ""
+            value = read_yaml(raw) if raw != "" else ""
         except yaml.YAMLError:
             value = raw
         result.setdefault(ALIASES.get(section, section), {})[key] = value
@@ -249,72 +324,185 @@ def parse_overrides(args: list[str]) -> dict[str, dict[str, Any]]:
     return result
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | dict | None = None) -> TrainConfig:
-    """Read a YAML file (optional), apply the overrides, check every key and type."""
-    raw: dict = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist")
-        try:
-            raw = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as err:
-            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {err}") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections, got {type(raw).__name__}")
-        raw = {ALIASES.get(k, k): v for k, v in raw.items()}
-    overrides = parse_overrides(overrides) if isinstance(overrides, list) else (overrides or {})
-    for section, values in overrides.items():
-        if section in SECTIONS:
-            merged = dict(raw.get(section) or {})
-            merged.update(values)
-            raw[section] = merged
-        else:
-            raw[section] = values
-    unknown = sorted(set(raw) - set(SECTIONS))
+def read_config_file(path: str | Path) -> dict:
+    path = Path(os.path.expandvars(os.path.expanduser(str(path))))
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    try:
+        raw = read_yaml(path.read_text()) or {}
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {err}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections, got {type(raw).__name__}")
+    for alias, canonical in ALIASES.items():
+        if alias in raw and canonical in raw:
+            raise ConfigError(f"config file {str(path)!r} has both sections {alias!r} and {canonical!r}; "
+                              f"{alias!r} is the old name of {canonical!r}: keep one")
+    return {ALIASES.get(k, k): v for k, v in raw.items()}
+
+
+def _check_structure(raw: dict) -> None:
+    """Unknown sections and keys, and sections that are not mappings, named with what is known."""
+    unknown = sorted(set(raw) - set(SECTIONS), key=str)
     if unknown:
         raise ConfigError(f"unknown section {unknown[0]!r}; sections are: {', '.join(SECTIONS)}")
-    config = TrainConfig(**{name: _build_section(name, raw.get(name)) for name in SECTIONS})
+    for name, values in raw.items():
+        if values is None:
+            continue
+        if not isinstance(values, dict):
+            raise ConfigError(f"section {name!r} must be a mapping of keys to values, got {values!r}")
+        known = _keys(name)
+        unknown = sorted(set(values) - set(known), key=str)
+        if unknown:
+            raise ConfigError(f"unknown key {name}.{unknown[0]}; the keys of section {name!r} are: {', '.join(known)}")
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | dict | None = None) -> TrainConfig:
+    """Read a YAML file (optional), apply the overrides, check every key, type and range."""
+    raw = read_config_file(path) if path is not None else {}
+    overrides = parse_overrides(overrides) if isinstance(overrides, list) else (overrides or {})
+    _check_structure(raw)
+    _check_structure(overrides)
+    for section, values in overrides.items():
+        raw[section] = {**(raw.get(section) or {}), **values}
+    raw = {name: values for name, values in raw.items() if values is not None}
+    try:
+        config = _ADAPTER.validate_python(raw)
+    except ValidationError as err:
+        raise ConfigError(_describe_validation_error(err)) from None
+    _expand_paths(config)
     _check_values(config)
     return config
 
 
+_ADAPTER = TypeAdapter(TrainConfig)
+
+
+def _describe_validation_error(err: ValidationError) -> str:
+    """pydantic's first error as one line: `optim.min_lr_ratio=5: input should be less than or equal to 1`."""
+    first = err.errors(include_url=False)[0]
+    loc = [str(part) for part in first["loc"]]
+    msg = first["msg"].removeprefix("Value error, ")
+    if len(loc) < 2:  # a section-level error, e.g. from EngineConfig.__post_init__, naming its key
+        return f"{loc[0]}.{msg}" if loc and msg.split(" ")[0] in _keys(loc[0]) else f"{'.'.join(loc)}: {msg}"
+    key = ".".join(loc[:2]) + "".join(f"[{part}]" for part in loc[2:])
+    return f"{key}={first['input']!r}: {msg[:1].lower()}{msg[1:]}"
+
+
+def _keys(section: str) -> list[str]:
+    return [f.name for f in dataclasses.fields(SECTIONS[section])] if section in SECTIONS else []
+
+
+def _expand_paths(config: TrainConfig) -> None:
+    for dotted in PATH_KEYS:
+        section, key = dotted.split(".")
+        target = getattr(config, section)
+        value = getattr(target, key, None)
+        if isinstance(value, str) and value:
+            setattr(target, key, os.path.expandvars(os.path.expanduser(value)))
+    if config.checkpoint.resume is None:
+        config.checkpoint.resume = "none"
+
+
 def _check_values(config: TrainConfig) -> None:
+    """The choices and ranges pydantic cannot see from the types (lists owned by other modules,
+    fields of sections defined elsewhere)."""
+    from ..dtypes import DTYPES
     from ..optim import OPTIMIZERS, SCHEDULES
     from ..strategy import ACCUMULATION_POLICIES
 
     checks = [
-        ("train.steps", config.train.steps, config.train.steps >= 1, "must be >= 1"),
-        ("train.micro_batch_size", config.train.micro_batch_size, config.train.micro_batch_size >= 1, "must be >= 1"),
-        ("train.global_batch_size", config.train.global_batch_size, config.train.global_batch_size >= 1, "must be >= 1"),
-        ("train.log_every", config.train.log_every, config.train.log_every >= 1, "must be >= 1"),
         ("train.accumulation_policy", config.train.accumulation_policy,
          config.train.accumulation_policy in ACCUMULATION_POLICIES, f"must be one of {ACCUMULATION_POLICIES}"),
-        ("train.nproc", config.train.nproc, config.train.nproc is None or config.train.nproc >= 1, "must be >= 1"),
         ("data.seq_len", config.data.seq_len, config.data.seq_len >= 2, "must be >= 2"),
         ("data.eval_fraction", config.data.eval_fraction, 0 <= config.data.eval_fraction < 1, "must be in [0, 1)"),
         ("optim.name", config.optim.name, config.optim.name in OPTIMIZERS, f"must be one of {sorted(OPTIMIZERS)}"),
         ("optim.schedule", config.optim.schedule, config.optim.schedule in SCHEDULES, f"must be one of {SCHEDULES}"),
-        ("optim.lr", config.optim.lr, config.optim.lr > 0, "must be > 0"),
-        ("optim.betas", config.optim.betas, len(config.optim.betas) == 2, "must be two numbers"),
-        ("optim.warmup_steps", config.optim.warmup_steps, config.optim.warmup_steps >= 0, "must be >= 0"),
-        ("model.dtype", config.model.dtype, config.model.dtype in ("fp32", "bf16", "fp16"), "must be fp32, bf16 or fp16"),
-        ("checkpoint.every", config.checkpoint.every, config.checkpoint.every >= 0, "must be >= 0"),
-        ("checkpoint.max_num", config.checkpoint.max_num, config.checkpoint.max_num >= 1, "must be >= 1"),
-        ("lora.r", config.lora.r, config.lora.r is None or config.lora.r >= 1, "must be >= 1 (or unset: no LoRA)"),
-        ("lora.alpha", config.lora.alpha, config.lora.alpha > 0, "must be > 0"),
-        ("lora.dropout", config.lora.dropout, 0 <= config.lora.dropout < 1, "must be in [0, 1)"),
-        ("lora.target_modules", config.lora.target_modules,
-         config.lora.target_modules is None or (config.lora.target_modules and
-                                                all(isinstance(m, str) for m in config.lora.target_modules)),
-         "must be a non-empty list of module names"),
+        ("model.dtype", config.model.dtype, config.model.dtype in DTYPES, f"must be one of {sorted(DTYPES)}"),
+        ("fsdp.dp_replicate", config.fsdp.dp_replicate, config.fsdp.dp_replicate >= 1, "must be >= 1"),
+        ("fsdp.dp_shard", config.fsdp.dp_shard, config.fsdp.dp_shard == -1 or config.fsdp.dp_shard >= 1,
+         "must be >= 1, or -1 (what the world leaves)"),
+        ("fsdp.tp_size", config.fsdp.tp_size, config.fsdp.tp_size >= 1, "must be >= 1"),
+        ("fsdp.cp_size", config.fsdp.cp_size, config.fsdp.cp_size >= 1, "must be >= 1"),
+        ("fsdp.timeout_s", config.fsdp.timeout_s, config.fsdp.timeout_s > 0, "must be > 0 seconds"),
     ]
     for key, value, ok, rule in checks:
         if not ok:
             raise ConfigError(f"{key}={value!r} {rule}")
-    name = config.model.name_or_path
-    if name not in BUILTIN_MODELS and not Path(name).is_dir():
-        raise ConfigError(f"model.name_or_path={name!r} is neither a built-in model ({', '.join(BUILTIN_MODELS)}) "
-                          "nor a local directory")
-    if config.data.path and not Path(config.data.path).exists():
-        raise ConfigError(f"data.path={config.data.path!r} does not exist")
+    from .metrics import check_report_to
+
+    check_report_to(config.train.report_to)
+
+
+# ---------------------------------------------------------------------------------------------- help
+
+
+def key_rows(name: str) -> list[tuple[str, str, str, str]]:
+    """(flag, type, default, one line) for every key of section `name`, from its definition."""
+    cls = SECTIONS[name]
+    schema = TypeAdapter(cls).json_schema(mode="serialization")["properties"]
+    fallback = _docstring_keys(cls)
+    hints = typing.get_type_hints(cls, include_extras=True)
+    rows = []
+    for f in dataclasses.fields(cls):
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        about = schema.get(f.name, {}).get("description") or fallback.get(f.name, "")
+        rows.append((f"--{name}.{f.name}", _type_label(hints[f.name]), _yaml_value(default), about))
+    return rows
+
+
+def describe_keys() -> str:
+    """Every section and key with its type, default and one line: the body of `fullshard train --help`."""
+    lines = []
+    for name, cls in SECTIONS.items():
+        lines.append(f"\n{name}:  {_first_line(cls.__doc__)}".rstrip())
+        for flag, type_, default, about in key_rows(name):
+            lines.append(f"{f'  {flag}  {type_} = {default}':<58} {about}".rstrip())
+    return "\n".join(lines)
+
+
+def _type_label(tp) -> str:
+    """`int >= 1`, `float in [0, 1]`, `str | null`, `list[float]`, `text | chat`: the type with its range."""
+    if typing.get_origin(tp) is typing.Literal:
+        return " | ".join(str(choice) for choice in typing.get_args(tp))
+    if typing.get_origin(tp) is Annotated:
+        base, *meta = typing.get_args(tp)
+        bounds = {k: getattr(m, k) for m in meta for k in ("ge", "gt", "le", "lt") if getattr(m, k, None) is not None}
+        for m in meta:  # Field(...) keeps its bounds in .metadata
+            bounds.update({k: getattr(x, k) for x in getattr(m, "metadata", []) for k in ("ge", "gt", "le", "lt")
+                           if getattr(x, k, None) is not None})
+        label = _type_label(base)
+        low = (f"[{bounds['ge']}" if "ge" in bounds else f"({bounds['gt']}" if "gt" in bounds else None)
+        high = (f"{bounds['le']}]" if "le" in bounds else f"{bounds['lt']})" if "lt" in bounds else None)
+        if low and high:
+            return f"{label} in {low}, {high}"
+        if low:
+            return f"{label} {'>=' if 'ge' in bounds else '>'} {low[1:]}"
+        return label
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " | ".join("null" if a is type(None) else _type_label(a) for a in args)
+    if typing.get_origin(tp) is list:
+        return f"list[{_type_label(args[0])}]" if args else "list"
+    return "any" if tp is Any else getattr(tp, "__name__", str(tp))
+
+
+def _yaml_value(value) -> str:
+    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
+
+
+def _first_line(doc: str | None) -> str:
+    line = (doc or "").strip().split("\n")[0]
+    return "" if re.match(r"`?\w+`?: ", line) else line  # a docstring that opens with a key describes the key
+
+
+def _docstring_keys(cls) -> dict[str, str]:
+    """`key: text` (or `a / b: text`) lines of a class docstring and its bases', for keys defined
+    in a class whose source we do not own; the text is cut at its first clause."""
+    found: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        for match in re.finditer(r"^\s*`?([\w /`]+?)`?:\s+(.+)$", klass.__doc__ or "", re.M):
+            text = re.split(r"; |\. ", match.group(2))[0].rstrip(".;,")
+            for key in match.group(1).replace("`", "").split("/"):
+                found[key.strip()] = text
+    return found

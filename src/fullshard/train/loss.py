@@ -3,8 +3,13 @@
 A mean per micro-batch weighs a token in a short (padded) micro-batch more than one in a full
 one, so k micro-batches would not equal one batch k times the size. Summing the token losses and
 dividing by the count of target tokens in the whole optimizer step, over every micro-batch and
-every rank, makes them equal. FSDP averages gradients over the data-parallel ranks, so each rank's
-sum is multiplied by the data-parallel size to undo that average.
+every rank, makes them equal. FSDP averages gradients over the data-parallel ranks (dp x cp under
+context parallelism), so each rank's sum is multiplied by that size to undo the average.
+
+Under context parallelism a micro-batch is this rank's part of each sequence, its labels already
+shifted over the whole sequence (`shift_labels`, from `fullshard.parallel.cp.context_parallel_batch`):
+its logits are compared unshifted. Tensor-parallel ranks of one data rank hold the same batch, so
+sums over the world count it tp times; `repeats` divides that out.
 """
 
 from __future__ import annotations
@@ -16,30 +21,45 @@ import torch.nn.functional as F
 IGNORE_INDEX = -100
 
 
+NOT_MODEL_INPUTS = ("labels", "shift_labels", "num_items_in_batch")
+
+
+def _targets(batch: dict) -> torch.Tensor:
+    """The next-token targets of every position that has one: `shift_labels` as given, or `labels`
+    shifted by one (the last position predicts nothing)."""
+    return batch["shift_labels"] if "shift_labels" in batch else batch["labels"][:, 1:]
+
+
 def target_count(batch: dict) -> int:
-    """Tokens that contribute to the loss: labels shifted by one, minus the ignored ones."""
-    return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+    """Tokens that contribute to the loss: the targets minus the ignored ones."""
+    return int((_targets(batch) != IGNORE_INDEX).sum())
 
 
-def global_target_count(micro_batches: list[dict]) -> int:
-    """Target tokens of one optimizer step across all micro-batches and all ranks (a collective)."""
-    count = torch.tensor(sum(target_count(b) for b in micro_batches), dtype=torch.int64)
+def sum_over_ranks(value: torch.Tensor, repeats: int = 1) -> torch.Tensor:
+    """`value` summed over every rank (a collective), each distinct value counted once when every
+    one appears on `repeats` ranks (the tp ranks of one data rank)."""
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(count)
-    return int(count)
+        dist.all_reduce(value)
+    return value // repeats if not value.is_floating_point() else value / repeats
+
+
+def global_target_count(micro_batches: list[dict], repeats: int = 1) -> int:
+    """Target tokens of one optimizer step across all micro-batches and all data ranks (a collective)."""
+    count = torch.tensor(sum(target_count(b) for b in micro_batches), dtype=torch.int64)
+    return int(sum_over_ranks(count, repeats))
 
 
 def causal_lm_loss_sum(model: torch.nn.Module, batch: dict) -> torch.Tensor:
     """Sum of the next-token cross-entropy over the batch's target tokens, in fp32."""
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    inputs = {k: v for k, v in batch.items() if k not in NOT_MODEL_INPUTS}
     logits = model(**inputs).logits
-    shifted = logits[:, :-1, :].float()
-    labels = batch["labels"][:, 1:].to(shifted.device)
+    shifted = (logits if "shift_labels" in batch else logits[:, :-1, :]).float()
+    labels = _targets(batch).to(shifted.device)
     return F.cross_entropy(shifted.reshape(-1, shifted.size(-1)), labels.reshape(-1), ignore_index=IGNORE_INDEX,
                            reduction="sum")
 
 
 def normalized_loss(loss_sum: torch.Tensor, global_tokens: int, dp_size: int) -> torch.Tensor:
-    """The loss to backpropagate so that gradients, after FSDP's average over `dp_size` ranks,
+    """The loss to backpropagate so that gradients, after FSDP's average over `dp_size` ranks (dp x cp),
     are those of the mean over `global_tokens`."""
     return loss_sum * (dp_size / max(global_tokens, 1))

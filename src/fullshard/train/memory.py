@@ -1,15 +1,30 @@
 """A per-rank memory estimate for training a decoder model with FSDP2, from its config alone.
 
-Parameters, gradients and AdamW's two moments are sharded, so each rank holds its shard of each
-(FSDP2 shards dim 0 and pads to equal rows: the largest shard is what a rank must fit). On top,
-the all-gathered weights of the unit computing now and of the one prefetched, in the compute
-dtype, and the activations saved for backward. Activations were counted on transformers' Llama
-with `saved_tensors_hooks` (test_cli checks the estimate against that count and against the
-shards of a real run): per token, each decoder layer saves about 8H + 2·kv + 4I values (H hidden,
-kv the key/value width, I the MLP width), the embedding and final norm about 3H, and the loss
-its fp32 log-softmax (V values, V the vocabulary; the logits themselves are not saved, the head
-saves its input). With activation checkpointing a layer keeps only its input (H); its
-recompute in backward briefly adds one layer's activations, which the estimate leaves out.
+Parameters and AdamW's two moments are sharded and live all run; gradients are sharded and live
+from the first backward of a step to its end (all step long when micro-batches accumulate). On
+top, at any moment: the all-gathered weights of the unit computing and of the one prefetched, in
+the compute dtype (at world size 1 too: FSDP2 still gathers into a buffer of its own), and the
+activations. Activations were counted on transformers' Llama with `saved_tensors_hooks`
+(test_train checks the count): per token, each decoder layer saves about 8H + 2·kv + 4I values
+(H hidden, kv the key/value width, I the MLP width), the embedding and final norm about 3H, and
+the loss its fp32 log-softmax (4V bytes, V the vocabulary); below fp32, each RMSNorm also
+saves its input's fp32 copy (4H bytes). While it runs and is differentiated the loss also holds
+the logits' fp32 copy and the log-softmax's gradient (8V bytes per token beyond what it saves:
+measured with torch's MemTracker, in fp32 and bf16 alike). With activation checkpointing a layer
+keeps only its input (H), and its backward recomputes one layer's activations and holds their
+gradients beside them (about two layers' worth in all, measured).
+
+Two moments bound the peak: the end of the forward (every activation saved, the loss's buffers
+live) and the backward (gradients arriving while activations are freed, plus one unit's
+unsharded gradients before they are reduce-scattered). The estimate is the larger of the two.
+On an accelerator the caching allocator rounds every block up to 512 bytes; that is counted
+for the tensors that live all run. `bench/bench_memory.py` checks the estimate against peaks
+measured with torch's FSDPMemTracker.
+
+Under tensor parallelism a split parameter's rank holds 1/tp of it (torch's styles: colwise splits a
+Linear's rows and bias, an Embedding's columns; rowwise a Linear's columns, not its bias, an
+Embedding's rows), and FSDP shards that over dp_shard x cp; the rest is sharded over dp_shard x cp.
+Under context parallelism a rank's activations are those of its 1/cp of each sequence.
 """
 
 from __future__ import annotations
@@ -19,9 +34,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..parallel.tp import TP_STYLES
 from ..plan import ShardingPlan, shard_bytes
 
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0}
+LOSS_TRANSIENT_BYTES_PER_LOGIT = 8  # the logits' fp32 copy and the log-softmax gradient, beyond the saved output
+ALLOCATOR_BLOCK = 512  # bytes: the CUDA caching allocator's rounding
 
 
 @dataclass
@@ -29,60 +47,167 @@ class MemoryEstimate:
     parameters: int
     gradients: int
     optimizer: int
-    gathered: int
-    activations: int
+    gathered: int  # the two largest units all-gathered (computing and prefetched)
+    activations: int  # saved for backward, the loss's fp32 log-softmax included
+    loss: int = 0  # the loss's buffers beyond what it saves for backward
+    unit_gradients: int = 0  # one unit's unsharded gradients and their reduce-scatter output
+    allocator: int = 0  # rounding of the long-lived tensors to the allocator's blocks
+    gradients_in_forward: bool = True  # accumulating micro-batches keep the gradients through the forward
+    largest_unit: int = 0  # all-gathered when nothing is prefetched (end of the forward and of the backward)
+    saved_loss: int = 0  # the loss's share of `activations`, freed when the backward starts
+    first_unit_gradients: int = 0  # the sharded gradients of the unit the backward starts with
+    recompute: int = 0  # activation checkpointing: the layer being recomputed and its activations' gradients
+
+    @property
+    def forward_peak(self) -> int:
+        grads = self.gradients if self.gradients_in_forward else 0
+        return self.largest_unit + self.activations + self.loss + grads
+
+    @property
+    def backward_peak(self) -> int:
+        """Gradients arrive as activations are freed, layer by layer, so the two trade off: the sum
+        is largest at the start (every activation, two units gathered: the tail computing, the
+        last layer prefetched) or at the end (every gradient, only the root unit gathered unless a
+        layer is recomputed). One unit's gradient buffers and a recomputed layer's are the same at
+        every layer: they add to both ends."""
+        grads_at_start = self.gradients if self.gradients_in_forward else self.first_unit_gradients
+        start = self.gathered + self.activations - self.saved_loss + grads_at_start
+        # recomputing the first layer gathers its unit again while the root unit is gathered
+        end = (self.gathered if self.recompute else self.largest_unit) + self.gradients
+        return self.unit_gradients + self.recompute + max(start, end)
 
     @property
     def total(self) -> int:
-        return self.parameters + self.gradients + self.optimizer + self.gathered + self.activations
+        return self.parameters + self.optimizer + self.allocator + max(self.forward_peak, self.backward_peak)
 
     def rows(self) -> list[tuple[str, int]]:
         return [("parameters (shard)", self.parameters), ("gradients (shard)", self.gradients),
                 ("optimizer state (shard)", self.optimizer), ("all-gathered units (2 largest)", self.gathered),
-                ("activations (one micro-batch)", self.activations), ("total", self.total)]
+                ("activations (one micro-batch)", self.activations),
+                ("loss: fp32 logits and their gradient", self.loss),
+                ("one unit's unsharded gradients", self.unit_gradients),
+                ("recomputed layer and its gradients", self.recompute), ("allocator rounding", self.allocator),
+                ("at the end of the forward", self.forward_peak), ("in the backward", self.backward_peak),
+                ("total (parameters, optimizer, rounding, larger moment)", self.total)]
 
     def describe(self) -> str:
         width = max(len(name) for name, _ in self.rows())
         return "\n".join(f"{name.ljust(width)}  {value / 2**20:>10.2f} MiB" for name, value in self.rows())
 
 
-def activation_bytes(config, micro_batch_size: int, seq_len: int, compute_bytes: int,
-                     activation_checkpointing: bool = False) -> int:
-    hidden, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+def layer_activation_values(config) -> int:
+    """Values one decoder layer saves for backward, per token."""
+    hidden, inter = config.hidden_size, config.intermediate_size
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or hidden // heads
-    per_layer = 8 * hidden + 2 * kv_heads * head_dim + 4 * inter
-    if activation_checkpointing:
-        body = layers * hidden
-    else:
-        body = layers * per_layer
+    return 8 * hidden + 2 * kv_heads * head_dim + 4 * inter
+
+
+def activation_bytes(config, micro_batch_size: int, seq_len: int, compute_bytes: int,
+                     activation_checkpointing: bool = False) -> int:
+    """What autograd saves for one micro-batch: the layers, the embedding and final norm (3H), the
+    rotary cos/sin shared by the layers, the int64 ids, labels and positions, and the loss's fp32
+    log-softmax (4V bytes)."""
+    per_layer = config.hidden_size if activation_checkpointing else layer_activation_values(config)
+    body = config.num_hidden_layers * per_layer
+    rotary = 2 * (getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
     tokens = micro_batch_size * seq_len
-    return tokens * (compute_bytes * (body + 3 * hidden) + 4 * config.vocab_size)
+    norms = 1 if activation_checkpointing else 2 * config.num_hidden_layers + 1
+    return tokens * (compute_bytes * (body + 3 * config.hidden_size + rotary) + 3 * 8 + 4 * config.vocab_size
+                     + norms * norm_upcast_bytes(config, compute_bytes))
+
+
+def norm_upcast_bytes(config, compute_bytes: int) -> int:
+    """RMSNorm computes in fp32: below fp32 each norm also saves its input's fp32 copy (4H bytes per token)."""
+    return 4 * config.hidden_size if compute_bytes < 4 else 0
 
 
 def estimate_memory(model: nn.Module, plan: ShardingPlan, shard_size: int, micro_batch_size: int, seq_len: int,
                     compute_dtype: torch.dtype = torch.float32, activation_checkpointing: bool = False,
-                    optimizer: str = "adamw") -> MemoryEstimate:
-    """The estimate for `model` (real or on meta) sharded by `plan` over `shard_size` ranks."""
-    shard = trainable = 0
-    unit_full: dict[int | None, int] = {}
-    for name, param in model.named_parameters():
-        per_rank = shard_bytes(param, shard_size)[1]
-        shard += per_rank
-        if param.requires_grad:
-            trainable += per_rank
-        unit = plan.unit_index_of_parameter(name)
-        unit_full[unit] = unit_full.get(unit, 0) + param.numel() * compute_dtype.itemsize
-    largest = sorted(unit_full.values(), reverse=True)[:2]
-    compute_bytes = compute_dtype.itemsize
+                    optimizer: str = "adamw", accumulation_steps: int | None = None,
+                    device_type: str = "cuda", reduce_dtype: torch.dtype = torch.float32,
+                    tp_assignments: dict[str, str] | None = None, tp_size: int = 1, cp_size: int = 1) -> MemoryEstimate:
+    """The estimate for `model` (real or on meta) sharded by `plan` over `shard_size` (dp_shard) x
+    `cp_size` ranks, after the modules of `tp_assignments` (name -> TP style) are split `tp_size` ways.
+
+    `accumulation_steps` None (unknown) counts the gradients through the forward, as when
+    micro-batches accumulate; `device_type` "cpu" has no allocator rounding.
+    """
+    split = TensorParallelSplit(model, tp_assignments or {}, tp_size)
+    units = _unit_bytes(model, plan, shard_size * cp_size, compute_dtype, optimizer,
+                        ALLOCATOR_BLOCK if device_type != "cpu" else 1, split)
+    seq_len = -(-seq_len // cp_size)  # this rank's part of each sequence
+    config, compute_bytes, tokens = model.config, compute_dtype.itemsize, micro_batch_size * seq_len
+    activations = activation_bytes(config, micro_batch_size, seq_len, compute_bytes, activation_checkpointing)
+    # a checkpointed layer's backward recomputes its activations and then holds their gradients
+    # beside them: about two layers' worth in all, measured (bench_memory)
+    layer = compute_bytes * layer_activation_values(config) + 2 * norm_upcast_bytes(config, compute_bytes)
+    recompute = 2 * tokens * layer if activation_checkpointing else 0
+    full = sorted(units["full"].values(), reverse=True)
+    largest = max(units["full"], key=units["full"].get)
+    reduce_copy = reduce_dtype.itemsize if reduce_dtype != compute_dtype else 0
+    trainable = sum(units["grad"].values())
     return MemoryEstimate(
-        parameters=shard,
-        gradients=trainable,
-        optimizer=OPTIMIZER_STATES[optimizer] * trainable,
-        gathered=sum(largest) if shard_size > 1 else 0,
-        activations=activation_bytes(model.config, micro_batch_size, seq_len, compute_bytes, activation_checkpointing),
+        parameters=units["shard"], gradients=trainable, optimizer=OPTIMIZER_STATES[optimizer] * trainable,
+        gathered=sum(full[:2]), activations=activations,
+        loss=tokens * config.vocab_size * LOSS_TRANSIENT_BYTES_PER_LOGIT,
+        unit_gradients=units["numel"][largest] * reduce_copy + full[0] + units["grad"].get(largest, 0),
+        allocator=units["rounding"], gradients_in_forward=accumulation_steps is None or accumulation_steps > 1,
+        largest_unit=full[0], saved_loss=tokens * config.vocab_size * 4,
+        first_unit_gradients=max(units["grad"].values(), default=0), recompute=recompute,
     )
+
+
+class TensorParallelSplit:
+    """What a tp rank holds of each parameter: its shape after torch's TP style, as a meta tensor."""
+
+    # (style kind, module type, parameter) -> the dim torch's style splits; absent: kept whole
+    DIMS = {("colwise", nn.Linear, "weight"): 0, ("colwise", nn.Linear, "bias"): 0, ("colwise", nn.Embedding, "weight"): 1,
+            ("rowwise", nn.Linear, "weight"): 1, ("rowwise", nn.Embedding, "weight"): 0}
+
+    def __init__(self, model: nn.Module, assignments: dict[str, str], tp_size: int):
+        self.modules, self.assignments, self.tp_size = dict(model.named_modules()), assignments, tp_size
+
+    def split_dim(self, name: str) -> int | None:
+        module_name, _, leaf = name.rpartition(".")
+        style = self.assignments.get(module_name)
+        if style is None or TP_STYLES[style][1] is None:
+            return None  # not split (replicated styles hold the whole weight)
+        kind = "colwise" if style.startswith("colwise") else "rowwise"
+        module = self.modules[module_name]
+        for (k, module_type, param), dim in self.DIMS.items():
+            if k == kind and isinstance(module, module_type) and param == leaf:
+                return dim
+        return None
+
+    def local(self, name: str, param: torch.Tensor) -> torch.Tensor:
+        dim = self.split_dim(name)
+        if dim is None or self.tp_size == 1:
+            return param
+        shape = list(param.shape)
+        shape[dim] = -(-shape[dim] // self.tp_size)
+        return torch.empty(shape, dtype=param.dtype, device="meta")
+
+
+def _unit_bytes(model: nn.Module, plan: ShardingPlan, shard_size: int, compute_dtype: torch.dtype, optimizer: str,
+                block: int, split: TensorParallelSplit) -> dict:
+    """Per FSDP unit: its all-gathered bytes in the compute dtype (a tp rank gathers its 1/tp), its
+    element count and this rank's gradient shard; over the model: this rank's parameter shard and
+    the allocator's rounding."""
+    out = {"full": {}, "numel": {}, "grad": {}, "shard": 0, "rounding": 0}
+    for name, full_param in model.named_parameters():
+        param = split.local(name, full_param)
+        per_rank = shard_bytes(param, shard_size)[1]
+        unit = plan.unit_index_of_parameter(name)
+        out["shard"] += per_rank
+        out["full"][unit] = out["full"].get(unit, 0) + param.numel() * compute_dtype.itemsize
+        out["numel"][unit] = out["numel"].get(unit, 0) + param.numel()
+        if full_param.requires_grad:
+            out["grad"][unit] = out["grad"].get(unit, 0) + per_rank
+        copies = 1 + (1 + OPTIMIZER_STATES[optimizer]) * full_param.requires_grad  # the weight, its gradient and moments
+        out["rounding"] += copies * (-(-per_rank // block) * block - per_rank)
+    return out
 
 
 def measured_activation_bytes(model: nn.Module, run) -> int:
@@ -102,3 +227,17 @@ def measured_activation_bytes(model: nn.Module, run) -> int:
     with saved_tensors_hooks(pack, lambda tensor: tensor):
         run()
     return sum(seen.values())
+
+
+def measured_peak_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, run, inputs=()) -> int:
+    """This rank's peak of live tensor bytes while `run()` executes (a training step, say), with
+    torch's FSDPMemTracker: every storage counted once, FSDP2's freed all-gather buffers
+    (storages resized to 0) included. What the estimate's total predicts, without the runtime
+    and allocator caching that a process's resident set or reserved memory adds."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    tracker = FSDPMemTracker(model, optimizer)
+    tracker.track_inputs(tuple(inputs))
+    with tracker:
+        run()
+    return max(snapshot["Total"] for snapshot in tracker.get_tracker_snapshot("peak").values())

@@ -1,4 +1,5 @@
-"""Training metrics: throughput, MFU, peak memory; logged to the console, JSONL and TensorBoard; the loss plot.
+"""Training metrics: throughput, MFU, peak memory; logged to the console (a tqdm bar and log lines),
+metrics.jsonl, TensorBoard when installed and W&B or trackio when `train.report_to` names them; the loss plot.
 
 MFU (model FLOPs utilisation) uses the PaLM paper's count (Chowdhery et al. 2022, appendix B):
 training a token costs `6 * N + 12 * L * H * S` FLOPs, N the parameter count (weights only:
@@ -9,6 +10,8 @@ is not counted, as the definition requires. MFU = tokens/s x FLOPs/token / (devi
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import json
 import resource
 import sys
@@ -16,6 +19,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from ..errors import ConfigError
 
 # dense bf16 tensor-core peak per device, TFLOP/s (vendor data sheets, SXM parts)
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "L4": 121.0,
@@ -80,25 +85,73 @@ class Throughput:
         return {"tokens_per_s": rate, "mfu": mfu}
 
 
-class MetricsLogger:
-    """Rank 0 writes every record to `metrics.jsonl`, to TensorBoard when it is installed, and
-    shows a progress bar with the latest values; other ranks write nothing."""
+# the trackers `train.report_to` may name -> the package each needs; TensorBoard is written whenever it is
+# installed, W&B and trackio (which copies W&B's module API: init / log / finish) only when named
+REPORTERS = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"}
 
-    def __init__(self, output_dir: Path, total_steps: int, initial_step: int = 0, enabled: bool = True):
+
+def check_report_to(names) -> None:
+    """Every name in `train.report_to` is a known tracker whose package is installed (checked on
+    every rank, and before launch, so a missing package never surfaces mid-run)."""
+    for name in names:
+        if name not in REPORTERS:
+            raise ConfigError(f"train.report_to names {name!r}; known trackers: {sorted(REPORTERS)}")
+        if importlib.util.find_spec(REPORTERS[name]) is None:
+            raise ConfigError(f"train.report_to names {name!r} but the {REPORTERS[name]!r} package is not installed "
+                              f"(pip install {REPORTERS[name]})")
+
+
+class _TensorBoard:
+    def __init__(self, output_dir: Path):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(str(output_dir / "tensorboard"))
+
+    def log(self, values: dict, step: int) -> None:
+        for key, value in values.items():
+            self.writer.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class _RunTracker:
+    """W&B or trackio: one run per training run, named after the output directory."""
+
+    def __init__(self, module_name: str, output_dir: Path, config: dict | None):
+        self.module = importlib.import_module(module_name)
+        self.module.init(project="fullshard", name=output_dir.name, config=config)
+
+    def log(self, values: dict, step: int) -> None:
+        self.module.log(values, step=step)
+
+    def close(self) -> None:
+        self.module.finish()
+
+
+def open_trackers(output_dir: Path, report_to=(), config: dict | None = None) -> list:
+    check_report_to(report_to)
+    trackers = [_RunTracker(name, output_dir, config) for name in report_to if name != "tensorboard"]
+    if "tensorboard" in report_to or importlib.util.find_spec("tensorboard") is not None:
+        trackers.append(_TensorBoard(output_dir))
+    return trackers
+
+
+class MetricsLogger:
+    """Rank 0 writes every record to `metrics.jsonl` and to the trackers, and shows a progress bar
+    (loss, tokens/s, ETA) besides a log line per record; other ranks write nothing."""
+
+    def __init__(self, output_dir: Path, total_steps: int, initial_step: int = 0, enabled: bool = True,
+                 report_to=(), config: dict | None = None):
         self.enabled = enabled
         self.path = Path(output_dir) / "metrics.jsonl"
-        self._bar = self._tensorboard = None
+        self._bar, self._trackers = None, []
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # a resumed run appends to the log of the run it continues; a fresh run starts a new one
         self._file = self.path.open("a" if initial_step else "w")
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tensorboard = SummaryWriter(str(Path(output_dir) / "tensorboard"))
-        except ImportError:
-            pass
+        self._trackers = open_trackers(Path(output_dir), report_to, config)
         from tqdm import tqdm
 
         self._bar = tqdm(total=total_steps, initial=initial_step, desc="train", dynamic_ncols=True, file=sys.stdout,
@@ -113,13 +166,13 @@ class MetricsLogger:
             return
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
-        if self._tensorboard is not None:
-            for key, value in record.items():
-                if isinstance(value, (int, float)) and key != "step":
-                    self._tensorboard.add_scalar(key, value, record["step"])
+        numbers = {k: v for k, v in record.items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
+        for tracker in self._trackers:
+            tracker.log(numbers, record["step"])
         shown = {k: record[k] for k in show if record.get(k) is not None}
         if self._bar is not None and shown:
-            self._bar.set_postfix({k: f"{v:.4g}" for k, v in shown.items()}, refresh=False)
+            self._bar.set_postfix({k: f"{shown[k]:.4g}" for k in ("loss", "tokens_per_s") if k in shown}, refresh=False)
             self._bar.write(f"step {record['step']:>5}  " + "  ".join(f"{k} {v:.4g}" for k, v in shown.items()))
 
     def close(self) -> None:
@@ -127,8 +180,8 @@ class MetricsLogger:
             return
         if self._bar is not None:
             self._bar.close()
-        if self._tensorboard is not None:
-            self._tensorboard.close()
+        for tracker in self._trackers:
+            tracker.close()
         self._file.close()
 
 
@@ -136,8 +189,12 @@ def read_metrics(path: str | Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
+NO_PLOT = "no loss plot: matplotlib is not installed (pip install 'fullshard[plot]')"
+
+
 def plot_loss(metrics_path: str | Path, png_path: str | Path) -> Path | None:
-    """The training (and eval) loss against the step, as a PNG; None when matplotlib is missing."""
+    """The training (and eval) loss against the step, as a PNG; None when matplotlib is missing
+    (the caller says so with `NO_PLOT`: metrics.jsonl holds the same numbers)."""
     try:
         import matplotlib
 

@@ -5,10 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from ..optim import StepResult
-from .loss import causal_lm_loss_sum, global_target_count, normalized_loss
+from .loss import causal_lm_loss_sum, global_target_count, normalized_loss, sum_over_ranks
 
 
 @dataclass
@@ -22,19 +21,20 @@ def train_step(strategy, model: torch.nn.Module, optimizer, scheduler, micro_bat
     """Forward and backward every micro-batch of this rank, then clip and step once.
 
     The number of micro-batches must be the strategy's accumulation window, so that its
-    `optimizer_step` steps exactly at the last one.
+    `optimizer_step` steps exactly at the last one. Under context parallelism they are this cp
+    rank's parts (`fullshard.parallel.cp.context_parallel_batch`); FSDP then averages gradients
+    over dp x cp, and tp ranks, which repeat their data rank's batch, are counted once.
     """
     if len(micro_batches) != strategy.accumulated_gradient:
         raise ValueError(f"got {len(micro_batches)} micro-batches, the accumulation window is "
                          f"{strategy.accumulated_gradient}")
-    tokens = global_target_count(micro_batches)
+    dims = strategy.parallel_dims
+    tokens = global_target_count(micro_batches, repeats=dims.tp)
     total = torch.zeros((), dtype=torch.float64)
     result = None
     for batch in micro_batches:
         loss_sum = causal_lm_loss_sum(model, batch)
-        strategy.backward(normalized_loss(loss_sum, tokens, strategy.dp_size), model, optimizer, normalized=True)
+        strategy.backward(normalized_loss(loss_sum, tokens, dims.dp_size * dims.cp), model, optimizer, normalized=True)
         total += loss_sum.detach().to("cpu", torch.float64)
         result = strategy.optimizer_step(optimizer, model, scheduler)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(total)
-    return StepOutput(float(total) / max(tokens, 1), tokens, result)
+    return StepOutput(float(sum_over_ranks(total, repeats=dims.tp)) / max(tokens, 1), tokens, result)

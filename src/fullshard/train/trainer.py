@@ -7,36 +7,73 @@ and refuses other data), evaluation, metrics and the loss plot.
 
 from __future__ import annotations
 
+import contextlib
+import math
 import time
-from pathlib import Path
+import warnings
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from ..checkpoint import CheckpointManager, export_hf
-from ..distributed import barrier, get_rank, get_world_size
+from ..distributed import ParallelDims, barrier, get_rank, get_world_size
 from ..dtypes import DTYPES
-from ..engine import reshard_all
+from ..fsdp import reshard_all
+from ..log import log_rank0, warn_rank0
 from ..lora import apply_lora, export_merged, save_adapter
 from ..optim import create_scheduler
-from ..strategy import FSDPStrategy
+from ..strategy import FSDPStrategy, describe_mesh
 from .config import BUILTIN_MODELS, ConfigError, TrainConfig
-from .data import PackedData, StepBatches, byte_tokenizer, eval_batches, load_data
+from .data import byte_tokenizer, load_data
 from .loss import causal_lm_loss_sum, target_count
-from .metrics import MetricsLogger, Throughput, model_flops_per_token, peak_device_flops, peak_memory_gb, plot_loss
+from .metrics import (NO_PLOT, MetricsLogger, Throughput, check_report_to, model_flops_per_token, peak_device_flops,
+                      peak_memory_gb, plot_loss)
 from .step import train_step
+from .stop import StopRequest
+
+
+def strategy_of(config: TrainConfig) -> FSDPStrategy:
+    """The strategy for a run, not yet set up: `config.fsdp` whole (every engine setting reaches
+    the engines it builds) plus the train section's batch sizes, seed, clipping and accumulation policy."""
+    train = config.train
+    return FSDPStrategy(seed=train.seed, max_norm=train.max_norm, micro_train_batch_size=train.micro_batch_size,
+                        train_batch_size=train.global_batch_size, config=config.fsdp,
+                        accumulation_policy=train.accumulation_policy)
 
 
 def build_strategy(config: TrainConfig) -> FSDPStrategy:
-    fsdp = config.fsdp
-    strategy = FSDPStrategy(
-        seed=config.train.seed, max_norm=config.train.max_norm, micro_train_batch_size=config.train.micro_batch_size,
-        train_batch_size=config.train.global_batch_size, bf16=fsdp.mixed_precision == "bf16",
-        args={"accumulation_policy": config.train.accumulation_policy, "fp16": fsdp.mixed_precision == "fp16",
-              "dp_replicate": fsdp.dp_replicate, "activation_checkpointing": fsdp.activation_checkpointing,
-              "offload_params": fsdp.offload_params, "reduce_dtype": fsdp.reduce_dtype, "plan": fsdp.plan})
+    """`strategy_of(config)` with its process group started and its mesh and batch arithmetic checked."""
+    strategy = strategy_of(config)
     strategy.setup_distributed()
     return strategy
+
+
+class ContextSplit:
+    """This rank's part of every batch under context parallelism (the batches unchanged without it).
+
+    The all-to-all attention is causal over the whole row, so documents packed into one row see
+    each other, where without cp they are kept apart by their restarting `position_ids`: said once.
+    """
+
+    def __init__(self, dims: ParallelDims, rank: int, pad_token_id: int | None):
+        self.cp, self.cp_rank = dims.cp, dims.coordinates(rank)["cp"]
+        self.pad_token_id = pad_token_id or 0
+
+    def __call__(self, micro_batches: list[dict]) -> list[dict]:
+        if self.cp == 1:
+            return micro_batches
+        from ..parallel.cp import context_parallel_batch
+
+        if any(_has_document_starts(b) for b in micro_batches):
+            warn_rank0(f"fsdp.cp_size={self.cp}: rows holding several packed documents are attended as one "
+                       "sequence under context parallelism (without it the documents are kept apart)")
+        return [context_parallel_batch(b, self.cp_rank, self.cp, self.pad_token_id) for b in micro_batches]
+
+
+def _has_document_starts(batch: dict) -> bool:
+    positions = batch.get("position_ids")
+    return positions is not None and bool((positions[:, 1:] - positions[:, :-1] != 1).any())
 
 
 def load_tokenizer(config: TrainConfig):
@@ -44,24 +81,44 @@ def load_tokenizer(config: TrainConfig):
         return byte_tokenizer()
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(config.model.name_or_path)
+    name, trust = config.model.name_or_path, config.model.trust_remote_code
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust)
+    except ValueError as err:
+        if "trust_remote_code" not in str(err):
+            raise
+        raise ConfigError(f"the tokenizer of model.name_or_path={name!r} ships its own Python code, which fullshard "
+                          "does not run unless model.trust_remote_code is true") from None
     if tokenizer.eos_token_id is None:
         raise ConfigError(f"the tokenizer of model.name_or_path={config.model.name_or_path!r} has no EOS token "
                           "to separate packed documents")
     return tokenizer
 
 
+@contextlib.contextmanager
+def quiet_peft_wrapping():
+    """PEFT reads transformers' deprecated `is_gradient_checkpointing` when it wraps a model, which
+    prints the same FutureWarning once per rank on every LoRA run; it is about PEFT, not the user."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
+
+
 def build_model(config: TrainConfig, strategy: FSDPStrategy, vocab_size: int) -> torch.nn.Module:
     """A sharded model: a built-in config with seeded random weights, or a local HF directory
     loaded slice by slice into the shards."""
+    with quiet_peft_wrapping():
+        return _build_model(config, strategy, vocab_size)
+
+
+def _build_model(config: TrainConfig, strategy: FSDPStrategy, vocab_size: int) -> torch.nn.Module:
     dtype = DTYPES[config.model.dtype]
-    reshard = config.fsdp.reshard_after_forward
     lora = config.lora.peft_fields() if config.lora.enabled else None
     torch.manual_seed(config.train.seed)  # the random weights of a built-in model, and the adapters' init
     if config.model.name_or_path not in BUILTIN_MODELS:
-        from ..loading import from_pretrained
+        from ..pretrained import from_pretrained
 
-        return from_pretrained(config.model.name_or_path, engine=strategy.engine(-1, reshard), dtype=dtype,
+        return from_pretrained(config.model.name_or_path, engine=strategy.engine(), dtype=dtype,
                                lora=lora).train()
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -70,7 +127,7 @@ def build_model(config: TrainConfig, strategy: FSDPStrategy, vocab_size: int) ->
     model = LlamaForCausalLM._from_config(hf_config, dtype=dtype)
     if lora is not None:
         model = apply_lora(model, lora)
-    return strategy.prepare_model(model, is_training=True, reshard_after_forward=reshard)
+    return strategy.prepare_model(model, is_training=True)
 
 
 @torch.no_grad()
@@ -79,7 +136,7 @@ def evaluate(model: torch.nn.Module, batches: list[dict]) -> float | None:
     if not batches:
         return None
     model.eval()
-    totals = torch.zeros(2, dtype=torch.float64)
+    totals = torch.zeros(2, dtype=torch.float64)  # tp ranks repeat their data rank's sums: they cancel in the ratio
     for batch in batches:
         totals[0] += causal_lm_loss_sum(model, batch).to("cpu", torch.float64)
         totals[1] += target_count(batch)
@@ -90,17 +147,22 @@ def evaluate(model: torch.nn.Module, batches: list[dict]) -> float | None:
     return float(totals[0] / totals[1])
 
 
+def eval_metrics(loss: float | None) -> dict:
+    """Eval loss (mean per target token) and its perplexity, exp(loss)."""
+    return {"eval_loss": loss, "eval_ppl": None if loss is None else math.exp(min(loss, 700.0))}
+
+
 class Trainer:
     """Runs one training job from a `TrainConfig`; `run()` returns a summary of what it did."""
 
     def __init__(self, config: TrainConfig):
         self.config = config
 
-    def _resume(self, manager: CheckpointManager, model, optimizer, scheduler, strategy, data: PackedData) -> int:
+    def _resume(self, manager: CheckpointManager, model, optimizer, scheduler, strategy, data, batches) -> int:
         resume = self.config.checkpoint.resume
         if resume == "none":
             return 0
-        extra = manager.load(model, optimizer, scheduler, strategy.scaler, path=resume)
+        extra = manager.load(model, optimizer, scheduler, states={"strategy": strategy}, path=resume)
         if extra is None:
             return 0
         saved = extra.get("data", {}).get("fingerprint")
@@ -108,15 +170,22 @@ class Trainer:
             raise ConfigError(f"the checkpoint in {manager.last_load_info['path']} was trained on other data "
                               f"(fingerprint {saved}, this data {data.fingerprint()}): point checkpoint.dir elsewhere "
                               "or set checkpoint.resume=none")
-        strategy.load_state_dict(extra["strategy"])
+        batches.load_state_dict(extra["data"])
         return int(extra["data"]["position"])
 
     def run(self) -> dict:
+        run = self._build()
+        summary = self._train(run)
+        return self._finish(run, summary)
+
+    def _build(self) -> "Run":
+        """Everything a run needs, in order: the strategy (process group), data, model, optimizer,
+        the checkpoint it resumes from, and the loggers."""
         config = self.config
+        report_to = config.train.report_to
+        check_report_to(report_to)  # on every rank, before any collective: a missing package fails them all
         strategy = build_strategy(config)
-        config.accumulation_steps(get_world_size())
-        rank, world = get_rank(), get_world_size()
-        output_dir = config.output_dir
+        rank = get_rank()
         tokenizer = load_tokenizer(config)
         data = load_data(config.data, tokenizer)
         model = build_model(config, strategy, len(tokenizer))
@@ -127,70 +196,128 @@ class Trainer:
                                      config.optim.min_lr_ratio)
         manager = CheckpointManager(config.checkpoint_dir, max_num=config.checkpoint.max_num,
                                     async_save=config.checkpoint.async_save)
-        start = self._resume(manager, model, optimizer, scheduler, strategy, data)
-        batches = StepBatches(data.train, config.train.global_batch_size, config.train.micro_batch_size, rank, world,
-                              seed=config.train.seed, shuffle=config.data.shuffle)
-        evals = eval_batches(data.eval, config.train.micro_batch_size, rank, world, config.train.eval_batches)
+        # tp and cp ranks of one data-parallel rank see the same rows
+        dims = strategy.engine().dims
+        dp_rank, dp_size = dims.coordinates(rank)["dp"], dims.dp_size
+        batches = data.step_batches(config.train.global_batch_size, config.train.micro_batch_size, dp_rank, dp_size,
+                                    seed=config.train.seed, shuffle=config.data.shuffle)
+        start = self._resume(manager, model, optimizer, scheduler, strategy, data, batches)
         end = config.train.steps
         if config.train.stop_after is not None:
             end = min(end, start + config.train.stop_after)
-        logger = MetricsLogger(output_dir, config.train.steps, start, enabled=rank == 0)
-        throughput = Throughput(model_flops_per_token(model, config.data.seq_len), world,
-                                peak_device_flops(config.train.peak_tflops))
-        if rank == 0:
-            print(f"[fullshard] {config.model.name_or_path}: {sum(p.numel() for p in model.parameters()):,} parameters, "
-                  f"{world} ranks, {len(data.train)} training sequences of {config.data.seq_len} tokens, "
+        logger = MetricsLogger(config.output_dir, config.train.steps, start, enabled=rank == 0,
+                               report_to=report_to, config=config.to_dict())
+        log_rank0(f"{config.model.name_or_path}: {sum(p.numel() for p in model.parameters()):,} parameters, "
+                  f"{describe_mesh(dims)}, {data.describe()} of {config.data.seq_len} tokens, "
                   f"steps {start}..{end} of {config.train.steps}" + (f" (resumed from step {start})" if start else ""))
+        split = ContextSplit(dims, rank, tokenizer.pad_token_id)
+        evals = split(data.eval_batches(config.train.micro_batch_size, dp_rank, dp_size, config.train.eval_batches))
+        return Run(strategy, tokenizer, data, model, optimizer, scheduler, manager, logger, start, end, batches,
+                   evals, split)
 
-        def extra_state(step: int) -> dict:
-            return {"data": {"position": step, "fingerprint": data.fingerprint()}, "strategy": strategy.state_dict(),
-                    "config": config.to_dict()}
+    def _extra_state(self, run: "Run", step: int) -> dict:
+        return {"data": {"position": step, "fingerprint": run.data.fingerprint(), **run.batches.state_dict()},
+                "config": self.config.to_dict()}
 
-        losses, hashes, last_saved = {}, {}, start
+    def _train(self, run: "Run") -> dict:
+        """The steps of this run: train, log, evaluate and checkpoint on the configured intervals."""
+        config, strategy, model, optimizer, scheduler = self.config, run.strategy, run.model, run.optimizer, run.scheduler
+        manager, logger, batches = run.manager, run.logger, run.batches
+        throughput = Throughput(model_flops_per_token(model, config.data.seq_len), get_world_size(),
+                                peak_device_flops(config.train.peak_tflops))
+        losses, hashes, run.last_saved = {}, {}, run.start
+        stop = StopRequest()
         started = time.perf_counter()
-        for step in range(start, end):
-            out = train_step(strategy, model, optimizer, scheduler, batches.micro_batches(step))
+        for step in range(run.start, run.end):
+            out = train_step(strategy, model, optimizer, scheduler, run.split(batches.micro_batches(step)))
             throughput.add(out.tokens)
             losses[step], hashes[step] = out.loss, batches.step_hash(step)
             done = step + 1
             logger.step()
-            if done % config.train.log_every == 0 or done == end:
+            if done % config.train.log_every == 0 or done == run.end:
                 logger.log({"kind": "train", "step": done, "loss": out.loss, "lr": scheduler.get_last_lr()[0],
                             "grad_norm": out.result.grad_norm, "skipped": out.result.skipped, "tokens": out.tokens,
                             "batch": hashes[step], **throughput.tick(), "peak_mem_gb": peak_memory_gb()})
             if config.train.eval_every and done % config.train.eval_every == 0 and done < config.train.steps:
-                logger.log({"kind": "eval", "step": done, "eval_loss": evaluate(model, evals)}, show=("eval_loss",))
+                logger.log({"kind": "eval", "step": done, **eval_metrics(evaluate(model, run.evals))},
+                           show=("eval_loss", "eval_ppl"))
             if config.checkpoint.every and done % config.checkpoint.every == 0:
-                manager.save(done, model, optimizer, scheduler, strategy.scaler, extra_state=extra_state(done))
-                last_saved = done
-        summary = {"start_step": start, "end_step": end, "losses": losses, "batch_hashes": hashes,
-                   "train_seconds": time.perf_counter() - started}
+                manager.save(done, model, optimizer, scheduler, states={"strategy": strategy},
+                             extra_state=self._extra_state(run, done), tokenizer=run.tokenizer)
+                run.last_saved = done
+            if stop.requested():
+                run.end = done
+                break
+        run.stop = stop
+        return {"start_step": run.start, "end_step": run.end, "losses": losses, "batch_hashes": hashes,
+                "train_seconds": time.perf_counter() - started}
+
+    def _finish(self, run: "Run", summary: dict) -> dict:
+        """The final evaluation, checkpoint and exports, and one line saying where everything is.
+        A run that had nothing left to train (re-run after it finished) logs no second eval row."""
+        config, model, manager, end = self.config, run.model, run.manager, run.end
+        strategy, output_dir, lora = run.strategy, config.output_dir, config.lora
         finished = end == config.train.steps
         if finished:
-            summary["eval_loss"] = evaluate(model, evals)
-            logger.log({"kind": "eval", "step": end, "eval_loss": summary["eval_loss"]}, show=("eval_loss",))
-        if last_saved != end:
-            manager.save(end, model, optimizer, scheduler, strategy.scaler, extra_state=extra_state(end))
+            summary.update(eval_metrics(evaluate(model, run.evals)))
+            if end > run.start:
+                run.logger.log({"kind": "eval", "step": end, **eval_metrics(summary["eval_loss"])},
+                               show=("eval_loss", "eval_ppl"))
+        if run.last_saved != end:
+            manager.save(end, model, run.optimizer, run.scheduler, states={"strategy": strategy},
+                         extra_state=self._extra_state(run, end), tokenizer=run.tokenizer)
         manager.wait()
         summary["checkpoint"] = str(manager.latest())
-        lora = config.lora
         if finished and config.checkpoint.export and not lora.enabled:
-            summary["export"] = str(export_hf(model, output_dir / "hf", tokenizer=tokenizer))
+            summary["export"] = str(export_hf(model, output_dir / "hf", tokenizer=run.tokenizer))
         if finished and config.checkpoint.export and lora.enabled and lora.merge_on_export:
-            summary["export"] = str(export_merged(model, output_dir / "hf", tokenizer=tokenizer))
+            summary["export"] = str(export_merged(model, output_dir / "hf", tokenizer=run.tokenizer))
         if finished and lora.enabled and lora.save_adapter:
             summary["adapter"] = str(save_adapter(model, output_dir / "adapter"))
-        logger.close()
-        if rank == 0 and config.train.plot and finished:
-            png = plot_loss(logger.path, output_dir / "loss.png")
+        run.logger.close()
+        summary["metrics"] = str(run.logger.path)
+        if get_rank() == 0 and config.train.plot and finished:
+            png = plot_loss(run.logger.path, output_dir / "loss.png")
             summary["plot"] = str(png) if png else None
         barrier()
-        if rank == 0:
-            print(f"[fullshard] done: checkpoint {summary['checkpoint']}"
-                  + (f", model {summary['export']}" if "export" in summary else "")
-                  + (f", adapter {summary['adapter']}" if "adapter" in summary else "")
-                  + (f", loss plot {summary['plot']}" if summary.get("plot") else ""))
+        if not run.stop.stopped:  # a stopped run ends with the stop line instead
+            log_rank0(done_line(summary, plot_asked=config.train.plot and finished))
+        run.stop.finish(end, config.train.steps, summary["checkpoint"])
         return summary
+
+
+@dataclass
+class Run:
+    """The pieces of one run that its phases share."""
+
+    strategy: FSDPStrategy
+    tokenizer: object
+    data: object  # train/data's prepared dataset
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    manager: CheckpointManager
+    logger: MetricsLogger
+    start: int
+    end: int
+    batches: object  # the data's step-addressed batches (train/data)
+    evals: list
+    split: ContextSplit
+    last_saved: int = 0
+    stop: StopRequest | None = None
+
+
+def done_line(summary: dict, plot_asked: bool) -> str:
+    """The run's last line: where the checkpoint, model, adapter, metrics and plot are (or why no plot)."""
+    parts = [f"checkpoint {summary['checkpoint']}"]
+    parts += [f"{label} {summary[key]}" for key, label in (("export", "model"), ("adapter", "adapter"))
+              if key in summary]
+    parts.append(f"metrics {summary['metrics']}")
+    if summary.get("plot"):
+        parts.append(f"loss plot {summary['plot']}")
+    elif plot_asked:
+        parts.append(NO_PLOT)
+    return "done: " + ", ".join(parts)
 
 
 def train(config: TrainConfig) -> dict:

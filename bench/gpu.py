@@ -1,0 +1,231 @@
+"""The GPU benchmark in one command: a ~1B-parameter Llama trained in bf16 on one GPU by fullshard
+(eager and compiled) and by its peers, side by side in one run.
+
+    python bench/gpu.py                 # on a GPU machine: writes the "train-gpu" section of BENCHMARKS.md
+    python bench/gpu.py --dry-run       # anywhere: a tiny model on CPU, every peer end to end, nothing written
+
+Peers, each on the same model size, sequence length, batch and optimizer (AdamW, clip 1.0):
+- fullshard: `FSDP2Engine({"mixed_precision": "bf16"})`, the path `fullshard train` takes;
+- fullshard compiled: the same with `compile=True` (each block compiled before sharding);
+- fully_shard: transformers' model with plain `fully_shard` per decoder layer and on the root, the
+  loop a user writes by hand from the FSDP2 tutorial; also with each layer compiled first;
+- torchtitan: its llama3 model with its own FSDP2 wrapping, when torchtitan can be imported
+  (installed from PyPI first when missing; a machine with no registry reports why it is absent).
+
+MFU is tokens/s x (6N + 12 L H S) / peak bf16 FLOP/s (`fullshard.train.metrics`). Each peer runs in
+the same process one after another, with the allocator's peak reset between them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.report import markdown_table, write_section  # noqa: E402
+
+FULL = dict(model=dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=16,
+                       num_key_value_heads=8, vocab_size=32000, max_position_embeddings=2048,
+                       tie_word_embeddings=False),
+            micro=4, seq=2048, warmup=3, steps=10)
+DRY = dict(model=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=256, max_position_embeddings=64, tie_word_embeddings=False),
+           micro=2, seq=32, warmup=1, steps=2)
+PEERS = ("fullshard", "fullshard-compiled", "fully_shard", "fully_shard-compiled", "torchtitan")
+
+
+def _llama(shape: dict, device: torch.device) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    with device:
+        return LlamaForCausalLM(LlamaConfig(**shape["model"], attn_implementation="sdpa"))
+
+
+def _fullshard(shape: dict, device: torch.device, compile: bool):
+    from fullshard import FSDP2Engine, create_optimizer
+
+    engine = FSDP2Engine({"mixed_precision": "bf16", **({"compile": True} if compile else {})})
+    model = engine.prepare_model(_llama(shape, device))
+    return model, create_optimizer(model, lr=1e-4, fused=device.type == "cuda")
+
+
+def _plain_fully_shard(shape: dict, device: torch.device, compile: bool):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model = _llama(shape, device)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        if compile:
+            layer.compile()
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+
+
+def _torchtitan(shape: dict, device: torch.device, compile: bool):
+    """torchtitan's llama3 at the same shape, wrapped the way its parallelize step does for FSDP only."""
+    titan = _import_torchtitan(install=device.type == "cuda")
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    m = shape["model"]
+    args = titan.TransformerModelArgs(dim=m["hidden_size"], n_layers=m["num_hidden_layers"],
+                                      n_heads=m["num_attention_heads"], n_kv_heads=m["num_key_value_heads"],
+                                      vocab_size=m["vocab_size"], max_seq_len=shape["seq"],
+                                      ffn_dim_multiplier=None, multiple_of=256)
+    args.hidden_dim_override = m["intermediate_size"]  # ignored by versions that derive it; noted in the table
+    torch.manual_seed(0)
+    with device:
+        model = titan.Transformer(args)
+        model.init_weights()
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.layers.values():
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+
+    class Wrapped(torch.nn.Module):  # the loop below calls model(input_ids=, labels=).loss, as for HF models
+        def __init__(self):
+            super().__init__()
+            self.inner = model
+
+        def forward(self, input_ids, labels):
+            logits = self.inner(input_ids).float()
+            loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+            return type("Out", (), {"loss": loss})
+
+    return Wrapped(), torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+
+
+def _import_torchtitan(install: bool):
+    try:
+        module = importlib.import_module("torchtitan.models.llama3")
+    except ImportError:
+        if not install:
+            raise
+        # a bare GPU machine: fetch the peer from PyPI with torch pinned to the installed build
+        torch_pin = f"torch=={torch.__version__.split('+')[0]}"
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", torch_pin, "torchtitan"], check=False, timeout=900)
+        module = importlib.import_module("torchtitan.models.llama3")
+    return module
+
+
+BUILDERS = {
+    "fullshard": lambda s, d: _fullshard(s, d, compile=False),
+    "fullshard-compiled": lambda s, d: _fullshard(s, d, compile=True),
+    "fully_shard": lambda s, d: _plain_fully_shard(s, d, compile=False),
+    "fully_shard-compiled": lambda s, d: _plain_fully_shard(s, d, compile=True),
+    "torchtitan": lambda s, d: _torchtitan(s, d, compile=False),
+}
+
+
+def measure(peer: str, shape: dict, device: torch.device) -> dict:
+    """Warm up, then time `steps` optimizer steps of one micro-batch each; tokens/s, MFU, peak memory."""
+    from fullshard.optim import clip_grad_norm
+    from fullshard.train.metrics import flops_per_token, peak_device_flops
+
+    model, optimizer = BUILDERS[peer](shape, device)
+    ids = torch.randint(0, shape["model"]["vocab_size"], (shape["micro"], shape["seq"]), device=device)
+
+    def step() -> float:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        clip_grad_norm([p for p in model.parameters() if p.grad is not None], 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return float(loss)
+
+    for _ in range(shape["warmup"]):
+        step()
+    _sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    for _ in range(shape["steps"]):
+        loss = step()
+    _sync(device)
+    tokens_per_s = shape["steps"] * shape["micro"] * shape["seq"] / (time.perf_counter() - start)
+    m = shape["model"]
+    params = sum(p.numel() for p in model.parameters())
+    embedding = m["vocab_size"] * m["hidden_size"]
+    peak = peak_device_flops()
+    result = {"peer": peer, "params": params, "tokens_per_s": tokens_per_s, "loss": loss,
+              "mfu": tokens_per_s * flops_per_token(params - embedding, m["num_hidden_layers"], m["hidden_size"],
+                                                    shape["seq"]) / peak if peak else None,
+              "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None}
+    del model, optimizer
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run(peers: list[str], dry_run: bool) -> list[dict]:
+    from fullshard.distributed import init_distributed
+
+    shape = DRY if dry_run else FULL
+    device = init_distributed("cpu" if dry_run else None)
+    results = []
+    for peer in peers:
+        try:
+            results.append(measure(peer, shape, device))
+        except Exception as exc:  # noqa: BLE001 - a peer that cannot run is a row saying why, not a crash
+            results.append({"peer": peer, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"})
+        print(results[-1], flush=True)
+    return results
+
+
+def table(results: list[dict]) -> str:
+    base = next((r for r in results if r["peer"] == "fullshard" and "error" not in r), None)
+    rows = []
+    for r in results:
+        if "error" in r:
+            rows.append([r["peer"], "-", "-", "-", "-", "-", r["error"]])
+            continue
+        ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}" if base else "-"
+        rows.append([r["peer"], f"{r['params'] / 1e9:.2f}B", f"{r['tokens_per_s']:,.0f}", ratio,
+                     f"{100 * r['mfu']:.1f}%" if r["mfu"] else "n/a",
+                     f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else "n/a", ""])
+    return markdown_table(["peer", "params", "tokens/s", "x fullshard", "MFU", "peak GiB", "note"], rows)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dry-run", action="store_true", help="tiny model on CPU; writes nothing")
+    parser.add_argument("--peers", default=",".join(PEERS), help=f"comma-separated subset of {','.join(PEERS)}")
+    parser.add_argument("--json", help="also write the results to this file")
+    args = parser.parse_args(argv)
+    peers = [p for p in args.peers.split(",") if p]
+    unknown = sorted(set(peers) - set(PEERS))
+    if unknown:
+        parser.error(f"unknown peers {unknown}; known: {list(PEERS)}")
+    if not args.dry_run and not torch.cuda.is_available():
+        sys.exit("bench/gpu.py needs a CUDA GPU (use --dry-run to check it end to end on CPU)")
+    results = run(peers, args.dry_run)
+    print(table(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    if not args.dry_run:
+        s = FULL
+        body = (f"One {torch.cuda.get_device_name()}, Llama-shaped model (random weights), micro batch {s['micro']} x "
+                f"{s['seq']} tokens, bf16 compute, fp32 master weights, AdamW (fused), clip 1.0, {s['steps']} timed "
+                f"steps after {s['warmup']} warm-up. Ratios are tokens/s against fullshard (eager) in the same run.\n\n")
+        write_section("train-gpu", body + table(results))
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""Records to token ids, one batch of records at a time: the function `datasets.map` runs on the
+node's tokenizing rank (in `num_proc` processes) and the streaming reader runs on the fly."""
+
+from __future__ import annotations
+
+from .chat import IGNORE_INDEX, RecordError, as_messages, chat_template_of, tokenize_chat
+
+FORMATS = ("text", "chat")
+OVERLONG = ("drop", "truncate")
+
+
+def layouts(section) -> tuple[tuple[str, ...], ...]:
+    """The alternative column sets a format reads, first match wins."""
+    if section.format == "chat":
+        return (section.messages_field,), (section.prompt_field, section.response_field)
+    return ((section.text_field,),)
+
+
+class Tokenize:
+    """A picklable batch function: text documents end with EOS and train on every token; a chat
+    record trains on its assistant turns only, and one longer than `seq_len` is dropped or
+    truncated (its first `seq_len` tokens kept) by `overlong`. A dropped record yields no tokens."""
+
+    def __init__(self, tokenizer, section):
+        self.tokenizer, self.format = tokenizer, section.format
+        self.field = section.text_field
+        self.seq_len, self.overlong = section.seq_len, section.overlong
+        self.chat_fields = (section.messages_field, section.prompt_field, section.response_field)
+        self.template = chat_template_of(tokenizer, section.chat_template) if section.format == "chat" else None
+
+    def __call__(self, batch: dict, indices: list[int]) -> dict:
+        if self.format == "text":
+            eos, texts = self.tokenizer.eos_token_id, batch[self.field]
+            if None in texts:  # a streamed record without the field (read data is checked when loaded)
+                raise RecordError(indices[texts.index(None)], f"has no field {self.field!r}")
+            ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+            return {"input_ids": [doc + [eos] for doc in ids]}
+        out = {"input_ids": [], "labels": []}
+        messages, prompt, response = self.chat_fields
+        for k, row in enumerate(indices):
+            if messages in batch:
+                turns = as_messages(row, messages=batch[messages][k])
+            else:
+                turns = as_messages(row, prompt=batch[prompt][k], response=batch[response][k])
+            ids, labels = tokenize_chat(self.tokenizer, self.template, turns, row)
+            if len(ids) > self.seq_len:
+                ids, labels = ([], []) if self.overlong == "drop" else (ids[:self.seq_len], labels[:self.seq_len])
+            out["input_ids"].append(ids)
+            out["labels"].append(labels)
+        return out
+
+
+__all__ = ["FORMATS", "IGNORE_INDEX", "OVERLONG", "RecordError", "Tokenize", "layouts"]

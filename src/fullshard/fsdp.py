@@ -1,0 +1,68 @@
+"""Small FSDP2 helpers that every layer above uses: the ground floor, importing nothing above `plan`.
+
+They live here rather than in `engine` so that loading, checkpoints, the optimizer and LoRA can
+use them without importing the engine (which would close an import circle through loading).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.utils.checkpoint import checkpoint
+
+from .plan import find_blocks
+
+
+def is_on_meta(model: nn.Module) -> bool:
+    return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+
+
+def reshard_all(model: nn.Module) -> None:
+    """Put every FSDP unit back in its sharded state.
+
+    After a `no_grad` forward the root unit stays unsharded; an optimizer built then would hold
+    the unsharded tensors and silently never update the real parameters.
+    """
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def apply_activation_checkpointing(model: nn.Module) -> None:
+    """Recompute each outermost block in backward (non-reentrant checkpointing).
+
+    The block's `forward` is wrapped in place, not the module, so parameter names and state-dict
+    keys stay exactly those of the checkpoint on disk.
+    """
+    modules = dict(model.named_modules())
+    for name in find_blocks(model):
+        block = modules[name]
+        if getattr(block, "_fullshard_checkpointed", False):
+            continue
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+        block._fullshard_checkpointed = True
+
+
+def fsdp_units(model: nn.Module) -> dict[tuple[str, ...], list[nn.Parameter]]:
+    """What `fully_shard` actually built: each unit's module names and the parameters it manages.
+
+    Read back from FSDP's own state rather than from the plan, so tests can prove the plan was
+    applied as printed.
+    """
+    names = {id(m): n for n, m in model.named_modules()}
+    units: dict[tuple[str, ...], list[nn.Parameter]] = {}
+    seen_groups: set[int] = set()
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        group = module._get_fsdp_state()._fsdp_param_group
+        if group is None:  # a unit left with no parameters of its own (e.g. a root whose children took all)
+            units[(names[id(module)],)] = []
+            continue
+        if id(group) in seen_groups:
+            continue
+        seen_groups.add(id(group))
+        units[tuple(names[id(m)] for m in group.modules)] = [p.sharded_param for p in group.fsdp_params]
+    return units

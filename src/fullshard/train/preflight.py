@@ -1,0 +1,134 @@
+"""Everything about a run that can be checked from its config and files, checked in the launching
+process before any rank starts, so a mistake is one line naming the key instead of N tracebacks.
+
+`check_before_launch` covers the mesh and batch against the process count, the output and
+checkpoint directories, `checkpoint.resume`, `data.path`, and the model: a built-in name, a local
+directory or a Hub id (resolved from the local cache when offline, downloaded once otherwise),
+built on the meta device from its config (no weights read) so the sharding plan is validated
+against the real module names. `build_meta_model` is the same model for `fullshard plan`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import CheckpointError, ConfigError, FullshardError, PlanError
+from .config import BUILTIN_MODELS, TrainConfig
+
+
+def check_before_launch(config: TrainConfig, world_size: int) -> None:
+    config.accumulation_steps(world_size)
+    for key, value in (("train.output_dir", config.train.output_dir), ("checkpoint.dir", config.checkpoint.dir)):
+        if value and Path(value).exists() and not Path(value).is_dir():
+            raise ConfigError(f"{key}={value!r} is an existing file, not a directory")
+    _check_resume(config.checkpoint.resume)
+    _check_data(config)
+    model = build_meta_model(config)
+    if config.lora.enabled:
+        from ..lora import apply_lora
+
+        model = apply_lora(model, config.lora.peft_fields())
+    from ..plan import build_plan
+
+    try:
+        build_plan(model, config.fsdp.plan)
+    except PlanError as err:
+        raise PlanError(f"fsdp.plan: {err}") from None
+    _check_parallel(model, config.fsdp)
+
+
+def _check_parallel(model, fsdp) -> None:
+    """The TP plan against the model's modules and heads, and CP's head split, as the engine will check them."""
+    from ..parallel.cp import check_context_parallel
+    from ..parallel.tp import plan_assignments, resolve_tp_plan
+
+    if fsdp.tp_size > 1:
+        try:
+            plan_assignments(model, resolve_tp_plan(model, fsdp.tp_plan), fsdp.tp_size)
+        except PlanError as err:
+            raise PlanError(f"fsdp.tp_plan: {err}") from None
+    if fsdp.cp_size > 1:
+        check_context_parallel(model, fsdp.tp_size, fsdp.cp_size)
+
+
+def _check_data(config: TrainConfig) -> None:
+    """A local data path must exist and hold data files; a name that is not a local path is a Hub
+    dataset, which the ranks read from the local `datasets` cache (and name if it is not there)."""
+    path = config.data.path
+    if not path:
+        return
+    if not Path(path).exists():
+        if path.startswith(("/", ".", "~")) or Path(path).suffix:
+            raise ConfigError(f"data.path={path!r} does not exist")
+        return
+    from ..data.sources import resolve_source
+
+    data = config.data
+    resolve_source(path, (data.text_field, data.messages_field, data.prompt_field, data.response_field), data.split)
+
+
+def _check_resume(resume: str) -> None:
+    if resume in ("auto", "none"):
+        return
+    from ..checkpoint.layout import resolve_checkpoint
+
+    try:
+        resolve_checkpoint(resume)
+    except CheckpointError as err:
+        raise ConfigError(f"checkpoint.resume={resume!r}: {err}") from None
+
+
+def resolve_model_dir(name: str) -> Path | None:
+    """None for a built-in model; otherwise the local directory of a path or a Hub id, which
+    `fullshard.loading.resolve_checkpoint_dir` finds in the cache or downloads (here, in the
+    launching process, so the ranks find it cached)."""
+    if name in BUILTIN_MODELS:
+        return None
+    path = Path(name)
+    if path.is_dir():
+        return path
+    if path.exists() or name.startswith(("/", ".", "~")) or name.count("/") > 1:
+        raise ConfigError(f"model.name_or_path={name!r} is neither a built-in model ({', '.join(BUILTIN_MODELS)}), "
+                          "a local directory nor a Hub id")
+    from ..loading import resolve_checkpoint_dir
+
+    try:
+        return resolve_checkpoint_dir(name)
+    except FullshardError as err:
+        raise ConfigError(f"model.name_or_path={name!r}: {err}") from None
+
+
+def build_meta_model(config: TrainConfig):
+    """The model of `config` on the meta device: a built-in Llama, or a directory's / Hub id's config."""
+    from ..loading import init_empty_model, meta_init
+
+    name = config.model.name_or_path
+    directory = resolve_model_dir(name)
+    if directory is None:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        from .data import byte_tokenizer
+
+        hf_config = LlamaConfig(vocab_size=len(byte_tokenizer()), max_position_embeddings=config.data.seq_len,
+                                **BUILTIN_MODELS[name])
+        with meta_init():
+            return LlamaForCausalLM(hf_config)
+    hf_config = load_hf_config(directory, config.model.trust_remote_code, name)
+    # the model class is transformers' own (config.architectures); init_empty_model(trust_remote_code=True)
+    # would pass the flag on to the model's __init__
+    return init_empty_model(hf_config)
+
+
+def load_hf_config(directory: Path, trust_remote_code: bool, name: str):
+    """transformers' AutoConfig, never running a repository's code unless model.trust_remote_code is set."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
+    except ValueError as err:
+        if "trust_remote_code" in str(err):
+            raise ConfigError(f"model.name_or_path={name!r} ships its own Python code, which fullshard does not run "
+                              "unless model.trust_remote_code is true") from None
+        raise ConfigError(f"model.name_or_path={name!r}: cannot read its config: {err}") from None
+    except OSError as err:
+        raise ConfigError(f"model.name_or_path={name!r}: cannot read its config: {err}") from None
