@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import signal
 from pathlib import Path
 
@@ -685,7 +686,22 @@ print("script end", flush=True)
 """
 
 
+# Python 3.11 ends a C++ thread that wants the GIL during interpreter finalization with pthread_exit;
+# when gloo's worker thread drops its last tensor reference then, the forced unwind aborts the process
+# with this line and nothing else (pytorch/pytorch#179291). It is rare (once in about 40 CI runs) and
+# not fullshard's; a run it hit is repeated once, and the repeat is judged strictly.
+_TEARDOWN_ABORT = "terminate called without an active exception"
+
+
 def _run_two_ranks(tmp_path: Path, mode: str) -> list:
+    results = _spawn_two_ranks(tmp_path, mode)
+    if any(rc == -6 and err.strip() == _TEARDOWN_ABORT for rc, _, err in results):
+        shutil.rmtree(tmp_path / mode)
+        results = _spawn_two_ranks(tmp_path, mode)
+    return [(rc, err) for rc, _, err in results]
+
+
+def _spawn_two_ranks(tmp_path: Path, mode: str) -> list:
     import subprocess
     import sys
 
@@ -697,7 +713,8 @@ def _run_two_ranks(tmp_path: Path, mode: str) -> list:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([sys.executable, str(script), str(rank), port, mode, str(save_dir)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
-    return [(p.wait(timeout=300), p.stderr.read()) for p in procs]
+    outputs = [p.communicate(timeout=300) for p in procs]
+    return [(p.returncode, out, err) for p, (out, err) in zip(procs, outputs)]
 
 
 def test_an_async_save_pending_at_destroy_process_group_is_committed(tmp_path):
