@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -72,6 +73,24 @@ def _error_of(fn) -> str:
     except Exception as err:  # noqa: BLE001 - the message is the result
         return f"{type(err).__name__}: {err}"
     return "no error"
+
+
+@contextlib.contextmanager
+def _slow_staging(seconds: float = 0.5):
+    """Delay the background copy of an async save's state to host memory."""
+    from torch.distributed.checkpoint.staging import DefaultStager
+
+    original = DefaultStager._stage
+
+    def stage(self, state_dict, **kwargs):
+        time.sleep(seconds)
+        return original(self, state_dict, **kwargs)
+
+    DefaultStager._stage = stage
+    try:
+        yield
+    finally:
+        DefaultStager._stage = original
 
 
 @contextlib.contextmanager
@@ -143,16 +162,24 @@ def _first_life(tmp: str) -> dict:
         torch.save(saved, tmp / "saved_state.pt")
     out["path"] = str(path)
 
-    # async: training right after save() must not leak into the checkpoint
+    # async: training right after save() must not leak into the checkpoint, though the copy to
+    # host memory runs in the background (slowed here, so a step not waiting for it would leak);
+    # the second save copies into the first one's host buffers
     async_manager = CheckpointManager(tmp / "async", async_save=True)
-    async_manager.save(K, model, optimizer, scheduler)
-    _train(model, optimizer, scheduler, 1)
+    expected = {}
+    for step in (K, K + 1):
+        expected[step] = _full_train_state(model, optimizer)
+        with _slow_staging():
+            async_manager.save(step, model, optimizer, scheduler)
+            _train(model, optimizer, scheduler, 1)
     async_manager.wait()
-    fresh, fresh_opt, fresh_sched = _setup(seed=5)
-    async_manager.load(fresh, fresh_opt, fresh_sched)
-    reloaded = _full_train_state(fresh, fresh_opt)
-    out["async_equal"] = sorted(k for k in saved if not torch.equal(saved[k], reloaded[k]))
-    out["async_keys_match"] = set(saved) == set(reloaded)
+    out["async_equal"], out["async_keys_match"] = [], True
+    for step, state in expected.items():
+        fresh, fresh_opt, fresh_sched = _setup(seed=5)
+        async_manager.load(fresh, fresh_opt, fresh_sched, path=tmp / "async" / f"step_{step}")
+        reloaded = _full_train_state(fresh, fresh_opt)
+        out["async_equal"] += [f"step {step}: {k}" for k in state if not torch.equal(state[k], reloaded[k])]
+        out["async_keys_match"] &= set(state) == set(reloaded)
 
     # rotation: by count, then by size; the newest always survives
     rotating = CheckpointManager(tmp / "rotate", max_num=2)

@@ -68,6 +68,29 @@ def write_durably(path: Path, data: bytes | str) -> None:
         os.fsync(handle.fileno())
 
 
+def write_file(path: Path, data: bytes | str) -> None:
+    """Write without fsync: a side file of a checkpoint in progress, made durable by
+    `fsync_side_files` just before the checkpoint is marked complete."""
+    path.write_bytes(data.encode() if isinstance(data, str) else data)
+
+
+def fsync_side_files(tmp: Path) -> None:
+    """fsync every file of a checkpoint in progress that DCP did not write (DCP fsyncs its own
+    shards and index), and their directories. Rank 0 does this for all ranks once every rank's
+    files are closed, so the ranks' saves never wait on the disk for a few small files, and an
+    async save does it after the background write instead of holding the training loop."""
+    for directory, _, files in os.walk(tmp):
+        if Path(directory).is_relative_to(tmp / STATE_DIR):
+            continue
+        for name in files:
+            fd = os.open(Path(directory) / name, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(Path(directory))
+
+
 def fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)

@@ -11,12 +11,14 @@ loaded, and rotation runs only after the new checkpoint is complete. Nothing rea
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import os
 import shutil
 import time
 import uuid
+import weakref
 from pathlib import Path
 
 import torch
@@ -44,8 +46,14 @@ class CheckpointManager:
     """Saves and resumes training under `save_dir`, keeping at most `max_num` checkpoints and
     `max_mem` MB (the newest complete one is always kept, whatever its size).
 
-    `async_save=True` returns from `save` once the state is copied to host memory and writes in
-    the background; the save is committed by `wait()`, which the next `save`/`load` call first, as
+    `async_save=True` returns from `save` at once: the state is copied to host memory in a
+    background thread while training goes on, then written in the background. Given an
+    optimizer, its next `step()` first waits for that copy (a step pre-hook), so the checkpoint
+    holds the state of the step it names; until then, change parameters only through that
+    optimizer. Without one, `save` copies before it returns. The host copy is kept and reused by
+    the next async save (one more copy of the rank's state in host memory, pinned on CUDA), so
+    a save copies into memory already mapped instead of faulting in fresh pages. The save is
+    committed by `wait()`, which the next `save`/`load` call first, as
     does `dist.destroy_process_group()`; a save still pending at exit is committed or the process
     exits non-zero naming the step lost (`async_exit`). Every method is collective: call it on every rank.
     """
@@ -64,6 +72,9 @@ class CheckpointManager:
         self.last_load_info: dict | None = None
         self._pending: async_exit.PendingSave | None = None
         self._async_group = None
+        self._stager = None  # DCP's stager, kept so its host buffers are reused by every async save
+        self._staging = None  # the background copy to host memory of the pending async save
+        self._guarded = weakref.WeakSet()  # optimizers whose step waits for that copy
 
     # ------------------------------------------------------------------ finding
 
@@ -101,7 +112,7 @@ class CheckpointManager:
             with agreed(CheckpointError, f"saving checkpoint {final}"):
                 state = self._write_side_files(tmp, step, model, optimizer, scheduler, states, extra_state, tokenizer)
             if self.async_save:
-                self._start_async(state, tmp, final, step)
+                self._start_async(state, tmp, final, step, optimizer)
                 return final
             with _without_zip_crc():
                 metadata = dcp.save(state, checkpoint_id=str(tmp / layout.STATE_DIR), planner=_planner())
@@ -115,18 +126,36 @@ class CheckpointManager:
         self._commit(async_exit.PendingSave(None, tmp, final, step, get_rank(), get_world_size(), metadata))
         return final
 
-    def _start_async(self, state: dict, tmp: Path, final: Path, step: int) -> None:
+    def _start_async(self, state: dict, tmp: Path, final: Path, step: int, optimizer) -> None:
         if self._async_group is None and dist.is_initialized():
             # DCP's background thread runs collectives; on its own group they cannot interleave
             # with the training loop's collectives on the default group
             self._async_group = dist.new_group(backend="gloo")
-        future = dcp.async_save(state, checkpoint_id=str(tmp / layout.STATE_DIR), process_group=self._async_group,
-                                planner=_planner())
-        self._pending = async_exit.PendingSave(future, tmp, final, step, get_rank(), get_world_size())
+        if self._stager is None:
+            self._stager = _reusing_stager()
+        response = dcp.async_save(state, checkpoint_id=str(tmp / layout.STATE_DIR), process_group=self._async_group,
+                                  planner=_planner(), async_stager=self._stager)
+        self._pending = async_exit.PendingSave(response.upload_completion, tmp, final, step, get_rank(),
+                                               get_world_size())
         async_exit.track(self)
+        self._staging = response.staging_completion
+        if hasattr(optimizer, "register_step_pre_hook"):
+            if optimizer not in self._guarded:
+                optimizer.register_step_pre_hook(lambda *_: self.wait_for_staging())
+                self._guarded.add(optimizer)
+        else:  # nothing would tell us before the state changes: copy now
+            self.wait_for_staging()
+
+    def wait_for_staging(self) -> None:
+        """Block until the pending async save's copy to host memory is done (its failure, if
+        any, is raised by `wait()`); after this the live state may change."""
+        staging, self._staging = self._staging, None
+        if staging is not None:
+            concurrent.futures.wait([staging])
 
     def wait(self) -> None:
         """Finish and commit a pending async save (collective; a no-op when none is pending)."""
+        self.wait_for_staging()
         pending, self._pending = self._pending, None
         if pending is None:
             return
@@ -151,19 +180,20 @@ class CheckpointManager:
 
     def _write_side_files(self, tmp: Path, step: int, model, optimizer, scheduler, states, extra_state,
                           tokenizer) -> dict:
-        """Everything but the DCP shards; returns the state dict DCP writes."""
-        layout.write_durably(layout.rng_file(tmp, get_rank()), _torch_bytes(capture_rng_state()))
+        """Everything but the DCP shards, not yet fsynced (`commit_files` does that); returns the
+        state dict DCP writes."""
+        layout.write_file(layout.rng_file(tmp, get_rank()), _torch_bytes(capture_rng_state()))
         reshard_all(model)
         model_state, optim_state = get_state_dict(model, optimizer if optimizer is not None else [])
         if get_rank() == 0:
             trainer_state = {"format": layout.FORMAT_VERSION, "step": step, "world_size": get_world_size(),
                              "base_seed": torch.initial_seed(), "has_optimizer": optimizer is not None,
                              "states": sorted(states or {}), "extra_state": extra_state}
-            layout.write_durably(tmp / layout.TRAINER_STATE, json.dumps(trainer_state, indent=2))
-            layout.write_durably(tmp / layout.MODEL_META, json.dumps(model_meta(model, list(model_state)), indent=2))
+            layout.write_file(tmp / layout.TRAINER_STATE, json.dumps(trainer_state, indent=2))
+            layout.write_file(tmp / layout.MODEL_META, json.dumps(model_meta(model, list(model_state)), indent=2))
             _write_model_files(tmp, model, tokenizer)
             if scheduler is not None:
-                layout.write_durably(tmp / layout.SCHEDULER, _torch_bytes(scheduler.state_dict()))
+                layout.write_file(tmp / layout.SCHEDULER, _torch_bytes(scheduler.state_dict()))
         state = {"model": model_state}
         if optimizer is not None:
             state["optim"] = optim_state
@@ -183,13 +213,14 @@ class CheckpointManager:
         if gaps:
             raise CheckpointError(f"the DCP index of {tmp} does not cover {', '.join(gaps[:4])}: not every rank's "
                                   "shards were written; not committing it")
+        layout.fsync_side_files(tmp)
         marker = {"time_ns": time.time_ns(), "step": pending.step, "world_size": pending.world_size}
         layout.write_durably(tmp / layout.COMPLETE, json.dumps(marker))
         layout.fsync_dir(tmp)
         if final.exists():
             # the old checkpoint of this tag leaves only once the new one is complete; a crash
             # between the two renames is finished by layout.finish_interrupted
-            layout.discard(final)
+            layout.discard(final, background=True)
         os.rename(tmp, final)
         layout.fsync_dir(self.save_dir)
         if self.save_latest:
@@ -310,6 +341,18 @@ def _planner():
     return DefaultSavePlanner(enable_plan_caching=True)
 
 
+def _reusing_stager():
+    """DCP's default stager, copying to host memory in its own thread, held by the manager: it
+    keeps each staged storage keyed by the original and copies into it again on the next save.
+    `save` waits for the previous write first, so a buffer is never overwritten while it is
+    being written."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    cuda = torch.cuda.is_available()
+    return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=True,
+                                        use_non_blocking_copy=cuda))
+
+
 @contextlib.contextmanager
 def _without_zip_crc():
     """DCP writes each tensor as a torch.save zip record; torch.load never checks the records'
@@ -344,7 +387,7 @@ def _write_model_files(tmp: Path, model, tokenizer) -> None:
     base = model.get_base_model() if is_peft_model(model) else model
     for name, text in ((layout.CONFIG, config_json(base)), (layout.GENERATION_CONFIG, generation_config_json(base))):
         if text is not None:
-            layout.write_durably(tmp / name, text)
+            layout.write_file(tmp / name, text)
     if base is not model:
         write_adapter_config(model, tmp / layout.ADAPTER_DIR, model.active_adapter)
     if tokenizer is not None:
