@@ -96,13 +96,20 @@ def _build(hidden: int, layers: int, vocab: int):
         for param in model.parameters():
             param.to_local().normal_(0, 0.02)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    for param in model.parameters():  # one step with small grads: AdamW state exists and is not zero
+    _optimizer_step(model, optimizer)  # AdamW state exists and is not zero
+    return model, optimizer
+
+
+def _optimizer_step(model, optimizer) -> None:
+    """A step with small random grads: what precedes every save in training. It also leaves the
+    state recently touched, as training does (on this VM, state left untouched for seconds is
+    read up to 2x slower, which would charge the save for the benchmark's idleness)."""
+    for param in model.parameters():
         param.grad = torch.distributed.tensor.DTensor.from_local(
             torch.randn_like(param.to_local()) * 1e-3, param.device_mesh, param.placements,
             shape=param.shape, stride=param.stride())
     optimizer.step()
     optimizer.zero_grad()
-    return model, optimizer
 
 
 def _plain_io(path: Path, nbytes: int):
@@ -142,11 +149,13 @@ def measure(root: str, hidden: int, layers: int, vocab: int, repeats: int) -> di
     for _ in range(repeats):
         # interleaved, so a burst of disk traffic from elsewhere hits both sides alike
         for key, fn in (("save", lambda: manager.save(1, model, optimizer)), ("load", lambda: manager.load(model, optimizer))):
+            _optimizer_step(model, optimizer)
             seconds, rise = _timed(fn)
             runs.setdefault(f"{key}_s", []).append(seconds)
             runs.setdefault(f"{key}_rss", []).append(rise)
         # an async save holds training until `save` returns; the copy to host memory then runs in
         # the background, and an optimizer step that came at once would wait for the rest of it
+        _optimizer_step(model, optimizer)
         runs.setdefault("async_block_s", []).append(_timed(lambda: background.save(1, model, optimizer))[0])
         runs.setdefault("async_copy_left_s", []).append(_timed(background.wait_for_staging)[0])
         background.wait()
@@ -221,7 +230,9 @@ def main() -> None:
         f"{load_before[0]:.1f} (1 min) / {load_before[1]:.1f} (5 min) before the run, {load_after[0]:.1f} / "
         f"{load_after[1]:.1f} after, so absolute times are noisy and only the side-by-side ratios mean much. "
         "A save's time is the DCP shard write (tensor serialisation and the bytes), one fsync per file, and rank 0's "
-        "commit (marker, rename, rotation: the rotated checkpoint is renamed away and deleted in the background); "
+        "commit (side files fsynced, marker, rename; the replaced or rotated checkpoint is renamed away and deleted "
+        "in the background). Each save and load follows an optimizer step, as in training. This VM's disk (ext4 mounted with online discard) gives the same write 1.1 to 4 s from "
+        "one run to the next, so a ratio here moves by up to 2x between runs of this script; "
         "save plans are cached across saves and the zip CRC32 that torch.load never checks is not computed. "
         "'async save blocks': how long `save` with `async_save=True` holds the training loop; the copy of the "
         "state to host memory (into buffers kept from the previous async save) then runs in a background thread "

@@ -94,19 +94,23 @@ def _run_transformers(path: str):
 
 
 def main() -> None:
-    results = {}
+    rounds = 3
+    load_before = os.getloadavg()[0]
+    runs: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         _model().save_pretrained(tmp)
         peers = {"fullshard (FSDPStrategy)": (_run_fullshard, ()), "DDP": (_run_ddp, ()),
                  "transformers native FSDP2": (_run_transformers, (tmp,))}
-        for name, (fn, args) in peers.items():
-            try:
-                per_rank = run_distributed(fn, 2, *args)
-                results[name] = {"tokens_per_s": per_rank[0]["tokens_per_s"],
-                                 "peak_rss_mib": max(r["peak_rss_mib"] for r in per_rank)}
-            except Exception as err:  # a peer that cannot run here is reported, not fatal
-                results[name] = {"error": str(err).splitlines()[-1][:120]}
-            print(name, results[name], flush=True)
+        for round_ in range(rounds):  # interleaved, so load that comes and goes hits every peer alike
+            for name, (fn, args) in peers.items():
+                try:
+                    per_rank = run_distributed(fn, 2, *args)
+                    runs.setdefault(name, []).append({"tokens_per_s": per_rank[0]["tokens_per_s"],
+                                                      "peak_rss_mib": max(r["peak_rss_mib"] for r in per_rank)})
+                except Exception as err:  # a peer that cannot run here is reported, not fatal
+                    runs.setdefault(name, []).append({"error": str(err).splitlines()[-1][:120]})
+                print(round_, name, runs[name][-1], flush=True)
+    results = {name: _median_run(r) for name, r in runs.items()}
     base = results["fullshard (FSDPStrategy)"]
     rows = []
     for name, r in results.items():
@@ -114,19 +118,27 @@ def main() -> None:
             rows.append([name, "failed", "", "", "", r["error"]])
             continue
         rows.append([name, f"{r['tokens_per_s']:,.0f}", f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}",
-                     f"{r['peak_rss_mib']:,.0f}", f"{r['peak_rss_mib'] / base['peak_rss_mib']:.2f}", ""])
+                     f"{r['peak_rss_mib']:,.0f}", f"{r['peak_rss_mib'] / base['peak_rss_mib']:.2f}",
+                     f"tokens/s of the {rounds} runs: " + ", ".join(f"{t:,.0f}" for t in r["all"])])
     params = sum(p.numel() for p in _model().parameters())
     body = (f"Training step (forward, backward, clip to 1.0, AdamW) of a {params / 1e6:.1f}M-parameter Llama, micro batch "
             f"{MICRO} x {SEQ} tokens per rank, fp32, world size 2 (gloo, 1 thread per rank), {STEPS} timed steps after "
-            f"{WARMUP} warm-up. Peak memory is the process's peak resident set (CPU: parameters, gradients, optimizer "
+            f"{WARMUP} warm-up, median of {rounds} runs in which the peers take turns. Peak memory is the process's peak resident set (CPU: parameters, gradients, optimizer "
             "state, activations and the Python/torch runtime together), max over ranks. Ratios are against fullshard "
             "in the same run; accelerate does not apply FSDP on CPU, so it is measured only where a GPU is lent "
             "(`bench/gpu.py`).\n\n")
-    load = os.getloadavg()[0]
-    body += (f"Load average when written: {load:.1f} on {os.cpu_count()} cores; peers run one after another, so with "
-             "other work on the machine the ratios carry that noise (runs here varied by up to 3x).\n\n")
+    body += (f"Load average: {load_before:.1f} before, {os.getloadavg()[0]:.1f} after, on {os.cpu_count()} cores.\n\n")
     body += markdown_table(["peer", "tokens/s", "x fullshard", "peak RSS MiB", "x fullshard", "note"], rows)
     write_section("train", body)
+
+
+def _median_run(runs: list[dict]) -> dict:
+    """The run with the median tokens/s (its own peak memory with it)."""
+    done = [r for r in runs if "error" not in r]
+    if not done:
+        return runs[-1]
+    ordered = sorted(done, key=lambda r: r["tokens_per_s"])
+    return {**ordered[len(ordered) // 2], "all": [r["tokens_per_s"] for r in done]}
 
 
 if __name__ == "__main__":
