@@ -9,6 +9,7 @@ failure names the checkpoint file it came from. Loading and resuming both read t
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import io
 import pickle
@@ -17,6 +18,7 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import LoadItemType
 
 # (module, name) pairs DCP's own metadata pickles refer to; anything else is refused
 _DCP_METADATA_GLOBALS = {
@@ -80,7 +82,9 @@ class SafeFileSystemReader(FileSystemReader):
             by_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
         for relative_path, items in by_file.items():
             try:
-                super().read_data(dataclasses.replace(plan, items=items), planner).wait()
+                rest = self._read_whole_chunks(Path(str(self.path)) / relative_path, items, planner)
+                if rest:
+                    super().read_data(dataclasses.replace(plan, items=rest), planner).wait()
             except self.error_type:
                 raise
             except Exception as exc:  # noqa: BLE001 - name the shard, whatever broke in it
@@ -88,6 +92,52 @@ class SafeFileSystemReader(FileSystemReader):
                 raise self.error_type(f"checkpoint shard {str(file)!r} is corrupt or truncated: "
                                       f"{type(exc).__name__}: {exc}") from None
         return _done()
+
+
+    def _read_whole_chunks(self, file: Path, items: list, planner) -> list:
+        """Read each tensor item that is a whole stored chunk straight from the file into its
+        destination; return the items left for DCP's reader.
+
+        DCP's reader `torch.load`s every record into a new tensor and then copies it into the
+        destination: two copies and a fresh allocation per tensor. Here the record is opened with
+        `map_location="meta"` (its pickle only, `weights_only`: shape, strides, dtype and where
+        its bytes sit) and the bytes are read into the destination's memory: one copy. Byte
+        entries, parts of a chunk (loading at another world size), compressed or non-contiguous
+        records go to DCP's reader.
+        """
+        rest = []
+        with open(file, "rb") as handle:
+            for item in sorted(items, key=lambda i: self.storage_data[i.storage_index].offset):
+                info = self.storage_data[item.storage_index]
+                if item.type != LoadItemType.TENSOR or info.transform_descriptors or any(item.storage_offsets):
+                    rest.append(item)
+                    continue
+                stored = torch.load(self._slice_file(handle, info), map_location="meta", weights_only=True)
+                target = planner.resolve_tensor(item).detach()
+                offset = getattr(stored.untyped_storage(), "_checkpoint_offset", None)
+                if (offset is None or tuple(stored.shape) != tuple(item.lengths) or stored.shape != target.shape
+                        or stored.dtype != target.dtype or target.device.type != "cpu" or stored.storage_offset()
+                        or not stored.is_contiguous() or not target.is_contiguous()):
+                    rest.append(item)
+                    continue
+                handle.seek(info.offset + offset)
+                _read_into(handle, target)
+                planner.commit_tensor(item, target)
+        return rest
+
+
+def _read_into(handle, tensor: torch.Tensor) -> None:
+    """Fill contiguous CPU `tensor` with the next bytes of `handle`."""
+    nbytes = tensor.numel() * tensor.element_size()
+    if not nbytes:
+        return
+    view = memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
+    done = 0
+    while done < nbytes:
+        count = handle.readinto(view[done:])
+        if not count:
+            raise EOFError(f"the record ends {nbytes - done} bytes early")
+        done += count
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
