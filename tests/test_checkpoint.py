@@ -11,6 +11,7 @@ import re
 import shutil
 import signal
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -788,3 +789,43 @@ def test_strategy_state_is_saved_once_through_states(hardening):
         assert r["strategy_client"] == {"global_step": 4, "step": 4} and r["strategy_json"] == {"global_step": 4}
         assert "states.strategy.scaler.scale" in r["strategy_keys"] and "states.strategy.micro_step" in r["strategy_keys"]
         assert not any("scaler" in name for name in r["strategy_files"]), r["strategy_files"]
+
+
+# ---------------------------------------------------------------------------- the direct shard reader
+
+
+def test_whole_chunks_are_read_straight_into_place_and_the_rest_through_dcp(tmp_path):
+    """Contiguous whole chunks take the one-copy path; a transposed (non-contiguous) record and a
+    byte entry go through DCP's reader; every value arrives exact. (Parts of a chunk, read when
+    loading at another world size, are covered by the resharding tests.)"""
+    import torch.distributed.checkpoint as dcp
+
+    from fullshard.safe_dcp import SafeFileSystemReader, SafeLoadPlanner
+
+    torch.manual_seed(0)
+    saved = {"w": torch.randn(6, 5), "bf16": torch.randn(7).bfloat16(), "transposed": torch.randn(4, 3).t(),
+             "empty": torch.zeros(0, 3), "step": 11}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "assuming the intent is to save in a single process"
+        dcp.save(saved, checkpoint_id=str(tmp_path), no_dist=True)
+    direct = []
+    original = SafeFileSystemReader._read_whole_chunks
+
+    def counting(self, file, items, planner):
+        rest = original(self, file, items, planner)
+        direct.extend(sorted(i.dest_index.fqn for i in items if i not in rest))
+        return rest
+
+    target = {"w": torch.empty(6, 5), "bf16": torch.empty(7, dtype=torch.bfloat16),
+              "transposed": torch.empty(3, 4), "empty": torch.empty(0, 3), "step": 0}
+    SafeFileSystemReader._read_whole_chunks = counting
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(target, storage_reader=SafeFileSystemReader(tmp_path), planner=SafeLoadPlanner(), no_dist=True)
+    finally:
+        SafeFileSystemReader._read_whole_chunks = original
+    assert direct == ["bf16", "w"]
+    for key in ("w", "bf16", "transposed", "empty"):
+        assert torch.equal(target[key], saved[key]), key
+    assert target["step"] == 11
