@@ -93,7 +93,6 @@ class SafeFileSystemReader(FileSystemReader):
                                       f"{type(exc).__name__}: {exc}") from None
         return _done()
 
-
     def _read_whole_chunks(self, file: Path, items: list, planner) -> list:
         """Read each tensor item that is a whole stored chunk straight from the file into its
         destination; return the items left for DCP's reader.
