@@ -34,8 +34,10 @@ def tiny_config(output_dir, *extra):
 def _trainer_runs(root: str):
     out = {}
     whole = train(tiny_config(f"{root}/whole", "--checkpoint.every=3"))
-    first = train(tiny_config(f"{root}/resumed", "--checkpoint.every=3", "--train.stop_after=3"))
-    second = train(tiny_config(f"{root}/resumed", "--checkpoint.every=3"))
+    # the interrupted run saves asynchronously: its checkpoints must resume exactly like sync ones
+    first = train(tiny_config(f"{root}/resumed", "--checkpoint.every=3", "--train.stop_after=3",
+                              "--checkpoint.async_save=true"))
+    second = train(tiny_config(f"{root}/resumed", "--checkpoint.every=3", "--checkpoint.async_save=true"))
     out["whole"], out["first"], out["second"] = whole, first, second
     out["again"] = train(tiny_config(f"{root}/resumed", "--checkpoint.every=3"))  # a finished run, re-run
     # every fsdp setting of a TrainConfig reaches the engine the trainer builds
