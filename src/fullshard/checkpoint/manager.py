@@ -133,6 +133,8 @@ class CheckpointManager:
             self._async_group = dist.new_group(backend="gloo")
         if self._stager is None:
             self._stager = _reusing_stager()
+        if torch.cuda.is_available():  # the stager copies on its own stream: the last step's writes must be done
+            torch.cuda.current_stream().synchronize()
         response = dcp.async_save(state, checkpoint_id=str(tmp / layout.STATE_DIR), process_group=self._async_group,
                                   planner=_planner(), async_stager=self._stager)
         self._pending = async_exit.PendingSave(response.upload_completion, tmp, final, step, get_rank(),
