@@ -167,6 +167,10 @@ def measure(root: str, hidden: int, layers: int, vocab: int, repeats: int) -> di
     out.update({key: statistics.median(values) for key, values in runs.items()})
     out["ckpt_bytes"] = sum(f.stat().st_size for f in (checkpoint / "state").glob("*.distcp"))
     out["export_s"], out["export_rss"] = _timed(lambda: export_hf(model, root / "export", max_shard_size="200MB"))
+    # the floor for the export: each rank writes the bytes of the files it wrote (dealt round-robin)
+    exported = sorted((root / "export").glob("*.safetensors"))
+    mine = sum(f.stat().st_size for number, f in enumerate(exported) if number % world == rank)
+    out["plain_export_s"] = _timed(_plain_io(root / f"plain_export_{rank}.bin", mine)[0])[0]
 
     def gather_and_save_pretrained():
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -213,6 +217,7 @@ def main() -> None:
                             f"{slowest['load_s']:.2f}",
                             f"{slowest['plain_read_s']:.2f}", f"{slowest['load_s'] / slowest['plain_read_s']:.2f}"])
             rows_export.append([world, f"{r0['export_bytes'] / 2**30:.2f}", f"{slowest['export_s']:.2f}",
+                                f"{slowest['plain_export_s']:.2f}", f"{slowest['export_s'] / slowest['plain_export_s']:.2f}",
                                 f"{slowest['peer_export_s']:.2f}", f"{slowest['export_s'] / slowest['peer_export_s']:.2f}",
                                 f"{slowest['export_rss'] / MiB:,.0f}", f"{slowest['peer_export_rss'] / MiB:,.0f}",
                                 f"{slowest['export_rss'] / max(slowest['peer_export_rss'], 1):.2f}",
@@ -243,10 +248,12 @@ def main() -> None:
         + markdown_table(["world", "GiB", "save s", "plain write s", "x plain", "async save blocks s", "x sync save",
                           "+ host copy s", "x sync save", "load s", "plain read s", "x plain"], rows_io)
         + "\n\nExport to an HF directory (fp32 safetensors, 200 MB files). Peer: full state dict gathered to rank 0 "
-        "(`get_model_state_dict(full_state_dict=True, cpu_offload=True)`) then `save_pretrained` on rank 0. Peak "
+        "(`get_model_state_dict(full_state_dict=True, cpu_offload=True)`) then `save_pretrained` on rank 0. Plain write: each rank writes (and fsyncs) as many bytes as the files "
+        "it wrote (files are dealt round-robin), all at once. Peak "
         "memory: the largest rise of a rank's resident set during the export, max over ranks. Offline: "
         "`export_checkpoint` of the same checkpoint in one process with no process group (`fullshard export`).\n\n"
-        + markdown_table(["world", "GiB written", "export_hf s", "gather + save_pretrained s", "x peer",
+        + markdown_table(["world", "GiB written", "export_hf s", "plain write s", "x plain", "gather + save_pretrained s",
+                          "x peer",
                           "export_hf peak MiB", "peer peak MiB", "x peer", "offline export s", "offline peak MiB"],
                          rows_export)
     )
