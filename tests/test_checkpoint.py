@@ -716,8 +716,8 @@ print("script end", flush=True)
 
 # Python 3.11 ends a C++ thread that wants the GIL during interpreter finalization with pthread_exit;
 # when gloo's worker thread drops its last tensor reference then, the forced unwind aborts the process
-# with this line and nothing else (pytorch/pytorch#179291). It is rare (once in about 40 CI runs) and
-# not fullshard's; a run it hit is repeated once, and the repeat is judged strictly.
+# with this line and nothing else (pytorch/pytorch#179291). It is rare (seen once in CI, never in 27
+# local repeats) and not fullshard's; a run it hit is repeated once, and the repeat is judged strictly.
 _TEARDOWN_ABORT = "terminate called without an active exception"
 
 
@@ -794,7 +794,7 @@ def test_strategy_state_is_saved_once_through_states(hardening):
 # ---------------------------------------------------------------------------- the direct shard reader
 
 
-def test_whole_chunks_are_read_straight_into_place_and_the_rest_through_dcp(tmp_path):
+def test_whole_chunks_are_read_straight_into_place_and_the_rest_through_dcp(tmp_path, monkeypatch):
     """Contiguous whole chunks take the one-copy path; a transposed (non-contiguous) record and a
     byte entry go through DCP's reader; every value arrives exact. (Parts of a chunk, read when
     loading at another world size, are covered by the resharding tests.)"""
@@ -818,13 +818,10 @@ def test_whole_chunks_are_read_straight_into_place_and_the_rest_through_dcp(tmp_
 
     target = {"w": torch.empty(6, 5), "bf16": torch.empty(7, dtype=torch.bfloat16),
               "transposed": torch.empty(3, 4), "empty": torch.empty(0, 3), "step": 0}
-    SafeFileSystemReader._read_whole_chunks = counting
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.load(target, storage_reader=SafeFileSystemReader(tmp_path), planner=SafeLoadPlanner(), no_dist=True)
-    finally:
-        SafeFileSystemReader._read_whole_chunks = original
+    monkeypatch.setattr(SafeFileSystemReader, "_read_whole_chunks", counting)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(target, storage_reader=SafeFileSystemReader(tmp_path), planner=SafeLoadPlanner(), no_dist=True)
     assert direct == ["bf16", "w"]
     for key in ("w", "bf16", "transposed", "empty"):
         assert torch.equal(target[key], saved[key]), key
