@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.bench_train import MICRO, SEQ, _batch, _model  # noqa: E402  (bench_train's model and batch)
-from bench.report import markdown_table, write_section  # noqa: E402
+from bench.report import markdown_table, speed_and_memory_cells, write_section  # noqa: E402
 from fullshard.testing import run_distributed  # noqa: E402
 
 GLOBAL_BATCH, WARMUP, STEPS, ROUNDS = MICRO, 2, 6, 2  # bench_train's micro batch, taken as the global one
@@ -81,9 +81,8 @@ def main() -> None:
             if name not in results or run["tokens_per_s"] > results[name]["tokens_per_s"]:
                 results[name] = run
     base = results["dp 4"]
-    rows = [[name, f"{r['tokens_per_s']:,.0f}", f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}",
-             f"{r['peak_rss_mib']:,.0f}", f"{r['peak_rss_mib'] / base['peak_rss_mib']:.2f}",
-             f"{r['state_mib']:.2f}", f"{r['state_mib'] / base['state_mib']:.2f}"] for name, r in results.items()]
+    rows = [[name, *speed_and_memory_cells(r, base), f"{r['state_mib']:.2f}", f"{r['state_mib'] / base['state_mib']:.2f}"]
+            for name, r in results.items()]
     params = sum(p.numel() for p in _model().parameters())
     body = (f"Training step (forward, backward, global clip to 1.0, AdamW) of a {params / 1e6:.1f}M-parameter Llama, "
             f"global batch {GLOBAL_BATCH} x {SEQ} tokens, fp32, world size 4 (gloo, 1 thread per rank), {STEPS} timed "

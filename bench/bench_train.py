@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.report import markdown_table, write_section  # noqa: E402
+from bench.report import markdown_table, speed_and_memory_cells, write_section  # noqa: E402
 from fullshard.testing import run_distributed  # noqa: E402
 
 MODEL = dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4,
@@ -117,9 +117,8 @@ def main() -> None:
         if "error" in r:
             rows.append([name, "failed", "", "", "", r["error"]])
             continue
-        rows.append([name, f"{r['tokens_per_s']:,.0f}", f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}",
-                     f"{r['peak_rss_mib']:,.0f}", f"{r['peak_rss_mib'] / base['peak_rss_mib']:.2f}",
-                     f"tokens/s of the {rounds} runs: " + ", ".join(f"{t:,.0f}" for t in r["all"])])
+        runs_note = f"tokens/s of the {rounds} runs: " + ", ".join(f"{t:,.0f}" for t in r["all"])
+        rows.append([name, *speed_and_memory_cells(r, base), runs_note])
     params = sum(p.numel() for p in _model().parameters())
     body = (f"Training step (forward, backward, clip to 1.0, AdamW) of a {params / 1e6:.1f}M-parameter Llama, micro batch "
             f"{MICRO} x {SEQ} tokens per rank, fp32, world size 2 (gloo, 1 thread per rank), {STEPS} timed steps after "

@@ -29,6 +29,13 @@ def markdown_table(header: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
+def speed_and_memory_cells(result: dict, base: dict) -> list[str]:
+    """tokens/s and peak RSS of a training run, each with its ratio to `base`'s: the columns every
+    training benchmark's table starts with."""
+    return [f"{result['tokens_per_s']:,.0f}", f"{result['tokens_per_s'] / base['tokens_per_s']:.2f}",
+            f"{result['peak_rss_mib']:,.0f}", f"{result['peak_rss_mib'] / base['peak_rss_mib']:.2f}"]
+
+
 def write_section(name: str, body: str) -> None:
     start, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
     block = f"{start}\n{body.strip()}\n\n_measured {machine_line()}_\n{end}"
