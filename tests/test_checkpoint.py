@@ -264,6 +264,8 @@ def _resume_elsewhere(tmp: str) -> dict:
         extra = manager.load(model, optimizer, scheduler)
     saved = torch.load(tmp / "saved_state.pt", weights_only=True)
     loaded = _full_train_state(model, optimizer)
+    # uneven row shards at 3 ranks, ranks without a file at 4; cast on the way (offline export compares)
+    export_hf(model, tmp / f"export_world{dist.get_world_size()}", dtype="bf16", max_shard_size="20KB")
     losses = _train(model, optimizer, scheduler, 2)
     return _pack({"extra": extra, "info": manager.last_load_info, "keys_match": set(saved) == set(loaded),
                   "different": sorted(k for k in saved if k in loaded and not torch.equal(saved[k], loaded[k])),
@@ -335,6 +337,17 @@ def test_checkpoint_from_two_ranks_resumes_on(first_life, world_size):
         assert r["warned"] == (rank == 0)  # once, by rank 0
         assert r["extra"]["data_position"] == K * 4
         assert all(torch.isfinite(torch.tensor(r["losses"])))
+    live = tmp / f"export_world{world_size}"
+    offline = export_checkpoint(tmp / "resume", tmp / f"offline_for_world{world_size}", dtype="bf16",
+                                max_shard_size="20KB")
+    files = sorted(p.name for p in offline.glob("*.safetensors"))
+    assert len(files) > 2 and files == sorted(p.name for p in live.glob("*.safetensors"))
+    for fname in files:
+        with safe_open(live / fname, "pt") as written, safe_open(offline / fname, "pt") as expected:
+            assert sorted(written.keys()) == sorted(expected.keys())
+            for key in expected.keys():
+                assert written.get_tensor(key).dtype == torch.bfloat16
+                assert torch.equal(written.get_tensor(key), expected.get_tensor(key)), (fname, key)
 
 
 def test_async_save_holds_the_state_of_its_step(first_life):

@@ -67,15 +67,25 @@ class ShardingPlan:
     """The units to shard, innermost first; the root unit (the whole model) is implicit and last."""
 
     units: list[UnitSpec] = field(default_factory=list)
+    _roots: tuple = field(default=((), {}), init=False, repr=False, compare=False)
 
     def unit_index_of(self, module_name: str) -> int | None:
-        """The innermost unit that holds `module_name` (itself or an ancestor); None means the root."""
-        best, best_depth = None, -1
-        for index, unit in enumerate(self.units):
-            for root in unit.modules:
-                if _is_within(module_name, root) and len(root) > best_depth:
-                    best, best_depth = index, len(root)
-        return best
+        """The innermost unit that holds `module_name` (itself or an ancestor); None means the root.
+        Walks the name's ancestors through a root -> unit map: a call per module stays cheap on
+        models with thousands of modules."""
+        key = tuple(unit.modules for unit in self.units)
+        if self._roots[0] != key:
+            roots: dict[str, int] = {}
+            for index, modules in enumerate(key):
+                for root in modules:
+                    roots.setdefault(root, index)
+            self._roots = (key, roots)
+        roots, name = self._roots[1], module_name
+        while name is not None:
+            if name in roots:
+                return roots[name]
+            name = name.rpartition(".")[0] if "." in name else None
+        return None
 
     def sharding_order(self) -> list[UnitSpec]:
         """The units in an order `fully_shard` accepts: a unit nested inside another goes first."""

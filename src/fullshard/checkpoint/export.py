@@ -1,10 +1,11 @@
 """Write a plain Hugging Face directory (safetensors + index + config) from a sharded model or checkpoint.
 
-No rank ever holds the whole model. Live, the output files are dealt round-robin to the ranks;
-tensors are gathered one at a time and the rank that owns the tensor's file appends it to the
-file at once (safetensors headers are known from shapes up front), so a rank holds at most one
-full tensor. Offline, one process streams the DCP checkpoint the same way, tensor by tensor,
-with no process group.
+No rank ever holds the whole model. Live, the output files are dealt round-robin to the ranks and
+all ranks write at once: at each step every rank receives the next tensor of its own files whole
+(for FSDP's row shards one all-to-all sends each owner only the rows it lacks, already in the
+written dtype) and a background thread appends it to the file (safetensors headers are known
+from shapes up front), so a rank holds a few tensors at most. Offline, one process streams the
+DCP checkpoint the same way, tensor by tensor, with no process group.
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ import re
 import shutil
 import struct
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from ..distributed import all_ranks_agree_ok, broadcast_from_rank0, get_rank, get_world_size, run_agreed
 from ..dtypes import SAFETENSORS_NAMES, dtype_name, resolve_dtype
@@ -235,6 +237,101 @@ def gather_full(tensor: torch.Tensor | GatheredTensor) -> torch.Tensor:
     return tensor.full_tensor().detach()
 
 
+def rows_over_world(tensor, world: int) -> bool:
+    """A DTensor split by rows over every rank in order (plain FSDP): each owner can be sent just
+    the rows it lacks, in one all-to-all, instead of every rank gathering every tensor."""
+    return (isinstance(tensor, DTensor) and tensor.device_mesh.ndim == 1 and tensor.placements == (Shard(0),)
+            and tensor.device_mesh.mesh.tolist() == list(range(world)))
+
+
+def row_counts(rows: int, world: int) -> list[int]:
+    """How many rows of a `rows`-row tensor each rank holds under Shard(0) (torch.chunk's split)."""
+    size = -(-rows // world)
+    return [max(0, min(rows, (r + 1) * size) - r * size) for r in range(world)]
+
+
+def rows_to_owners(state: dict, step: dict[int, Entry], rank: int, world: int) -> torch.Tensor | None:
+    """One all-to-all: each rank sends every owner its rows (in the written dtype) of the owner's
+    tensor, and gets back its own tensor whole. Row blocks arrive in rank order, so the received
+    bytes are the full tensor's bytes as they stand."""
+    first = state[next(iter(step.values())).name]
+    device = torch.device(first.device_mesh.device_type)
+    empty = torch.empty(0, dtype=torch.uint8, device=device)
+    send = [empty] * world
+    for owner, entry in step.items():
+        local = state[entry.name].to_local().to(device, entry.dtype)
+        send[owner] = local.reshape(-1).view(torch.uint8)
+    receive_splits = [0] * world
+    mine = step.get(rank)
+    if mine is not None:
+        row_bytes = mine.nbytes // max(mine.shape[0], 1)
+        receive_splits = [rows * row_bytes for rows in row_counts(mine.shape[0], world)]
+    out = torch.empty(sum(receive_splits), dtype=torch.uint8, device=device)
+    torch.distributed.all_to_all_single(out, torch.cat(send), receive_splits, [s.numel() for s in send],
+                                        group=first.device_mesh.get_group())
+    return None if mine is None else out.view(mine.dtype).view(mine.shape)
+
+
+def gather_step(state: dict, step: dict[int, Entry], rank: int, world: int) -> torch.Tensor | None:
+    """Every rank calls this for the same step (owner -> the tensor it writes next); returns this
+    rank's tensor whole, or None. Row-sharded tensors go to their owners in one all-to-all; the
+    rest (TP and 2-D layouts, merged LoRA weights) are gathered whole on every rank, one by one."""
+    direct = {o: e for o, e in step.items() if rows_over_world(state[e.name], world)}
+    mine = rows_to_owners(state, direct, rank, world) if direct else None
+    for owner, entry in step.items():
+        if owner not in direct:
+            full = gather_full(state[entry.name])
+            if owner == rank:
+                mine = full
+    return mine
+
+
+class BackgroundFiles:
+    """This rank's output files, written by one thread while the next tensors are gathered. At
+    most `depth` tensors wait for it (the gathers pause when it falls behind), so memory stays at
+    a few tensors; the first failure stops the writing and is reported by `finish`."""
+
+    def __init__(self, depth: int = 2) -> None:
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="fullshard-export")
+        self.pending: list = []
+        self.depth = depth
+        self.error = ""
+        self.stream: SafetensorsStream | None = None
+
+    def submit(self, fn, *args) -> None:
+        self.pending.append(self.pool.submit(self._guarded, fn, *args))
+        while len(self.pending) > self.depth:
+            self.pending.pop(0).result()
+
+    def _guarded(self, fn, *args) -> None:
+        if not self.error:
+            try:
+                fn(*args)
+            except Exception as err:  # noqa: BLE001 - reported on every rank by `finish`
+                self.error = f"{type(err).__name__}: {err}"
+
+    def open(self, path: Path, group: list[Entry]) -> None:
+        self.submit(self._open, path, group)
+
+    def _open(self, path: Path, group: list[Entry]) -> None:
+        self.stream = SafetensorsStream(path, group)
+
+    def write(self, name: str, tensor: torch.Tensor, last: bool) -> None:
+        def write():
+            self.stream.write(name, tensor)
+            if last:
+                self.stream.close()
+        self.submit(write)
+
+    def finish(self) -> str:
+        for future in self.pending:
+            future.result()
+        self.pool.shutdown()
+        if self.stream is not None and self.stream.handle is not None and not self.stream.handle.closed:
+            self.stream.handle.close()
+        return self.error
+
+
 def export_hf(model: torch.nn.Module, output_dir: str | os.PathLike, tokenizer=None,
               dtype: torch.dtype | str | None = None, max_shard_size: int | str = DEFAULT_SHARD_SIZE,
               tensors: dict[str, torch.Tensor | GatheredTensor] | None = None) -> Path:
@@ -258,34 +355,28 @@ def export_hf(model: torch.nn.Module, output_dir: str | os.PathLike, tokenizer=N
     staging = Path(broadcast_from_rank0(str(staging_dir(output_dir)) if get_rank() == 0 else None))
     run_agreed(lambda: staging.mkdir(parents=True), on_rank=0, error_type=CheckpointError)
     rank, world = get_rank(), get_world_size()
-    error = ""
+    # files are dealt round-robin and every rank writes its own at the same time: step k hands
+    # each rank the k-th tensor of its files
+    queues = [[(number, index) for number in range(owner, len(files), world) for index in range(len(files[number][1]))]
+              for owner in range(world)]
+    writer = BackgroundFiles()
     try:
-        for number, (fname, group) in enumerate(files):
-            # files are dealt round-robin; every rank takes part in every gather, and a rank whose
-            # write failed keeps gathering (so no rank hangs) and reports at the end
-            stream = None
-            if number % world == rank and not error:
-                try:
-                    stream = SafetensorsStream(staging / fname, group)
-                except Exception as err:  # noqa: BLE001
-                    error = f"{type(err).__name__}: {err}"
-            for entry in group:
-                full = gather_full(state[entry.name])
-                if stream is not None and not error:
-                    try:
-                        stream.write(entry.name, full.to("cpu", entry.dtype))
-                    except Exception as err:  # noqa: BLE001
-                        error = f"{type(err).__name__}: {err}"
-                del full
-            if stream is not None and not error:
-                try:
-                    stream.close()
-                except Exception as err:  # noqa: BLE001
-                    error = f"{type(err).__name__}: {err}"
+        for step in range(max(map(len, queues), default=0)):
+            owners = {owner: queue[step] for owner, queue in enumerate(queues) if step < len(queue)}
+            full = gather_step(state, {o: files[n][1][i] for o, (n, i) in owners.items()}, rank, world)
+            if rank in owners:  # a rank whose writing failed keeps gathering, so no rank hangs
+                number, index = owners[rank]
+                fname, group = files[number]
+                if index == 0:
+                    writer.open(staging / fname, group)
+                writer.write(group[index].name, full.to("cpu", group[index].dtype), last=index == len(group) - 1)
+            del full
+        error = writer.finish()
         all_ranks_agree_ok(not error, error, CheckpointError)
         run_agreed(lambda: finish_directory(staging, output_dir, files, export_config(config, type(model).__name__, out_dtype),
                                              generation_config_json(model), tokenizer), on_rank=0, error_type=CheckpointError)
     except BaseException:
+        writer.finish()
         if rank == 0:
             shutil.rmtree(staging, ignore_errors=True)
         raise
