@@ -112,28 +112,50 @@ def _optimizer_step(model, optimizer) -> None:
     optimizer.zero_grad()
 
 
-def _plain_io(path: Path, nbytes: int):
-    payload = os.urandom(min(nbytes, 64 * MiB))
+class PlainFiles:
+    """The floor: the same bytes written (then fsynced) and read back with plain file I/O, with a
+    checkpoint's file lifecycle. Each write goes to a new file and the previous one is deleted in
+    the background once the new one is durable, as a replaced or rotated checkpoint is. (On this
+    VM's ext4, mounted with online discard, overwriting a file in place frees its blocks at the
+    truncation and slows whatever writes next by up to 3x, so an in-place plain write charged the
+    operation after it, not itself.)"""
 
-    def write():
-        with open(path, "wb") as handle:
-            left = nbytes
+    def __init__(self, root: Path, name: str, nbytes: int) -> None:
+        self.root, self.name, self.nbytes, self.count = root, name, nbytes, 0
+        self.payload = os.urandom(min(nbytes, 64 * MiB))
+
+    def path(self, count: int) -> Path:
+        return self.root / f"{self.name}_{count}.bin"
+
+    def write(self) -> None:
+        self.count += 1
+        with open(self.path(self.count), "wb") as handle:
+            left = self.nbytes
             while left > 0:
-                chunk = payload[:min(left, len(payload))]
+                chunk = self.payload[:min(left, len(self.payload))]
                 handle.write(chunk)
                 left -= len(chunk)
             handle.flush()
             os.fsync(handle.fileno())
+        threading.Thread(target=self.path(self.count - 1).unlink, kwargs={"missing_ok": True}).start()
 
-    def read():
-        with open(path, "rb") as handle:
+    def read(self) -> None:
+        with open(self.path(self.count), "rb") as handle:
             while handle.read(64 * MiB):
                 pass
 
-    return write, read
+
+def _side_by_side(runs: dict, repeat: int, pair: dict) -> None:
+    """Time the two operations of `pair` one after the other, the order swapping every repeat, so
+    neither always follows the other (the disk still works off what the one before wrote)."""
+    names = list(pair) if repeat % 2 == 0 else list(pair)[::-1]
+    for name in names:
+        seconds, rise = _timed(pair[name])
+        runs.setdefault(f"{name}_s", []).append(seconds)
+        runs.setdefault(f"{name}_rss", []).append(rise)
 
 
-def measure(root: str, hidden: int, layers: int, vocab: int, repeats: int) -> dict:
+def measure(root: str, hidden: int, layers: int, vocab: int, repeats: int, shard_size: str) -> dict:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from fullshard.checkpoint import CheckpointManager, export_checkpoint, export_hf
@@ -144,44 +166,47 @@ def measure(root: str, hidden: int, layers: int, vocab: int, repeats: int) -> di
     params = sum(p.numel() for p in model.parameters())
     manager = CheckpointManager(root / "ckpt", max_num=1)
     background = CheckpointManager(root / "async", max_num=1, async_save=True)
+    manager.save(1, model, optimizer)  # a checkpoint to replace, as the plain files have a file to replace
+    own_bytes = sum(f.stat().st_size for f in (manager.latest() / "state").glob(f"__{rank}_*.distcp"))
+    plain = PlainFiles(root, f"plain_{rank}", own_bytes)
+    plain.write()
     out = {"params": params}
     runs: dict[str, list[float]] = {}
-    for _ in range(repeats):
-        # interleaved, so a burst of disk traffic from elsewhere hits both sides alike
-        for key, fn in (("save", lambda: manager.save(1, model, optimizer)), ("load", lambda: manager.load(model, optimizer))):
-            _optimizer_step(model, optimizer)
-            seconds, rise = _timed(fn)
-            runs.setdefault(f"{key}_s", []).append(seconds)
-            runs.setdefault(f"{key}_rss", []).append(rise)
+    for repeat in range(repeats):
+        _optimizer_step(model, optimizer)  # each save follows a step, as in training
+        _side_by_side(runs, repeat, {"save": lambda: manager.save(1, model, optimizer), "plain_write": plain.write})
+        _optimizer_step(model, optimizer)
+        _side_by_side(runs, repeat, {"load": lambda: manager.load(model, optimizer), "plain_read": plain.read})
         # an async save holds training until `save` returns; the copy to host memory then runs in
         # the background, and an optimizer step that came at once would wait for the rest of it
         _optimizer_step(model, optimizer)
         runs.setdefault("async_block_s", []).append(_timed(lambda: background.save(1, model, optimizer))[0])
         runs.setdefault("async_copy_left_s", []).append(_timed(background.wait_for_staging)[0])
         background.wait()
-        checkpoint = manager.latest()
-        own_bytes = sum(f.stat().st_size for f in (checkpoint / "state").glob(f"__{rank}_*.distcp"))
-        write, read = _plain_io(root / f"plain_{rank}.bin", own_bytes)
-        runs.setdefault("plain_write_s", []).append(_timed(write)[0])
-        runs.setdefault("plain_read_s", []).append(_timed(read)[0])
-    out.update({key: statistics.median(values) for key, values in runs.items()})
+    checkpoint = manager.latest()
     out["ckpt_bytes"] = sum(f.stat().st_size for f in (checkpoint / "state").glob("*.distcp"))
-    out["export_s"], out["export_rss"] = _timed(lambda: export_hf(model, root / "export", max_shard_size="200MB"))
-    # the floor for the export: each rank writes the bytes of the files it wrote (dealt round-robin)
+
+    export_hf(model, root / "export", max_shard_size=shard_size)  # the files a timed export replaces
     exported = sorted((root / "export").glob("*.safetensors"))
-    mine = sum(f.stat().st_size for number, f in enumerate(exported) if number % world == rank)
-    out["plain_export_s"] = _timed(_plain_io(root / f"plain_export_{rank}.bin", mine)[0])[0]
+    # the floor for the export: each rank writes as many bytes as it writes into the files (its own
+    # rows of every tensor), all at once
+    plain_export = PlainFiles(root, f"plain_export_{rank}", sum(p.to_local().nbytes for p in model.parameters()))
+    plain_export.write()
 
     def gather_and_save_pretrained():
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if rank == 0:
-            model.save_pretrained(root / "save_pretrained", state_dict=full, max_shard_size="200MB")
+            model.save_pretrained(root / "save_pretrained", state_dict=full, max_shard_size=shard_size)
         del full
 
-    out["peer_export_s"], out["peer_export_rss"] = _timed(gather_and_save_pretrained)
+    for repeat in range(repeats):
+        _side_by_side(runs, repeat, {"export": lambda: export_hf(model, root / "export", max_shard_size=shard_size),
+                                     "plain_export": plain_export.write, "peer_export": gather_and_save_pretrained})
+    out.update({key: statistics.median(values) for key, values in runs.items()})
     out["offline_s"], out["offline_rss"] = _timed(
-        lambda: rank == 0 and export_checkpoint(checkpoint, root / "offline", max_shard_size="200MB"))
+        lambda: rank == 0 and export_checkpoint(checkpoint, root / "offline", max_shard_size=shard_size))
     out["export_bytes"] = sum(f.stat().st_size for f in (root / "export").glob("*.safetensors"))
+    out["export_files"] = len(exported)
     dist.barrier()
     if rank == 0:
         shutil.rmtree(root, ignore_errors=True)
@@ -195,8 +220,9 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--repeats", type=int, default=3, help="save / load / plain I/O runs; the median is reported")
+    parser.add_argument("--repeats", type=int, default=4, help="runs of each side, the order swapping every run; the median is reported")
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--shard-size", default="100MB", help="export file size")
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir on the same disk as /tmp)")
     args = parser.parse_args()
     root = tempfile.mkdtemp(prefix="fullshard-bench-ckpt-", dir=args.dir)
@@ -204,7 +230,8 @@ def main() -> None:
     load_before = os.getloadavg()
     try:
         for world in args.worlds:
-            results = run_distributed(measure, world, root, args.hidden, args.layers, args.vocab, args.repeats, timeout=1200)
+            results = run_distributed(measure, world, root, args.hidden, args.layers, args.vocab, args.repeats,
+                                      args.shard_size, timeout=1800)
             r0 = results[0]
             slowest = {k: max(r[k] for r in results) for k in r0}
             gib = r0["ckpt_bytes"] / 2**30
@@ -228,17 +255,20 @@ def main() -> None:
     body = (
         f"Llama, {r0['params'] / 1e6:.0f}M parameters, fp32 weights + AdamW state (checkpoint = the DCP shard bytes), "
         f"gloo on CPU, one thread per rank. Times are the slowest rank's, from a barrier to a barrier, median of {args.repeats} "
-        "interleaved runs (export: one run). "
+        "runs in which fullshard and its peer take turns going first. "
         "Plain I/O: every rank writes (then fsyncs) and reads back exactly the bytes of its own shard file, all at "
-        "once, on the same disk: the floor. Reads hit a warm page cache for both. Ratios are fullshard / peer, "
-        "measured in the same run. The machine's 2 cores are shared with other jobs: load average "
+        "once, on the same disk, with a checkpoint's file lifecycle (each write to a new file, the previous one "
+        "deleted in the background once the new one is durable): the floor. Reads hit a warm page cache for both. "
+        "Ratios are fullshard / peer, measured in the same run. The machine's 2 cores are shared with other jobs: load average "
         f"{load_before[0]:.1f} (1 min) / {load_before[1]:.1f} (5 min) before the run, {load_after[0]:.1f} / "
         f"{load_after[1]:.1f} after, so absolute times are noisy and only the side-by-side ratios mean much. "
         "A save's time is the DCP shard write (tensor serialisation and the bytes), one fsync per file, and rank 0's "
         "commit (side files fsynced, marker, rename; the replaced or rotated checkpoint is renamed away and deleted "
-        "in the background). A load reads each whole stored chunk straight into its tensor (one copy). Each save and "
-        "load follows an optimizer step, as in training. This VM's disk (ext4 mounted with online discard) gives the same write 1.1 to 4 s from "
-        "one run to the next, so a ratio here moves by up to 2x between runs of this script; "
+        "in the background). A load reads each whole stored chunk straight into its tensor (one copy), every rank "
+        "planning its own reads. Each save and load follows an optimizer step, as in training. This VM's disk (ext4 "
+        "mounted with online discard) gives the same write 1.1 to 5 s from one run to the next, and a write is slowed "
+        "by up to 3x by the blocks the operation before it freed (an earlier version of this table overwrote the "
+        "plain file in place, which charged that to the save that came next: save / plain write 1.6 to 2.9 there); "
         "save plans are cached across saves and the zip CRC32 that torch.load never checks is not computed. "
         "'async save blocks': how long `save` with `async_save=True` holds the training loop; the copy of the "
         "state to host memory (into buffers kept from the previous async save) then runs in a background thread "
@@ -247,11 +277,14 @@ def main() -> None:
         "would wait in all. The write to disk runs in the background after the copy.\n\n"
         + markdown_table(["world", "GiB", "save s", "plain write s", "x plain", "async save blocks s", "x sync save",
                           "+ host copy s", "x sync save", "load s", "plain read s", "x plain"], rows_io)
-        + "\n\nExport to an HF directory (fp32 safetensors, 200 MB files). Peer: full state dict gathered to rank 0 "
-        "(`get_model_state_dict(full_state_dict=True, cpu_offload=True)`) then `save_pretrained` on rank 0. Plain write: each rank writes (and fsyncs) as many bytes as the files "
-        "it wrote (files are dealt round-robin), all at once. Peak "
+        + f"\n\nExport to an HF directory (fp32 safetensors, {args.shard_size} files, {r0['export_files']} of them; "
+        "every file is created at its final size, then every rank writes its own rows of each tensor into place, "
+        "all at once, with no gather). Peer: full state dict gathered to rank 0 "
+        "(`get_model_state_dict(full_state_dict=True, cpu_offload=True)`) then `save_pretrained` on rank 0. Plain "
+        "write: each rank writes (and fsyncs) as many bytes as it wrote into the files (its shard), all at once, "
+        "with the lifecycle above. Median of the same number of runs, the three taking turns going first. Peak "
         "memory: the largest rise of a rank's resident set during the export, max over ranks. Offline: "
-        "`export_checkpoint` of the same checkpoint in one process with no process group (`fullshard export`).\n\n"
+        "`export_checkpoint` of the same checkpoint in one process with no process group (`fullshard export`), one run.\n\n"
         + markdown_table(["world", "GiB written", "export_hf s", "plain write s", "x plain", "gather + save_pretrained s",
                           "x peer",
                           "export_hf peak MiB", "peer peak MiB", "x peer", "offline export s", "offline peak MiB"],

@@ -2,8 +2,10 @@
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from fullshard import FSDP2Engine, PlanError, apply_fsdp2
+from fullshard.checkpoint import export_hf
 from fullshard.fsdp import fsdp_units
 from fullshard.testing import ZOO, build_model, run_distributed
 from fullshard.testing.compare import train_against_reference
@@ -87,8 +89,17 @@ def _world_2_checks():
             "bf16": _bf16(), "bad_plans": _bad_plans_on_every_rank(), "mesh_error": _mesh_error()}
 
 
-def _world_4_checks():
-    return {"variants": _variants(VARIANTS_4, ["llama", "gemma", "mixtral"])}
+def _hsdp_export(tmp: str) -> dict:
+    """HSDP 2 x 2: every row block sits on two replicas, and one of them writes it."""
+    model = build_model("llama", seed=5)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    model = FSDP2Engine({"dp_replicate": 2, "mixed_precision": "fp32"}).prepare_model(model)
+    export_hf(model, f"{tmp}/hsdp_export", max_shard_size="20KB")
+    return expected
+
+
+def _world_4_checks(tmp: str):
+    return {"variants": _variants(VARIANTS_4, ["llama", "gemma", "mixtral"]), "hsdp_export": _hsdp_export(tmp)}
 
 
 def _diff(r):
@@ -114,8 +125,9 @@ def world_2():
 
 
 @pytest.fixture(scope="module")
-def world_4():
-    return run_distributed(_world_4_checks, 4)
+def world_4(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("world_4")
+    return tmp, run_distributed(_world_4_checks, 4, str(tmp))
 
 
 def test_units_built_are_the_plans_units(world_2):
@@ -132,7 +144,7 @@ def test_policies_and_manual_plan_match_single_process(world_2):
 
 
 def test_hsdp_and_int_reshard_match_single_process(world_4):
-    for rank_result in world_4:
+    for rank_result in world_4[1]:
         _assert_matches_reference(rank_result["variants"])
         # HSDP 2x2 and FSDP 4 see the same first-step loss (both equal the single-process one)
         for name in ("llama", "gemma", "mixtral"):
@@ -178,3 +190,16 @@ def test_world_size_one_without_a_launcher():
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     done = subprocess.run([sys.executable, "-c", WORLD_1_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+def test_hsdp_export_equals_the_model(world_4):
+    tmp, results = world_4
+    expected = results[0]["hsdp_export"]
+    files = sorted((tmp / "hsdp_export").glob("*.safetensors"))
+    written = {}
+    for file in files:
+        with safe_open(file, "pt") as f:
+            written.update({key: f.get_tensor(key) for key in f.keys()})
+    assert len(files) > 2 and set(written) == set(expected)  # llama's head is untied: every key is written
+    for key, tensor in written.items():
+        assert torch.equal(tensor, expected[key]), key

@@ -1,11 +1,11 @@
 """Write a plain Hugging Face directory (safetensors + index + config) from a sharded model or checkpoint.
 
-No rank ever holds the whole model. Live, the output files are dealt round-robin to the ranks and
-all ranks write at once: at each step every rank receives the next tensor of its own files whole
-(for FSDP's row shards one all-to-all sends each owner only the rows it lacks, already in the
-written dtype) and a background thread appends it to the file (safetensors headers are known
-from shapes up front), so a rank holds a few tensors at most. Offline, one process streams the
-DCP checkpoint the same way, tensor by tensor, with no process group.
+No rank ever holds the whole model. Live, every file is created at its final size first (a
+safetensors header follows from names, shapes and dtypes alone), then every rank writes its own
+rows of each row-sharded (FSDP) tensor straight into place, cast to the written dtype: no gather,
+and each rank writes 1/N of the bytes. Tensors in other layouts (TP, merged LoRA weights) are
+gathered one at a time and written by the rank the file is dealt to. Offline, one process
+streams the DCP checkpoint tensor by tensor, with no process group.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ..distributed import all_ranks_agree_ok, broadcast_from_rank0, get_rank, get_world_size, run_agreed
 from ..dtypes import SAFETENSORS_NAMES, dtype_name, resolve_dtype
@@ -143,6 +144,23 @@ def staging_dir(output_dir: Path) -> Path:
     return output_dir.parent / f".{output_dir.name}{layout.TMP_PREFIX}{uuid.uuid4().hex[:8]}"
 
 
+def safetensors_header(entries: list[Entry]) -> tuple[bytes, list[int]]:
+    """A safetensors file's leading bytes (length + JSON header) and where each entry's bytes start
+    in the file: all known from names, shapes and dtypes, before any tensor is at hand."""
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for entry in entries:
+        if entry.dtype not in SAFETENSORS_NAMES:
+            raise CheckpointError(f"tensor {entry.name!r} has dtype {entry.dtype}, which safetensors cannot store")
+        header[entry.name] = {"dtype": SAFETENSORS_NAMES[entry.dtype], "shape": list(entry.shape),
+                              "data_offsets": [offset, offset + entry.nbytes]}
+        offset += entry.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    lead = struct.pack("<Q", len(raw)) + raw
+    return lead, [len(lead) + header[entry.name]["data_offsets"][0] for entry in entries]
+
+
 class SafetensorsStream:
     """Writes one safetensors file a tensor at a time.
 
@@ -152,20 +170,10 @@ class SafetensorsStream:
     """
 
     def __init__(self, path: Path, entries: list[Entry]):
-        header: dict = {"__metadata__": {"format": "pt"}}
-        offset = 0
-        for entry in entries:
-            if entry.dtype not in SAFETENSORS_NAMES:
-                raise CheckpointError(f"tensor {entry.name!r} has dtype {entry.dtype}, which safetensors cannot store")
-            header[entry.name] = {"dtype": SAFETENSORS_NAMES[entry.dtype], "shape": list(entry.shape),
-                                  "data_offsets": [offset, offset + entry.nbytes]}
-            offset += entry.nbytes
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
         self.path = path
         self.pending = [(entry.name, entry.nbytes) for entry in entries]
         self.handle = open(path, "wb")
-        self.handle.write(struct.pack("<Q", len(raw)) + raw)
+        self.handle.write(safetensors_header(entries)[0])
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         expected, nbytes = self.pending.pop(0)
@@ -199,19 +207,22 @@ def finish_directory(staging: Path, output_dir: Path, files: list[tuple[str, lis
     if tokenizer is not None:
         tokenizer.save_pretrained(str(staging))
     output_dir.mkdir(parents=True, exist_ok=True)
-    new_names = {p.name for p in staging.iterdir()}
-    for stale in output_dir.iterdir():
-        weights = stale.name == INDEX_NAME or re.fullmatch(r"model(-\d+-of-\d+)?\.safetensors", stale.name)
-        if weights and stale.name not in new_names:
-            stale.unlink()
-    for item in staging.iterdir():
-        target = output_dir / item.name
-        if target.is_dir() and not item.is_dir():
-            raise CheckpointError(f"cannot write {target}: a directory of that name exists")
-        if item.is_dir():
-            shutil.rmtree(target, ignore_errors=True)
-        os.replace(item, target)
-    shutil.rmtree(staging, ignore_errors=True)
+    new_items = list(staging.iterdir())
+    for item in new_items:
+        if (output_dir / item.name).is_dir() and not item.is_dir():
+            raise CheckpointError(f"cannot write {output_dir / item.name}: a directory of that name exists")
+    # what the new export replaces is renamed aside, not overwritten: freeing a big file's blocks
+    # (here 40 ms per 100 MB, on a disk mounted with online discard) then happens in the background
+    replaced = staging / ".replaced"
+    replaced.mkdir()
+    new_names = {item.name for item in new_items}
+    for old in output_dir.iterdir():
+        weights = old.name == INDEX_NAME or re.fullmatch(r"model(-\d+-of-\d+)?\.safetensors", old.name)
+        if old.name in new_names or weights:
+            os.rename(old, replaced / old.name)
+    for item in new_items:
+        os.rename(item, output_dir / item.name)
+    layout.discard(staging, background=True)
 
 
 @dataclass
@@ -237,99 +248,80 @@ def gather_full(tensor: torch.Tensor | GatheredTensor) -> torch.Tensor:
     return tensor.full_tensor().detach()
 
 
-def rows_over_world(tensor, world: int) -> bool:
-    """A DTensor split by rows over every rank in order (plain FSDP): each owner can be sent just
-    the rows it lacks, in one all-to-all, instead of every rank gathering every tensor."""
-    return (isinstance(tensor, DTensor) and tensor.device_mesh.ndim == 1 and tensor.placements == (Shard(0),)
-            and tensor.device_mesh.mesh.tolist() == list(range(world)))
+def own_rows(tensor) -> tuple[int, torch.Tensor | None] | None:
+    """For a DTensor split only by rows (FSDP's Shard(0), possibly replicated over other mesh
+    dims): the first row this rank holds and, if this rank is the replica that writes them, the
+    rows. Such rows are one contiguous byte range of the written tensor, so every rank can write
+    its own straight into the file with no gather. None for any other layout."""
+    if not isinstance(tensor, DTensor):
+        return None
+    placements = tensor.placements
+    if not all(p == Replicate() or (type(p) is Shard and p.dim == 0) for p in placements):
+        return None
+    coordinate = tensor.device_mesh.get_coordinate()
+    if coordinate is None:  # this rank is not in the tensor's mesh
+        return 0, None
+    _, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, placements)
+    writes = all(c == 0 for c, p in zip(coordinate, placements) if p == Replicate())
+    return (offset[0] if offset else 0), (tensor.to_local() if writes else None)
 
 
-def row_counts(rows: int, world: int) -> list[int]:
-    """How many rows of a `rows`-row tensor each rank holds under Shard(0) (torch.chunk's split)."""
-    size = -(-rows // world)
-    return [max(0, min(rows, (r + 1) * size) - r * size) for r in range(world)]
-
-
-def rows_to_owners(state: dict, step: dict[int, Entry], rank: int, world: int) -> torch.Tensor | None:
-    """One all-to-all: each rank sends every owner its rows (in the written dtype) of the owner's
-    tensor, and gets back its own tensor whole. Row blocks arrive in rank order, so the received
-    bytes are the full tensor's bytes as they stand."""
-    first = state[next(iter(step.values())).name]
-    device = torch.device(first.device_mesh.device_type)
-    empty = torch.empty(0, dtype=torch.uint8, device=device)
-    send = [empty] * world
-    for owner, entry in step.items():
-        local = state[entry.name].to_local().to(device, entry.dtype)
-        send[owner] = local.reshape(-1).view(torch.uint8)
-    receive_splits = [0] * world
-    mine = step.get(rank)
-    if mine is not None:
-        row_bytes = mine.nbytes // max(mine.shape[0], 1)
-        receive_splits = [rows * row_bytes for rows in row_counts(mine.shape[0], world)]
-    out = torch.empty(sum(receive_splits), dtype=torch.uint8, device=device)
-    torch.distributed.all_to_all_single(out, torch.cat(send), receive_splits, [s.numel() for s in send],
-                                        group=first.device_mesh.get_group())
-    return None if mine is None else out.view(mine.dtype).view(mine.shape)
-
-
-def gather_step(state: dict, step: dict[int, Entry], rank: int, world: int) -> torch.Tensor | None:
-    """Every rank calls this for the same step (owner -> the tensor it writes next); returns this
-    rank's tensor whole, or None. Row-sharded tensors go to their owners in one all-to-all; the
-    rest (TP and 2-D layouts, merged LoRA weights) are gathered whole on every rank, one by one."""
-    direct = {o: e for o, e in step.items() if rows_over_world(state[e.name], world)}
-    mine = rows_to_owners(state, direct, rank, world) if direct else None
-    for owner, entry in step.items():
-        if owner not in direct:
-            full = gather_full(state[entry.name])
-            if owner == rank:
-                mine = full
-    return mine
-
-
-class BackgroundFiles:
-    """This rank's output files, written by one thread while the next tensors are gathered. At
-    most `depth` tensors wait for it (the gathers pause when it falls behind), so memory stays at
-    a few tensors; the first failure stops the writing and is reported by `finish`."""
+class RegionWriter:
+    """Writes byte ranges into files that already have their final size (`os.pwrite`), from one
+    background thread while the caller prepares the next tensor. At most `depth` tensors wait
+    for it, so memory stays at a few tensors. Each file is fsynced once, at the end; the first
+    failure stops the writing and is reported by `finish`."""
 
     def __init__(self, depth: int = 2) -> None:
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="fullshard-export")
         self.pending: list = []
         self.depth = depth
         self.error = ""
-        self.stream: SafetensorsStream | None = None
+        self.files: dict[Path, int] = {}
 
-    def submit(self, fn, *args) -> None:
-        self.pending.append(self.pool.submit(self._guarded, fn, *args))
+    def write(self, path: Path, offset: int, tensor: torch.Tensor) -> None:
+        self.pending.append(self.pool.submit(self._write, path, offset, tensor))
         while len(self.pending) > self.depth:
             self.pending.pop(0).result()
 
-    def _guarded(self, fn, *args) -> None:
-        if not self.error:
-            try:
-                fn(*args)
-            except Exception as err:  # noqa: BLE001 - reported on every rank by `finish`
-                self.error = f"{type(err).__name__}: {err}"
+    def _write(self, path: Path, offset: int, tensor: torch.Tensor) -> None:
+        if self.error:
+            return
+        try:
+            if path not in self.files:
+                self.files[path] = os.open(path, os.O_WRONLY)
+            view = memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy()).cast("B")
+            while len(view):
+                done = os.pwrite(self.files[path], view, offset)
+                view, offset = view[done:], offset + done
+        except Exception as err:  # noqa: BLE001 - reported on every rank by `finish`
+            self.error = f"writing {path.name}: {type(err).__name__}: {err}"
 
-    def open(self, path: Path, group: list[Entry]) -> None:
-        self.submit(self._open, path, group)
-
-    def _open(self, path: Path, group: list[Entry]) -> None:
-        self.stream = SafetensorsStream(path, group)
-
-    def write(self, name: str, tensor: torch.Tensor, last: bool) -> None:
-        def write():
-            self.stream.write(name, tensor)
-            if last:
-                self.stream.close()
-        self.submit(write)
-
-    def finish(self) -> str:
+    def finish(self, sync: bool = True) -> str:
+        """Wait for the writes (and with `sync` fsync every file written); the first error, or ""."""
         for future in self.pending:
             future.result()
+        self.pending.clear()
         self.pool.shutdown()
-        if self.stream is not None and self.stream.handle is not None and not self.stream.handle.closed:
-            self.stream.handle.close()
+        for path, fd in self.files.items():
+            try:
+                if sync and not self.error:
+                    os.fsync(fd)
+            except OSError as err:
+                self.error = f"fsync of {path.name}: {err}"
+            finally:
+                os.close(fd)
+        self.files.clear()
         return self.error
+
+
+def create_files(headers: dict[Path, tuple[bytes, int]]) -> None:
+    """Each output file with its header and at its final size (the data still a hole), so that
+    any rank can write any range of it."""
+    for path, (lead, size) in headers.items():
+        with open(path, "wb") as handle:
+            handle.write(lead)
+            handle.truncate(size)
 
 
 def export_hf(model: torch.nn.Module, output_dir: str | os.PathLike, tokenizer=None,
@@ -353,30 +345,33 @@ def export_hf(model: torch.nn.Module, output_dir: str | os.PathLike, tokenizer=N
     entries = [Entry(k, tuple(t.shape), written_dtype(t.dtype, out_dtype)) for k, t in state.items() if k not in aliases]
     files = plan_files(entries, max_bytes)
     staging = Path(broadcast_from_rank0(str(staging_dir(output_dir)) if get_rank() == 0 else None))
-    run_agreed(lambda: staging.mkdir(parents=True), on_rank=0, error_type=CheckpointError)
     rank, world = get_rank(), get_world_size()
-    # files are dealt round-robin and every rank writes its own at the same time: step k hands
-    # each rank the k-th tensor of its files
-    queues = [[(number, index) for number in range(owner, len(files), world) for index in range(len(files[number][1]))]
-              for owner in range(world)]
-    writer = BackgroundFiles()
+    layouts = [(staging / fname, group, *safetensors_header(group)) for fname, group in files]
+    headers = {path: (lead, len(lead) + sum(e.nbytes for e in group)) for path, group, lead, _ in layouts}
+    run_agreed(lambda: staging.mkdir(parents=True) or create_files(headers), on_rank=0, error_type=CheckpointError)
+    writer = RegionWriter()
     try:
-        for step in range(max(map(len, queues), default=0)):
-            owners = {owner: queue[step] for owner, queue in enumerate(queues) if step < len(queue)}
-            full = gather_step(state, {o: files[n][1][i] for o, (n, i) in owners.items()}, rank, world)
-            if rank in owners:  # a rank whose writing failed keeps gathering, so no rank hangs
-                number, index = owners[rank]
-                fname, group = files[number]
-                if index == 0:
-                    writer.open(staging / fname, group)
-                writer.write(group[index].name, full.to("cpu", group[index].dtype), last=index == len(group) - 1)
-            del full
+        for number, (path, group, _, offsets) in enumerate(layouts):
+            for entry, offset in zip(group, offsets):
+                tensor = state[entry.name]
+                rows = own_rows(tensor)
+                if rows is not None:  # every rank writes its own rows: no gather at all
+                    first, local = rows
+                    if local is not None and local.numel():
+                        writer.write(path, offset + first * (entry.nbytes // entry.shape[0]), local.to("cpu", entry.dtype))
+                    continue
+                # any other layout is gathered whole on every rank (a collective), and the rank the
+                # file is dealt to writes it; a rank whose writing failed keeps gathering, so none hangs
+                full = gather_full(tensor)
+                if number % world == rank:
+                    writer.write(path, offset, full.to("cpu", entry.dtype))
+                del full
         error = writer.finish()
         all_ranks_agree_ok(not error, error, CheckpointError)
         run_agreed(lambda: finish_directory(staging, output_dir, files, export_config(config, type(model).__name__, out_dtype),
                                              generation_config_json(model), tokenizer), on_rank=0, error_type=CheckpointError)
     except BaseException:
-        writer.finish()
+        writer.finish(sync=False)
         if rank == 0:
             shutil.rmtree(staging, ignore_errors=True)
         raise

@@ -58,7 +58,7 @@ def _read(reader: CheckpointReader, keys: list[str]) -> dict[str, torch.Tensor]:
         if item is None or not hasattr(item, "size"):
             raise CheckpointError(f"{reader.checkpoint}: tensor {key!r} is in the export recipe but not in the DCP index")
         state[f"model.{key}"] = torch.empty(tuple(item.size), dtype=item.properties.dtype)
-    reader.read(state, no_dist=True)
+    reader.read(state)
     return {key: state[f"model.{key}"] for key in keys}
 
 

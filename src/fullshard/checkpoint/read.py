@@ -40,7 +40,9 @@ class _IndexedReader(SafeFileSystemReader):
 
 class CheckpointReader:
     """The DCP state of one checkpoint: its index, checked against the shard files, and `read` into
-    a state dict (collective unless `no_dist`)."""
+    a state dict. Every rank plans and reads its own chunks (DCP's `no_dist`): DCP's load plan
+    needs no coordination (each rank's reads follow from the index alone), so the collective
+    exchange of plans and the gather after reading are skipped; callers agree on failure."""
 
     def __init__(self, checkpoint: Path) -> None:
         self.checkpoint = checkpoint
@@ -49,12 +51,12 @@ class CheckpointReader:
         layout.check_storage_files(self.state_dir, self.metadata, UnreadableCheckpoint)
         self._reader = _IndexedReader(self.state_dir, self.metadata)
 
-    def read(self, state: dict, no_dist: bool = False) -> None:
+    def read(self, state: dict) -> None:
         try:
-            with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            with warnings.catch_warnings():  # "assuming the intent is to load in a single process": per rank
                 warnings.simplefilter("ignore", UserWarning)
                 dcp.load(state, storage_reader=self._reader, planner=SafeLoadPlanner(error_type=UnreadableCheckpoint),
-                         no_dist=no_dist)
+                         no_dist=True)
         except CheckpointException as err:
             raise UnreadableCheckpoint(f"reading checkpoint {self.checkpoint} failed: {failure_summary(err)}") from None
         except CheckpointError as err:
