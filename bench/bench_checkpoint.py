@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.report import markdown_table, write_section  # noqa: E402
+from bench.report import markdown_table, release_free_heap, write_section  # noqa: E402
 
 MiB = 2**20
 
@@ -56,20 +56,8 @@ class PeakRss:
         self.rise = self.peak - self.base
 
 
-def _release_free_heap() -> None:
-    """Hand memory freed earlier back to the OS, so the next rise measures new allocations only."""
-    import ctypes
-    import gc
-
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except OSError:
-        pass
-
-
 def _timed(fn):
-    _release_free_heap()
+    release_free_heap()
     dist.barrier()
     start = time.perf_counter()
     with PeakRss() as rss:

@@ -41,7 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.report import markdown_table, write_section  # noqa: E402
+from bench.report import markdown_table, release_free_heap, write_section  # noqa: E402
 
 MB = 1024 * 1024
 METHODS = ("fullshard", "transformers", "naive")
@@ -148,7 +148,7 @@ def _timed_rounds(path: str, dtype_name: str, warmup_path: str, rounds: int) -> 
     times = {m: [] for m in METHODS}
     for round_ in range(rounds):
         for method in METHODS[round_ % 3:] + METHODS[:round_ % 3]:  # each method goes first once
-            gc.collect()
+            release_free_heap()  # as in a fresh process: no method reuses pages the one before it freed
             dist.barrier()
             start = time.perf_counter()
             model = _load(method, path, dtype)

@@ -67,14 +67,14 @@ class ShardingPlan:
     """The units to shard, innermost first; the root unit (the whole model) is implicit and last."""
 
     units: list[UnitSpec] = field(default_factory=list)
-    _roots: tuple = field(default=((), {}), init=False, repr=False, compare=False)
+    _roots: tuple | None = field(default=None, init=False, repr=False, compare=False)  # (units' modules, root -> unit)
 
     def unit_index_of(self, module_name: str) -> int | None:
         """The innermost unit that holds `module_name` (itself or an ancestor); None means the root.
         Walks the name's ancestors through a root -> unit map: a call per module stays cheap on
         models with thousands of modules."""
         key = tuple(unit.modules for unit in self.units)
-        if self._roots[0] != key:
+        if self._roots is None or self._roots[0] != key:
             roots: dict[str, int] = {}
             for index, modules in enumerate(key):
                 for root in modules:

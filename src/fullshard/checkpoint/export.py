@@ -268,11 +268,11 @@ def own_rows(tensor) -> tuple[int, torch.Tensor | None] | None:
 
 class RegionWriter:
     """Writes byte ranges into files that already have their final size (`os.pwrite`), from one
-    background thread while the caller prepares the next tensor. At most `depth` tensors wait
-    for it, so memory stays at a few tensors. Each file is fsynced once, at the end; the first
-    failure stops the writing and is reported by `finish`."""
+    background thread while the caller prepares the next tensor. One tensor at most waits for it
+    while another is written, so memory stays at two tensors. Each file is fsynced once, at the
+    end; the first failure stops the writing and is reported by `finish`."""
 
-    def __init__(self, depth: int = 2) -> None:
+    def __init__(self, depth: int = 1) -> None:
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="fullshard-export")
         self.pending: list = []
         self.depth = depth

@@ -110,13 +110,15 @@ def tag_of_temp(path: Path) -> str:
 
 
 def discard(checkpoint: Path, background: bool = False) -> None:
-    """Delete a checkpoint by renaming it out of sight first, so a crash mid-delete never leaves a
-    marked directory with missing shards. `background` deletes the renamed files in a thread (a
-    save need not wait for them; trash a crash leaves is removed by `remove_debris`)."""
+    """Delete a checkpoint (or an export's replaced files) by renaming it out of sight first, so a
+    crash mid-delete never leaves a marked directory with missing shards. `background` deletes the
+    renamed files in a thread: a save need not wait for them, and the process waits for the thread
+    at exit (it is not a daemon), so a clean exit leaves no trash; what a crash leaves beside
+    checkpoints is removed by `remove_debris`."""
     trash = checkpoint.parent / f"{TRASH_PREFIX}{checkpoint.name}-{uuid.uuid4().hex[:8]}"
     os.rename(checkpoint, trash)
     if background:
-        thread = threading.Thread(target=shutil.rmtree, args=(trash, True), daemon=True, name="fullshard-discard")
+        thread = threading.Thread(target=shutil.rmtree, args=(trash, True), name="fullshard-discard")
         thread.start()
         _discarding[trash] = thread
     else:
