@@ -438,6 +438,25 @@ def test_export_of_an_unsharded_model_needs_no_process_group(tmp_path):
         assert torch.equal(value, expected[key]), key
 
 
+def test_a_second_export_replaces_the_first_and_leaves_nothing_behind(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = build_model("llama", seed=4)
+    out = tmp_path / "out"
+    export_hf(model, out, max_shard_size="20KB")
+    assert (out / "model.safetensors.index.json").is_file()
+    (out / "README.md").write_text("the user's own file")
+    export_hf(model, out)  # one file this time: the shards and index of the first are gone
+    layout.wait_for_discards()
+    names = sorted(p.name for p in out.iterdir())
+    assert "model.safetensors" in names and "README.md" in names and "config.json" in names, names
+    assert not [n for n in names if n.startswith("model-") or n.endswith(".index.json")], names
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no staging or replaced files left beside it
+    reloaded = AutoModelForCausalLM.from_pretrained(out)
+    for key, value in model.state_dict().items():
+        assert torch.equal(reloaded.state_dict()[key], value), key
+
+
 # ---------------------------------------------------------------------------- hardening (issue 10)
 
 class _Payload:
