@@ -271,7 +271,9 @@ def main() -> None:
         "(`get_model_state_dict(full_state_dict=True, cpu_offload=True)`) then `save_pretrained` on rank 0. Plain "
         "write: each rank writes (and fsyncs) as many bytes as it wrote into the files (its shard), all at once, "
         "with the lifecycle above. Median of the same number of runs, the three taking turns going first. Peak "
-        "memory: the largest rise of a rank's resident set during the export, max over ranks. Offline: "
+        "memory: the largest rise of a rank's resident set during the export, max over ranks (export_hf's is "
+        "about 0 here: the written dtype is the parameters' own, so each rank writes its rows straight from "
+        "their memory; a cast, e.g. to bf16, holds at most two cast shards). Offline: "
         "`export_checkpoint` of the same checkpoint in one process with no process group (`fullshard export`), one run.\n\n"
         + markdown_table(["world", "GiB written", "export_hf s", "plain write s", "x plain", "gather + save_pretrained s",
                           "x peer",
