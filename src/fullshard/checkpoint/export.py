@@ -358,7 +358,8 @@ def export_hf(model: torch.nn.Module, output_dir: str | os.PathLike, tokenizer=N
                 if rows is not None:  # every rank writes its own rows: no gather at all
                     first, local = rows
                     if local is not None and local.numel():
-                        writer.write(path, offset + first * (entry.nbytes // entry.shape[0]), local.to("cpu", entry.dtype))
+                        row_bytes = entry.nbytes // entry.shape[0] if first else 0  # a replicated scalar has no rows
+                        writer.write(path, offset + first * row_bytes, local.to("cpu", entry.dtype))
                     continue
                 # any other layout is gathered whole on every rank (a collective), and the rank the
                 # file is dealt to writes it; a rank whose writing failed keeps gathering, so none hangs
