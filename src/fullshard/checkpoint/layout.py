@@ -120,6 +120,8 @@ def discard(checkpoint: Path, background: bool = False) -> None:
     if background:
         thread = threading.Thread(target=shutil.rmtree, args=(trash, True), name="fullshard-discard")
         thread.start()
+        for done in [path for path, running in _discarding.items() if not running.is_alive()]:
+            del _discarding[done]  # a long run rotates thousands of times: keep only the live ones
         _discarding[trash] = thread
     else:
         shutil.rmtree(trash, ignore_errors=True)
