@@ -133,12 +133,12 @@ class PlainFiles:
                 pass
 
 
-def _side_by_side(runs: dict, repeat: int, pair: dict) -> None:
-    """Time the two operations of `pair` one after the other, the order swapping every repeat, so
-    neither always follows the other (the disk still works off what the one before wrote)."""
-    names = list(pair) if repeat % 2 == 0 else list(pair)[::-1]
+def _side_by_side(runs: dict, repeat: int, operations: dict) -> None:
+    """Time `operations` one after the other, the order reversing every repeat, so none always
+    follows another (the disk still works off what the one before wrote)."""
+    names = list(operations) if repeat % 2 == 0 else list(operations)[::-1]
     for name in names:
-        seconds, rise = _timed(pair[name])
+        seconds, rise = _timed(operations[name])
         runs.setdefault(f"{name}_s", []).append(seconds)
         runs.setdefault(f"{name}_rss", []).append(rise)
 
