@@ -28,8 +28,10 @@ from .distributed import (
     shard_mesh,
 )
 from .errors import ConfigError, PlanError
-from .fsdp import apply_activation_checkpointing, is_on_meta
+from .fsdp import apply_activation_checkpointing
 from .loading import materialize_and_load
+from .loading.materialize import tie_declared_weights
+from .loading.rank0 import LOADED, RANK0, agree_on_layout, init_from_rank0
 from .parallel.cp import check_context_parallel, enable_context_parallel
 from .parallel.tp import apply_tp_styles, plan_assignments, resolve_tp_plan
 from .plan import ShardingPlan, build_plan
@@ -233,8 +235,18 @@ class FSDP2Engine:
 
     def shard_model(self, model: nn.Module, hf_model_path: str | None = None, **load_kwargs) -> nn.Module:
         """Shard a model. A model with weights is sharded in place; one on the meta device is
-        sharded and then loaded from `hf_model_path` (or the engine's `dcp_path`)."""
-        if not is_on_meta(model):
+        sharded and then loaded from `hf_model_path` (or the engine's `dcp_path`); a model loaded
+        on rank 0 and on meta elsewhere is sharded and filled from rank 0 (`loading.rank0`).
+
+        Weights the config declares tied but that were built apart on meta (accelerate's
+        `init_empty_weights`) are tied first, so the plan keeps them in one unit.
+        """
+        tie_declared_weights(model)
+        tp = "with tensor parallelism (tp_size > 1)" if self.meshes.tp is not None else None
+        layout = agree_on_layout(model, supported=tp)
+        if layout == RANK0:
+            return init_from_rank0(model, self.prepare_model, self.device)
+        if layout == LOADED:
             return self.prepare_model(model)
         source = hf_model_path or getattr(getattr(model, "config", None), "_name_or_path", None)
         if not source and not self.config.dcp_path:
