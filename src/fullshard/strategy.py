@@ -73,9 +73,7 @@ def engine_config(config: EngineConfig | dict | None) -> tuple[EngineConfig, str
         resolved = EngineConfig.from_any(config)
     except (TypeError, ValueError) as err:
         raise ConfigError(str(err)) from None
-    configured = config.get("mixed_precision") if isinstance(config, dict) else (
-        None if config is None else resolved.mixed_precision)
-    return resolved, configured
+    return resolved, EngineConfig.values_of(config).get("mixed_precision")
 
 
 class FSDPStrategy:
