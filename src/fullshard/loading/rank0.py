@@ -40,16 +40,9 @@ def held_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def layout_of(model: nn.Module) -> str:
-    """"loaded", "meta", or "partly on meta (...)": what this rank's model holds. Buffers do not
-    decide: meta_init and accelerate's init_empty_weights keep them real on a meta model."""
-    params = dict(model.named_parameters())
-    on_meta = [name for name, tensor in params.items() if tensor.is_meta]
-    if not on_meta:
-        return META if any(t.is_meta for t in model.buffers()) else LOADED
-    if len(on_meta) == len(params):
-        return META
-    real = next(name for name, tensor in params.items() if not tensor.is_meta)
-    return f"partly on meta ({on_meta[0]} on meta, {real} loaded)"
+    """"loaded" (no tensor on meta) or "meta" (some: the whole model, or a base on meta under
+    adapters initialised for real, to be filled by a load or from rank 0)."""
+    return META if any(t.is_meta for t in held_tensors(model).values()) else LOADED
 
 
 def describe(model: nn.Module) -> list[tuple]:
@@ -59,13 +52,14 @@ def describe(model: nn.Module) -> list[tuple]:
 
 
 def agree_on_layout(model: nn.Module, supported: str | None = None) -> str:
-    """LOADED (every rank), META (every rank) or RANK0 (rank 0 loaded, the others on meta, the same
-    model); any other mix raises `LoadError` on every rank. `supported` is None, or why the caller
-    cannot initialise from rank 0 (tensor parallelism, say), raised on every rank when that is asked."""
+    """LOADED (every rank), META (every rank) or RANK0 (rank 0 loaded, others on meta: the same model,
+    which rank 0 fills); rank 0 on meta while another rank is loaded raises `LoadError` on every
+    rank. `supported` is None, or why the caller cannot initialise from rank 0 (tensor parallelism,
+    say), raised on every rank when that is asked."""
     description = describe(model)
     mine = (layout_of(model), hashlib.sha256(repr(description).encode()).hexdigest())
     if not dist.is_initialized() or get_world_size() == 1:
-        return LOADED if mine[0] == LOADED else META if mine[0] == META else _refuse([mine])
+        return mine[0]
     everyone: list = [None] * get_world_size()
     dist.all_gather_object(everyone, mine)
     layouts = [layout for layout, _ in everyone]
@@ -73,7 +67,7 @@ def agree_on_layout(model: nn.Module, supported: str | None = None) -> str:
         return LOADED
     if all(layout == META for layout in layouts):
         return META
-    if layouts[0] != LOADED or any(layout != META for layout in layouts[1:]):
+    if layouts[0] != LOADED:
         _refuse(everyone)
     if supported is not None:
         raise LoadError(f"rank 0 holds a loaded model and the other ranks one on meta (rank-0 initialisation), "
@@ -84,7 +78,7 @@ def agree_on_layout(model: nn.Module, supported: str | None = None) -> str:
     return RANK0
 
 
-def _refuse(everyone: list) -> str:
+def _refuse(everyone: list) -> None:
     held = "; ".join(f"rank {rank}: {layout}" for rank, (layout, _) in enumerate(everyone))
     raise LoadError("the ranks' models cannot be sharded together: every rank must hold the model loaded, "
                     "or every rank on meta, or rank 0 loaded and the others on meta (rank-0 initialisation); "
