@@ -4,8 +4,6 @@ initialisation, transformers' plan forms, and tail units found the way the model
 
 from __future__ import annotations
 
-import contextlib
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,35 +16,12 @@ from fullshard.engine import EngineConfig
 from fullshard.testing import build_model, make_batch, run_distributed
 from fullshard.testing.zoo import model_class, tiny_config
 
+from test_checkpoint import _captured_warnings, _error_of
+
 K = 3  # steps before and after the save
 
 
 # ---------------------------------------------------------------------------- helpers (run on ranks)
-
-
-@contextlib.contextmanager
-def _captured_warnings():
-    from fullshard.log import logger
-
-    class Keep(logging.Handler):
-        def emit(self, record):
-            caught.append(record.getMessage())
-
-    caught: list[str] = []
-    handler = Keep(logging.WARNING)
-    logger.addHandler(handler)
-    try:
-        yield caught
-    finally:
-        logger.removeHandler(handler)
-
-
-def _error_of(fn) -> str:
-    try:
-        fn()
-    except Exception as err:  # noqa: BLE001 - the message is the result
-        return f"{type(err).__name__}: {err}"
-    return "no error"
 
 
 def _held(model) -> dict[str, torch.Tensor]:
@@ -232,7 +207,8 @@ def _rank0_init() -> dict:
         with torch.no_grad():
             loss = (float(model(**batch).loss), float(normal(**batch).loss))
         out[name] = {"weights": _same(_held(model), _held(normal)), "loss": loss,
-                     "tied": name == "llama" or model.get_output_embeddings().weight is model.get_input_embeddings().weight}
+                     "tied": name == "llama"
+                     or model.get_output_embeddings().weight is model.get_input_embeddings().weight}
     # LightRFT's way: the strategy's prepare_model
     strategy = FSDPStrategy(bf16=False, train_batch_size=2)
     model = strategy.prepare_model(_meta_elsewhere("llama", 12, "torch"), is_training=True)

@@ -100,7 +100,8 @@ BAD_PLANS = {
                       "module 'model.layers.0' is claimed by two plan entries"),
     "tie split": ("gemma", {"mode": "manual", "modules": {"model.embed_tokens": ["cpu_offload"],
                                                           "lm_head": ["no_cpu_offload"]}},
-                  "must be in one unit, but plan entries ['model.embed_tokens', 'lm_head'] set cpu_offload differently"),
+                  "must be in one unit, but plan entries ['model.embed_tokens', 'lm_head'] set cpu_offload "
+                  "differently"),
     "container unit": ("llama", ShardingPlan([UnitSpec(("model.layers",), source="by hand")]),
                        "'model.layers' is a container whose forward never runs"),
     "bad mode": ("llama", {"mode": "smart"}, "'mode' must be 'auto' or 'manual'"),

@@ -104,11 +104,12 @@ class EngineConfig:
         if "bf16" in values:  # LLaMA-Factory's `FSDP2Engine(dist_config, bf16=...)` spelling of the precision
             wanted = "bf16" if values.pop("bf16") else "fp32"
             if values.setdefault("mixed_precision", wanted) != wanted:
-                raise ValueError(f"bf16 asks for {wanted} but mixed_precision={values['mixed_precision']!r}: set one of them")
+                raise ValueError(f"bf16 asks for {wanted} but mixed_precision={values['mixed_precision']!r}: "
+                                 "set one of them")
         unused = sorted(k for k in values if k in SEED_ONLY_KEYS)
         if unused:
-            warn_rank0(f"dist_config keys {unused} are LLaMA-Factory's ({', '.join(SEED_ONLY_KEYS[k] for k in unused)}); "
-                       "fullshard does not use them")
+            why = ", ".join(SEED_ONLY_KEYS[k] for k in unused)
+            warn_rank0(f"dist_config keys {unused} are LLaMA-Factory's ({why}); fullshard does not use them")
             values = {k: v for k, v in values.items() if k not in SEED_ONLY_KEYS}
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - known)

@@ -470,7 +470,8 @@ def _merge_shared(model: nn.Module, plan: ShardingPlan) -> ShardingPlan:
                 continue
             targets = sorted(i for i in indices if i is not None)
             rooted = [m for m in owner_modules if current.unit_index_of(m) is None]
-            merged = merge_units(model, [units[i] for i in targets], rooted, f"parameter {names[0]!r} (shared by {names})")
+            merged = merge_units(model, [units[i] for i in targets], rooted,
+                                 f"parameter {names[0]!r} (shared by {names})")
             units = [u for i, u in enumerate(units) if i not in targets[1:]]
             units[targets[0]] = merged
             changed = True
@@ -489,8 +490,9 @@ def merge_units(model: nn.Module, parts: list[UnitSpec], extra: list[str], why: 
     for attr in ("cpu_offload", "mixed_precision"):
         values = {getattr(part, attr) for part in parts} - {None}
         if len(values) > 1:
-            raise PlanError(f"{why} must be in one unit, but plan entries {[part.source or part.name for part in parts]} "
-                            f"set {attr} differently; give them one {attr} setting")
+            entries = [part.source or part.name for part in parts]
+            raise PlanError(f"{why} must be in one unit, but plan entries {entries} set {attr} differently; "
+                            f"give them one {attr} setting")
     reshard = [part.reshard_after_forward for part in parts]
     return replace(parts[0], modules=tuple(names), source=" & ".join(part.source for part in parts),
                    reshard_after_forward=False if False in reshard else parts[0].reshard_after_forward)
@@ -594,12 +596,14 @@ def transformers_plan(model: nn.Module, spec: dict) -> ShardingPlan:
     embedding) kept full after forward are one unit, so nothing is gathered again for backward."""
     if "modules" in spec:
         return build_plan(model, {"mode": "manual", **spec})
-    if spec and set(spec) <= {"cpu_offload", "mixed_precision"} and all(v is None or isinstance(v, bool) for v in spec.values()):
+    policies_only = set(spec) <= {"cpu_offload", "mixed_precision"}
+    if spec and policies_only and all(v is None or isinstance(v, bool) for v in spec.values()):
         return auto_plan(model, cpu_offload=spec.get("cpu_offload"), mixed_precision=spec.get("mixed_precision"))
     plan = manual_plan(model, spec)
     kept = [unit for unit in plan.units if unit.reshard_after_forward is False]
     norm = find_final_norm(model, find_blocks(model))
-    ends = {_module_name(model, _safe_call(getattr(model, f, None))) for f in ("get_input_embeddings", "get_output_embeddings")}
+    ends = {_module_name(model, _safe_call(getattr(model, f, None)))
+            for f in ("get_input_embeddings", "get_output_embeddings")}
     if len(kept) == 2 and any(norm in u.modules for u in kept) and any(ends & set(u.modules) for u in kept):
         tail = merge_units(model, kept, [], "the final norm and the head kept full after forward")
         plan = ShardingPlan([tail if u is kept[0] else u for u in plan.units if u is not kept[1]])

@@ -324,7 +324,8 @@ class CheckpointManager:
                 warn_rank0(f"checkpoint {checkpoint} holds no {name!r} state; {name} keeps its current state")
                 continue
             if name in fit.absent_states:
-                warn_rank0(f"checkpoint {checkpoint} lacks {few(fit.absent_states[name])}; those keep their current values")
+                warn_rank0(f"checkpoint {checkpoint} lacks {few(fit.absent_states[name])}; "
+                           "those keep their current values")
             obj.load_state_dict(state["states"][name])
         run_agreed(lambda: self._load_side_files(checkpoint, trainer_state, scheduler), error_type=CheckpointError)
         extra = dict(trainer_state.get("extra_state") or {})

@@ -109,7 +109,8 @@ def tie_declared_weights(model: nn.Module) -> list[str]:
         return []
     try:
         declared = expand(all_submodels=True)
-        tensors = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
+        tensors = {**dict(model.named_parameters(remove_duplicate=False)),
+                   **dict(model.named_buffers(remove_duplicate=False))}
     except (AttributeError, KeyError, TypeError):  # a custom class with its own idea of ties
         return []
     apart = [target for target, source in declared.items()
