@@ -107,10 +107,10 @@ class RowDocuments:
         return self.last
 
     def _whole_rows(self, positions: torch.Tensor) -> torch.Tensor:
-        cp = self.group.size()
-        parts = torch.empty((cp, *positions.shape), dtype=positions.dtype, device=positions.device)
-        dist.all_gather_into_tensor(parts, positions.contiguous(), group=self.group)
-        return parts.permute(1, 0, 2).reshape(positions.shape[0], -1)
+        (batch, part), cp = positions.shape, self.group.size()
+        parts = positions.new_empty((cp * batch, part))
+        dist.all_gather_single(parts, positions.contiguous(), group=self.group)
+        return parts.view(cp, batch, part).permute(1, 0, 2).reshape(batch, cp * part)
 
 
 def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
