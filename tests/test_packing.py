@@ -17,6 +17,7 @@ from fullshard.train import load_config, train
 from fullshard.train.config import DataSection
 from fullshard.train.data import load_data
 from fullshard.train.metrics import read_metrics
+from fullshard.train.preflight import check_before_launch
 
 TOL = 1e-5
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
@@ -145,6 +146,11 @@ def test_the_console_names_the_attention_path_and_unknown_ones_are_refused():
         attention_path(model, packed=True)
     with pytest.raises(ConfigError, match="model.attn_implementation='no_such_kernel'"):
         use_attention(build_model("llama"), "no_such_kernel")
+    with pytest.raises(ConfigError, match="model.attn_implementation='someones_kernel' has no known way"):
+        check_before_launch(load_config(None, ["--model.name_or_path=micro-llama",
+                                               "--model.attn_implementation=someones_kernel"]), 2)
+    check_before_launch(load_config(None, ["--model.name_or_path=micro-llama", "--data.packing=false",
+                                           "--model.attn_implementation=someones_kernel"]), 2)
 
 
 def test_unpacked_rows_hold_one_record_and_documents_start_without_a_target(tmp_path):

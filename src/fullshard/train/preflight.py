@@ -5,7 +5,7 @@ process before any rank starts, so a mistake is one line naming the key instead 
 checkpoint directories, `checkpoint.resume`, `data.path`, and the model: a built-in name, a local
 directory or a Hub id (resolved from the local cache when offline, downloaded once otherwise),
 built on the meta device from its config (no weights read) so the sharding plan is validated
-against the real module names. `build_meta_model` is the same model for `fullshard plan`.
+against the real module names and its attention implementation against packing. `build_meta_model` is the same model for `fullshard plan`.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import CheckpointError, ConfigError, FullshardError, PlanError
+from ..packed_attention import attention_path, use_attention
 from .config import BUILTIN_MODELS, TrainConfig
 
 
@@ -23,7 +24,9 @@ def check_before_launch(config: TrainConfig, world_size: int) -> None:
             raise ConfigError(f"{key}={value!r} is an existing file, not a directory")
     _check_resume(config.checkpoint.resume)
     _check_data(config)
-    model = build_meta_model(config)
+    model = use_attention(build_meta_model(config), config.model.attn_implementation)
+    if config.fsdp.cp_size == 1:  # under cp the all-to-all attention replaces it
+        attention_path(model, config.data.packing)
     if config.lora.enabled:
         from ..lora import apply_lora
 
