@@ -34,6 +34,7 @@ CONTEXT_PARALLEL_PATH = ("the context-parallel all-to-all attention (SDPA) with 
 
 
 def implementation_of(model: nn.Module) -> str:
+    """The attention implementation transformers dispatches `model`'s (text) attention layers to."""
     config = getattr(model, "config", None)
     config = getattr(config, "get_text_config", lambda: config)()
     return getattr(config, "_attn_implementation", None) or "eager"
@@ -56,17 +57,12 @@ def attention_path(model: nn.Module, packed: bool) -> str:
     """One line saying how attention keeps packed documents apart; `ConfigError` for an implementation
     fullshard cannot vouch for when rows are packed."""
     name = implementation_of(model)
-    if name == CONTEXT_PARALLEL:
-        path = CONTEXT_PARALLEL_PATH
-    elif name in PATHS:
-        path = PATHS[name]
-    elif packed:
-        raise ConfigError(f"model.attn_implementation={name!r} has no known way to keep packed documents apart: "
-                          f"use one of {', '.join(PATHS)}, or data.packing=false")
-    else:
-        path = name
     if not packed:
         return f"attention: {name}; one record per row, its padding a separate document nobody attends to"
+    path = CONTEXT_PARALLEL_PATH if name == CONTEXT_PARALLEL else PATHS.get(name)
+    if path is None:
+        raise ConfigError(f"model.attn_implementation={name!r} has no known way to keep packed documents apart: "
+                          f"use one of {', '.join(PATHS)}, or data.packing=false")
     return f"attention: {name}; packed documents kept apart by {path}"
 
 

@@ -5,7 +5,8 @@ process before any rank starts, so a mistake is one line naming the key instead 
 checkpoint directories, `checkpoint.resume`, `data.path`, and the model: a built-in name, a local
 directory or a Hub id (resolved from the local cache when offline, downloaded once otherwise),
 built on the meta device from its config (no weights read) so the sharding plan is validated
-against the real module names and its attention implementation against packing. `build_meta_model` is the same model for `fullshard plan`.
+against the real module names, and its attention implementation against packing.
+`build_meta_model` is the same model for `fullshard plan`.
 """
 
 from __future__ import annotations
