@@ -177,3 +177,12 @@ def test_context_parallel_parts_keep_the_rows_documents():
     parts = [context_parallel_batch({"input_ids": ids, "labels": ids, "position_ids": positions}, r, 2)
              for r in range(2)]
     assert torch.cat([p["position_ids"] for p in parts], 1).tolist() == [[0, 1, 2, 0, 1, 0, 1, 2]]
+
+
+def test_from_pretrained_builds_the_asked_attention(tmp_path):
+    from fullshard import from_pretrained
+    from fullshard.packed_attention import implementation_of
+
+    build_model("llama").save_pretrained(tmp_path / "tiny")
+    assert implementation_of(from_pretrained(str(tmp_path / "tiny"), attn_implementation="eager")) == "eager"
+    assert implementation_of(from_pretrained(str(tmp_path / "tiny"))) == "sdpa"
