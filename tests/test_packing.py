@@ -44,10 +44,12 @@ def texts() -> list[dict]:
 
 
 def _one_step(root: str, kind: str, packing: bool, cp: int) -> dict:
-    """One step over all the data (one optimizer step, every row in it) and its loss and grad norm."""
+    """One fp32 step over all the data (every row in it) and its loss and grad norm, both taken on
+    the unchanged weights (what `optim.lr=0` would keep; the config refuses lr 0)."""
     args = [f"--data.path={root}/{kind}.jsonl", f"--data.format={kind}", f"--data.seq_len={SEQ_LEN[kind]}",
             f"--data.packing={str(packing).lower()}", f"--data.cache_dir={root}/cache", "--data.eval_fraction=0",
-            "--model.name_or_path=micro-llama", "--train.steps=1", "--train.micro_batch_size=1",
+            "--model.name_or_path=micro-llama", "--fsdp.mixed_precision=fp32", "--train.steps=1",
+            "--train.micro_batch_size=1",
             f"--fsdp.cp_size={cp}", "--checkpoint.export=false", "--train.plot=false", "--checkpoint.resume=none",
             f"--train.output_dir={root}/{kind}-{packing}-{cp}"]
     if kind == "chat":
@@ -87,8 +89,7 @@ def test_a_packed_step_is_the_unpacked_step(steps, kind):
 
 def all_rows(packer: Packer, docs: list[list[int]]) -> dict[str, torch.Tensor]:
     rows, last = packer.add(docs), packer.finish()
-    return {k: torch.cat([torch.from_numpy(v), torch.from_numpy(last[k])])
-            for k, v in rows.items()}
+    return {k: torch.cat([torch.from_numpy(v), torch.from_numpy(last[k])]) for k, v in rows.items()}
 
 
 def _packed_rows(docs: list[torch.Tensor], row_len: int) -> tuple[torch.Tensor, torch.Tensor, list]:

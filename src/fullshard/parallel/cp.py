@@ -23,7 +23,6 @@ normalises is always the whole sequence's.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -99,6 +98,7 @@ class RowDocuments:
     def __init__(self, group):
         self.group, self.positions, self.last = group, None, None
 
+    @torch.compiler.disable  # a compiled block calls it as it is: the identity check is Python's
     def mask(self, positions: torch.Tensor | None) -> torch.Tensor | None:
         if positions is None:  # the model was given none: one document per row
             return None
@@ -108,8 +108,7 @@ class RowDocuments:
 
     def _whole_rows(self, positions: torch.Tensor) -> torch.Tensor:
         (batch, part), cp = positions.shape, self.group.size()
-        parts = positions.new_empty((cp * batch, part))
-        dist.all_gather_single(parts, positions.contiguous(), group=self.group)
+        parts = funcol.all_gather_tensor(positions.contiguous(), 0, self.group)  # rank i's parts: rows i*batch..
         return parts.view(cp, batch, part).permute(1, 0, 2).reshape(batch, cp * part)
 
 
