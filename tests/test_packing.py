@@ -170,6 +170,9 @@ def test_unpacked_rows_hold_one_record_and_documents_start_without_a_target(tmp_
                               eval_fraction=0, overlong=overlong, shuffle=False)
         rows = load_data(section, byte_tokenizer()).train.take(range(len(lengths)))
         assert (rows["labels"][:, 1:] != -100).sum(1).tolist() == [n - 1 for n in lengths]
+    streamed = load_data(DataSection(**{**vars(section), "streaming": True}), byte_tokenizer())
+    first = torch.cat([b["input_ids"] for b in streamed.step_batches(3, 1, 0, 1).micro_batches(0)])
+    assert torch.equal(first, rows["input_ids"][:3])  # streaming reads the same one-record rows
 
 
 def test_context_parallel_parts_keep_the_rows_documents():
