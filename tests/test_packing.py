@@ -10,7 +10,7 @@ import torch
 from fullshard.data.builtin import byte_tokenizer
 from fullshard.data.pack import Packer
 from fullshard.errors import ConfigError
-from fullshard.packed_attention import attention_path, model_inputs, use_attention
+from fullshard.packed_attention import attention_path, packed_inputs, use_attention
 from fullshard.parallel.cp import context_parallel_batch
 from fullshard.testing import build_model, run_distributed
 from fullshard.train import load_config, train
@@ -115,7 +115,7 @@ def test_a_packed_row_is_each_document_alone(name, impl):
     assert len(ids) == 2 and (positions == 0).sum() > len(docs)  # two rows of several documents, one padded
     model = use_attention(build_model(name).eval(), impl)
     with torch.no_grad():
-        logits = model(**model_inputs(model, {"input_ids": ids, "position_ids": positions, "labels": ids})).logits
+        logits = model(**packed_inputs(model, {"input_ids": ids, "position_ids": positions})).logits
         for doc, (row, col) in zip(docs, places):
             alone = model(input_ids=doc[None]).logits[0]
             assert (logits[row, col:col + len(doc)] - alone).abs().max() < TOL, (name, impl, row, col)
@@ -125,10 +125,9 @@ def test_flash_attention_gets_every_document_of_the_flattened_batch():
     model = build_model("llama")
     model.config._attn_implementation = "flash_attention_2"  # no kernel here: only the inputs it would get
     positions = torch.tensor([[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 0, 1]])
-    inputs = model_inputs(model, {"input_ids": positions, "position_ids": positions, "labels": positions})
+    inputs = packed_inputs(model, {"input_ids": positions, "position_ids": positions})
     assert inputs["cu_seq_lens_q"].tolist() == inputs["cu_seq_lens_k"].tolist() == [0, 3, 5, 6, 10, 12]
     assert inputs["max_length_q"] == inputs["max_length_k"] == 4 and inputs["use_cache"] is False
-    assert "labels" not in inputs
 
 
 def test_the_console_names_the_attention_path_and_unknown_ones_are_refused():

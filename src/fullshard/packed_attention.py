@@ -27,7 +27,6 @@ PATHS = {
     "flex_attention": "FlexAttention with a document BlockMask that transformers builds from the position ids",
     **{name: f"{name} varlen kernels over each document (cu_seq_lens from the position ids)" for name in FLASH},
 }
-NOT_MODEL_INPUTS = ("labels", "shift_labels", "num_items_in_batch")  # what the loss reads, not the model
 CONTEXT_PARALLEL = "fullshard_ulysses"  # parallel/cp.py's attention, named here so this layer needs no import of it
 CONTEXT_PARALLEL_PATH = ("the context-parallel all-to-all attention (SDPA) with a block-diagonal causal mask built "
                          "from the whole row's position ids")
@@ -66,12 +65,11 @@ def attention_path(model: nn.Module, packed: bool) -> str:
     return f"attention: {name}; packed documents kept apart by {path}"
 
 
-def model_inputs(model: nn.Module, batch: dict) -> dict:
-    """The keyword arguments of a training forward over `batch`: its tensors the model takes, no
-    cache (so transformers reads documents from the position ids) and, for flash attention, the
-    varlen lengths of every document of the flattened batch."""
-    inputs = {k: v for k, v in batch.items() if k not in NOT_MODEL_INPUTS}
-    inputs["use_cache"] = False
+def packed_inputs(model: nn.Module, inputs: dict) -> dict:
+    """The keyword arguments of a training forward over packed rows: `inputs` (`input_ids`,
+    `position_ids`, ...) with no cache, so transformers reads documents from the position ids, and
+    for flash attention the varlen lengths of every document of the flattened batch."""
+    inputs = {**inputs, "use_cache": False}
     positions = inputs.get("position_ids")
     if positions is not None and implementation_of(model) in FLASH:
         from transformers.modeling_flash_attention_utils import prepare_fa_kwargs_from_position_ids

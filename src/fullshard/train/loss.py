@@ -18,9 +18,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..packed_attention import model_inputs
+from ..packed_attention import packed_inputs
 
 IGNORE_INDEX = -100
+
+
+NOT_MODEL_INPUTS = ("labels", "shift_labels", "num_items_in_batch")
 
 
 def _targets(batch: dict) -> torch.Tensor:
@@ -50,7 +53,8 @@ def global_target_count(micro_batches: list[dict], repeats: int = 1) -> int:
 
 def causal_lm_loss_sum(model: torch.nn.Module, batch: dict) -> torch.Tensor:
     """Sum of the next-token cross-entropy over the batch's target tokens, in fp32."""
-    logits = model(**model_inputs(model, batch)).logits
+    inputs = packed_inputs(model, {k: v for k, v in batch.items() if k not in NOT_MODEL_INPUTS})
+    logits = model(**inputs).logits
     shifted = (logits if "shift_labels" in batch else logits[:, :-1, :]).float()
     labels = _targets(batch).to(shifted.device)
     return F.cross_entropy(shifted.reshape(-1, shifted.size(-1)), labels.reshape(-1), ignore_index=IGNORE_INDEX,
