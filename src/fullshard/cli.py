@@ -29,7 +29,9 @@ Train a model with FSDP2 on N local processes (torchrun is started for you; unde
 process is one rank). CONFIG.yaml holds any of the sections below and may stand anywhere on the
 line; --section.key=value (or --section.key value) overrides it. Values are YAML: 1e-4, 10, null,
 [0.9, 0.95]. ~ and $VARS are expanded in paths. Ctrl-C stops after the current step and saves a
-checkpoint (again: at once); the same command resumes.
+checkpoint (again: at once); the same command resumes. A directory holds one run: a second run
+into it while it lives is refused, and so is a new run into another run's checkpoints unless
+--checkpoint.overwrite=true (which deletes that run first).
 
 options:
   --nproc N        processes to start (default: train.nproc, else one per GPU, else 2)

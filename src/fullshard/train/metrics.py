@@ -109,7 +109,8 @@ class _TensorBoard:
         from torch.utils.tensorboard import SummaryWriter
 
         # a resumed run drops what an earlier run logged past its checkpoint, as metrics.jsonl does
-        self.writer = SummaryWriter(str(output_dir / "tensorboard"), purge_step=initial_step + 1 if initial_step else None)
+        purge_step = initial_step + 1 if initial_step else None
+        self.writer = SummaryWriter(str(output_dir / "tensorboard"), purge_step=purge_step)
 
     def log(self, values: dict, step: int) -> None:
         for key, value in values.items():

@@ -142,12 +142,10 @@ def _alive(pid) -> bool:
 
 
 def lock_for_this_process(output_dir: Path) -> RunLock | None:
-    """The lock a rank must take itself: none under `fullshard train` (the launcher holds it) or on a
-    rank other than 0 (rank 0 takes it for the whole job)."""
-    from ..distributed import get_rank
-
+    """The lock a job must take itself: none under `fullshard train`, whose launcher holds it.
+    Only global rank 0 acquires it, for every rank of the job."""
     held = os.environ.get(LOCK_HELD_ENV)
-    if get_rank() != 0 or (held and Path(held).resolve() == (output_dir / LOCK_FILE).resolve()):
+    if held and Path(held).resolve() == (output_dir / LOCK_FILE).resolve():
         return None
     return RunLock(output_dir)
 
@@ -159,6 +157,8 @@ def claim_run_directory(config) -> None:
     """Enforce "one run's checkpoints per directory" for `config` (see the module docstring);
     with `checkpoint.overwrite`, delete the old run. Call it holding the lock."""
     save_dir, resume = config.checkpoint_dir, config.checkpoint.resume
+    for debris in config.output_dir.glob(f"{layout.TRASH_PREFIX}*"):  # an overwrite that was killed midway
+        shutil.rmtree(debris, ignore_errors=True) if debris.is_dir() else debris.unlink(missing_ok=True)
     layout.finish_interrupted(save_dir)
     existing = layout.complete_checkpoints(save_dir)
     if not existing or resume == "auto":
@@ -178,7 +178,8 @@ def claim_run_directory(config) -> None:
                               f"checkpoint is {newest}: resuming it there would mix two runs' checkpoints; copy it "
                               "out and resume it into another train.output_dir, or use checkpoint.resume=auto")
     if not config.checkpoint.overwrite:
-        starts = "checkpoint.resume=none starts a new run" if resume == "none" else f"checkpoint.resume={resume!r} starts a new run from another checkpoint"
+        starts = ("checkpoint.resume=none starts a new run" if resume == "none"
+                  else f"checkpoint.resume={resume!r} starts a new run from another checkpoint")
         raise ConfigError(f"{where} holds the checkpoints of another run (newest: {newest}) and {starts}: continue it "
                           "with checkpoint.resume=auto, write to another train.output_dir, or set "
                           "checkpoint.overwrite=true to delete that run first")

@@ -169,8 +169,9 @@ class Trainer:
         saved = extra.get("data", {}).get("fingerprint")
         if saved != data.fingerprint():
             raise ConfigError(f"the checkpoint in {manager.last_load_info['path']} was trained on other data "
-                              f"(fingerprint {saved}, this data {data.fingerprint()}): write to another train.output_dir, "
-                              "or set checkpoint.resume=none and checkpoint.overwrite=true to replace that run")
+                              f"(fingerprint {saved}, this data {data.fingerprint()}): write to another "
+                              "train.output_dir, or set checkpoint.resume=none and checkpoint.overwrite=true to "
+                              "replace that run")
         batches.load_state_dict(extra["data"])
         start = int(extra["data"]["position"])
         if start > self.config.train.steps:
