@@ -219,20 +219,6 @@ def test_tensorboard_only_when_asked(tmp_path, monkeypatch):
     assert written == [(str(tmp_path / "tensorboard"), 3)]  # a resumed run drops what came after its checkpoint
 
 
-def test_step_line_shows_mfu_and_peak_memory(tmp_path, monkeypatch):
-    import io
-
-    class Terminal(io.StringIO):
-        def isatty(self):
-            return True
-
-    monkeypatch.setattr(sys, "stdout", Terminal())
-    logger = MetricsLogger(tmp_path, total_steps=4)
-    logger.log({"kind": "train", "step": 1, "loss": 2.5, "tokens_per_s": 1234.0, "mfu": 0.4125, "peak_mem_gb": 1.5})
-    logger.close()
-    assert "step     1  loss 2.5  tokens_per_s 1234  mfu 0.4125  peak_mem_gb 1.5" in sys.stdout.getvalue()
-
-
 def test_commands_and_model_names_the_user_mistyped(tmp_path, capsys):
     assert main(["trian"]) == 2
     assert capsys.readouterr().err == ("fullshard: error: unknown command 'trian'; the commands are train, plan, "

@@ -1,11 +1,12 @@
 """Everything about a run that can be checked from its config and files, checked in the launching
 process before any rank starts, so a mistake is one line naming the key instead of N tracebacks.
 
-`check_before_launch` covers the mesh and batch against the process count, `checkpoint.resume`, `data.path`, and the model: a built-in name, a local
-directory or a Hub id (resolved from the local cache when offline, downloaded once otherwise),
-built on the meta device from its config (no weights read) so the sharding plan is validated
-against the real module names. `build_meta_model` is the same model for `fullshard plan`. The
-output paths and the run directory's rules (one live run, one run's checkpoints) are `rundir`'s.
+`check_before_launch` covers the mesh and batch against the process count, `checkpoint.resume`,
+`data.path`, and the model: a built-in name (a near miss is named as a typo), a local directory or a
+Hub id (resolved from the local cache when offline, downloaded once otherwise), built on the meta
+device from its config (no weights read) so the sharding plan is validated against the real module
+names. `build_meta_model` is the same model for `fullshard plan`. The output paths and the run
+directory's rules (one live run, one run's checkpoints) are `rundir`'s.
 """
 
 from __future__ import annotations

@@ -15,9 +15,9 @@ The rules, as the README states them:
   before launch, unless `checkpoint.overwrite: true`, which deletes the old run first: its
   checkpoint directory leaves in one rename (after it, nothing of the old run can be resumed),
   then its export, metrics and plot.
-- **Writable outputs.** Every directory a run writes is created (if missing) and written to once
-  before launch, so a read-only `checkpoint.dir` is one line naming the key, not a run lost at its
-  first save.
+- **Writable outputs.** Every directory a run writes (or, where it does not exist yet, the parent
+  it will be made in) takes a probe file before launch, so a read-only `checkpoint.dir` is one line
+  naming the key, not a run lost at its first save.
 """
 
 from __future__ import annotations

@@ -12,8 +12,9 @@ The trainer polls once per step:
     stop.finish(step, total, checkpoint)
 
 A stop asked for before the first step (while the model loads, say) ends the run there: nothing
-is trained and nothing saved. A first SIGINT / SIGTERM only sets a flag (a signal arrives on one rank, or on the launcher,
-while the others are inside collectives: stopping there would leave them waiting). A second
+is trained and nothing saved. A first SIGINT / SIGTERM only sets a flag (a signal arrives on one
+rank, or on the launcher, while the others are inside collectives: stopping there would leave them
+waiting). A second
 signal, when a stop is already under way, gets the signal's default action at once: the save is
 skipped, and the checkpoint package's atomic commit keeps the half-written one from counting.
 
