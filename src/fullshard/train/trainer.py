@@ -187,6 +187,7 @@ class Trainer:
         try:
             run = self._build(stop)
             if stop.requested():
+                run.logger.close()
                 stop.finish(run.start, self.config.train.steps, None, before_start=True)
                 return {"start_step": run.start, "end_step": run.start, "losses": {}, "batch_hashes": {},
                         "stopped_before_start": True}
