@@ -49,7 +49,7 @@ def _one_step(root: str, kind: str, packing: bool, cp: int) -> dict:
     args = [f"--data.path={root}/{kind}.jsonl", f"--data.format={kind}", f"--data.seq_len={SEQ_LEN[kind]}",
             f"--data.packing={str(packing).lower()}", f"--data.cache_dir={root}/cache", "--data.eval_fraction=0",
             "--model.name_or_path=micro-llama", "--fsdp.mixed_precision=fp32", "--train.steps=1",
-            "--train.micro_batch_size=1",
+            "--train.micro_batch_size=1", "--optim.warmup_steps=0",
             f"--fsdp.cp_size={cp}", "--checkpoint.export=false", "--train.plot=false", "--checkpoint.resume=none",
             f"--train.output_dir={root}/{kind}-{packing}-{cp}"]
     if kind == "chat":

@@ -20,7 +20,7 @@ from ..checkpoint import CheckpointManager, export_hf
 from ..distributed import ParallelDims, barrier, get_rank, get_world_size, run_agreed
 from ..dtypes import DTYPES
 from ..fsdp import reshard_all
-from ..log import log_rank0
+from ..log import log_rank0, warn_rank0
 from ..lora import apply_lora, export_merged, save_adapter
 from ..optim import create_scheduler
 from ..packed_attention import attention_path, use_attention
