@@ -154,7 +154,8 @@ def test_the_console_names_the_attention_path_and_unknown_ones_are_refused():
 
 
 def test_unpacked_rows_hold_one_record_and_documents_start_without_a_target(tmp_path):
-    rows = all_rows(Packer(6, pad_id=0, whole_documents=False, packing=False), [[1, 2, 3], [4, 5], [6, 7, 8, 9, 10, 11]])
+    unpacked = Packer(6, pad_id=0, whole_documents=False, packing=False)
+    rows = all_rows(unpacked, [[1, 2, 3], [4, 5], [6, 7, 8, 9, 10, 11]])
     assert rows["input_ids"].tolist() == [[1, 2, 3, 0, 0, 0], [4, 5, 0, 0, 0, 0], [6, 7, 8, 9, 10, 11]]
     assert rows["labels"].tolist() == [[-100, 2, 3, -100, -100, -100], [-100, 5, -100, -100, -100, -100],
                                        [-100, 7, 8, 9, 10, 11]]
