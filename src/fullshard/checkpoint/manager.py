@@ -33,6 +33,7 @@ from ..distributed import agreed, broadcast_from_rank0, get_rank, get_world_size
 from ..errors import CheckpointError, ConfigError
 from ..fsdp import reshard_all
 from ..log import logger, warn_rank0
+from ..tensors import held_elsewhere
 from . import async_exit, layout
 from .export import config_json, generation_config_json
 from .offline import model_meta
@@ -300,7 +301,7 @@ class CheckpointManager:
                 state["optim"] = optim_state
             if states:
                 state["states"] = {name: obj.state_dict() for name, obj in states.items()}
-            state["model"] = _check_against_index(checkpoint, reader.metadata, state, strict)
+            state["model"] = _check_against_index(checkpoint, reader.metadata, state, strict, model)
             return trainer_state, reader, state
 
         with agreed(CheckpointError, f"loading checkpoint {checkpoint}"):
@@ -396,7 +397,7 @@ def _write_model_files(tmp: Path, model, tokenizer) -> None:
         tokenizer.save_pretrained(str(tmp / layout.TOKENIZER_DIR))
 
 
-def _check_against_index(checkpoint: Path, metadata, state: dict, strict: bool) -> dict:
+def _check_against_index(checkpoint: Path, metadata, state: dict, strict: bool, model=None) -> dict:
     """Compare what the model, optimizer and states expect with what the checkpoint holds, by key
     and shape, and say exactly which keys differ. Returns the model state to load (without the keys
     the checkpoint lacks when not strict)."""
@@ -404,7 +405,7 @@ def _check_against_index(checkpoint: Path, metadata, state: dict, strict: bool) 
     model_state = state["model"]
     saved_model_keys = {k[len("model."):] for k in index if k.startswith("model.")}
     missing = sorted(k for k in model_state if k not in saved_model_keys)
-    unexpected = sorted(saved_model_keys - set(model_state))
+    unexpected = sorted(k for k in saved_model_keys - set(model_state) if not held_elsewhere(model, k))
     problems = []
     if strict and missing:
         problems.append(f"missing from the checkpoint: {_few(missing)}")
