@@ -232,24 +232,38 @@ def _stage_forward(self, inputs: torch.Tensor, **kwargs) -> torch.Tensor:
     return self.get_submodule(info.base)(**kwargs).last_hidden_state
 
 
+def held_ends(parts: DecoderParts, index: int, num_stages: int) -> dict[str, bool]:
+    """Which of the embedding, head and final norm stage `index` holds: the embedding on the first
+    stage, the norm and head on the last, and a tied embedding / head on both ends."""
+    first, last = index == 0, index == num_stages - 1
+    return {parts.embed: first or (last and parts.tied), parts.head: last or (first and parts.tied),
+            **({parts.norm: last} if parts.norm else {})}
+
+
+def _pruned_copy(model: nn.Module, parts: DecoderParts, kept: dict[int, nn.Module | None]) -> nn.Module:
+    """A deep copy of `model` without the decoder layers, embedding, head and final norm missing from
+    `kept` (a `SkippedLayer`, None, an identity in their place: never copied). `kept` maps the id
+    of each module kept to what stands for it in the copy: None to copy it along with the rest."""
+    memo: dict[int, object] = {key: module for key, module in kept.items() if module is not None}
+    for layer in model.get_submodule(parts.layers):
+        if id(layer) not in kept:
+            memo[id(layer)] = SkippedLayer(layer)
+    for name in (parts.embed, parts.head):
+        if id(model.get_submodule(name)) not in kept:
+            memo[id(model.get_submodule(name))] = None
+    if parts.norm and id(model.get_submodule(parts.norm)) not in kept:
+        memo[id(model.get_submodule(parts.norm))] = nn.Identity()
+    return copy.deepcopy(model, memo)
+
+
 def build_stage(model: nn.Module, parts: DecoderParts, ranges: list[range], index: int) -> nn.Module:
     """Stage `index` of `model`: a deep copy holding only its own layers (and the embedding / norm /
-    head where they belong), every kept tensor under its full-model name; the parts it does not
-    hold are never copied. A tied embedding / head is kept on the first and the last stage."""
-    first, last = index == 0, index == len(ranges) - 1
-    memo: dict[int, object] = {}
-    for i, layer in enumerate(model.get_submodule(parts.layers)):
-        if i not in ranges[index]:
-            memo[id(layer)] = SkippedLayer(layer)
-    keep_embed = first or (last and parts.tied)
-    keep_head = last or (first and parts.tied)
-    if not keep_embed:
-        memo[id(model.get_submodule(parts.embed))] = None
-    if not keep_head:
-        memo[id(model.get_submodule(parts.head))] = None
-    if parts.norm and not last:
-        memo[id(model.get_submodule(parts.norm))] = nn.Identity()
-    stage = copy.deepcopy(model, memo)
+    head where `held_ends` puts them), every kept tensor under its full-model name."""
+    layers = model.get_submodule(parts.layers)
+    kept: dict[int, nn.Module | None] = {id(layers[i]): None for i in ranges[index]}
+    kept.update({id(model.get_submodule(name)): None
+                 for name, held in held_ends(parts, index, len(ranges)).items() if held})
+    stage = _pruned_copy(model, parts, kept)
     stage.fullshard_stage = StageInfo(index, len(ranges), ranges[index], parts.base)
     stage.forward = types.MethodType(_stage_forward, stage)
     mark_held_elsewhere(stage, state_names(model), getattr(model, "_keys_to_ignore_on_load_unexpected", None))
@@ -273,26 +287,23 @@ def stage_indices(pp_rank: int, pp_size: int, virtual_stages: int) -> list[int]:
     return [pp_rank + v * pp_size for v in range(virtual_stages)]
 
 
-def rank_module(stages: list[nn.Module], parts: DecoderParts, everything: set[str]) -> nn.Module:
+def rank_module(model: nn.Module, parts: DecoderParts, stages: list[nn.Module]) -> nn.Module:
     """One module for what this rank holds, for the optimizer, checkpoints and exports: the stage
-    itself, or a shell of the model sharing every module its stages hold (names unchanged)."""
+    itself, or a copy of the model sharing every module its stages hold (names unchanged). Built
+    before the stages are sharded: sharding then swaps the parameters of the shared modules for both."""
     if len(stages) == 1:
         return stages[0]
-    memo: dict[int, object] = {}
-    shell_source = stages[0]
-    source_layers = shell_source.get_submodule(parts.layers)
+    layers = model.get_submodule(parts.layers)
+    kept: dict[int, nn.Module | None] = {}
     for stage in stages:
         info: StageInfo = stage.fullshard_stage
-        layers = stage.get_submodule(parts.layers)
         for i in info.layers:
-            memo[id(source_layers[i])] = layers[i]
-        for name, keep in ((parts.embed, info.first), (parts.head, info.last), (parts.norm, info.last)):
-            if name and keep:
-                memo[id(_get(shell_source, name))] = _get(stage, name)
-    holder = copy.deepcopy(shell_source, memo)
-    del holder.forward  # the instance's stage forward: the holder is never run
-    holder.fullshard_stage = None
-    mark_held_elsewhere(holder, everything, None)
+            kept[id(layers[i])] = stage.get_submodule(parts.layers)[i]
+        for name, held in held_ends(parts, info.index, info.num_stages).items():
+            if held:
+                kept[id(model.get_submodule(name))] = stage.get_submodule(name)
+    holder = _pruned_copy(model, parts, kept)
+    mark_held_elsewhere(holder, state_names(model), getattr(model, "_keys_to_ignore_on_load_unexpected", None))
     return holder
 
 
@@ -394,10 +405,10 @@ def prepare_pipeline(model: nn.Module, engine) -> nn.Module:
     with agreed(FullshardError, f"splitting {type(model).__name__} into pipeline stages"):
         parts = decoder_parts(model)
         ranges = stage_layers(model, parts, dims.pp * config.pp_virtual_stages, config.pp_layers_per_stage)
-    everything = state_names(model)
     indices = stage_indices(meshes.pp.get_local_rank(), dims.pp, config.pp_virtual_stages)
-    stages = [engine.prepare_stage(build_stage(model, parts, ranges, index)) for index in indices]
-    module = rank_module(stages, parts, everything)
+    stages = [build_stage(model, parts, ranges, index) for index in indices]
+    module = rank_module(model, parts, stages)
+    stages = [engine.prepare_stage(stage) for stage in stages]
     module.fullshard_pipeline = Pipeline(
         stages, len(ranges), config.pp_schedule, microbatches_of(dims.pp, config.pp_microbatches),
         meshes.pp.get_group(), engine.device, parts, ranges, dims,
