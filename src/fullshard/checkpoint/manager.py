@@ -187,7 +187,8 @@ class CheckpointManager:
         state dict DCP writes."""
         layout.write_file(layout.rng_file(tmp, get_rank()), _torch_bytes(capture_rng_state()))
         reshard_all(model)
-        model_state, optim_state = get_state_dict(model, optimizer if optimizer is not None else [])
+        model_state, optim_state = get_state_dict(model, optimizer if optimizer is not None else [],
+                                                  options=_options(model))
         if get_rank() == 0:
             trainer_state = {"format": layout.FORMAT_VERSION, "step": step, "world_size": get_world_size(),
                              "base_seed": torch.initial_seed(), "has_optimizer": optimizer is not None,
@@ -295,7 +296,8 @@ class CheckpointManager:
                 raise CheckpointError(f"checkpoint {checkpoint} has format {trainer_state.get('format')}; this fullshard "
                                       f"reads format {layout.FORMAT_VERSION} (export it with the fullshard that wrote it)")
             reader = CheckpointReader(checkpoint)
-            model_state, optim_state = get_state_dict(model, optimizer if optimizer is not None else [])
+            model_state, optim_state = get_state_dict(model, optimizer if optimizer is not None else [],
+                                                  options=_options(model))
             state = {"model": model_state}
             if optimizer is not None:
                 state["optim"] = optim_state
@@ -308,7 +310,7 @@ class CheckpointManager:
             trainer_state, reader, state = prepare()
         with agreed(CheckpointError, f"reading checkpoint {checkpoint}"):
             reader.read(state)
-        options = StateDictOptions(strict=strict)
+        options = _options(model, strict=strict)
         set_model_state_dict(model, state["model"], options=options)
         if optimizer is not None:
             set_optimizer_state_dict(model, optimizer, state["optim"], options=options)
@@ -334,6 +336,13 @@ class CheckpointManager:
             rng = "re-derived"
         self.last_load_info = {"path": str(checkpoint), "step": trainer_state["step"], "saved_world_size": saved_world,
                                "world_size": world, "rng": rng}
+
+
+def _options(model, **kwargs) -> StateDictOptions:
+    """A pipeline stage's optimizer groups hold other parameters than another stage's: its state is
+    keyed by parameter name throughout, so no stage's groups stand for another's in the checkpoint."""
+    staged = getattr(model, "other_stage_names", None) is not None
+    return StateDictOptions(flatten_optimizer_state_dict=staged, **kwargs)
 
 
 def _planner():
