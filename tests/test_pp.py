@@ -225,7 +225,7 @@ def test_preflight_names_pipeline_mistakes_before_launch(tmp_path):
                                                   "--train.global_batch_size=4", f"--train.output_dir={tmp_path}"])
 
     with pytest.raises(ConfigError, match=r"fsdp.pp_size=4: 4 pipeline stages .* has 2 decoder layers"):
-        check_before_launch(config(pp_size=4), 4)
+        check_before_launch(config(pp_size=4, pp_microbatches=2, pp_schedule="GPipe"), 4)
     with pytest.raises(ConfigError, match=r"train.micro_batch_size=2 does not split into fsdp.pp_microbatches=3"):
         check_before_launch(config(pp_size=2, pp_microbatches=3, pp_schedule="GPipe"), 2)
     with pytest.raises(ConfigError, match="fewer than the 2 pipeline stages"):
