@@ -156,8 +156,8 @@ def cmd_plan(argv: list[str]) -> int:
     parser.add_argument("--micro-batch-size", type=int, default=None)
     parser.add_argument("--seq-len", type=int, default=None)
     parser.add_argument("--trust-remote-code", action="store_true", help="run the model repository's own code")
-    args = parser.parse_args(argv)
-    config, model = plan_config_and_model(args)
+    args, overrides = parser.parse_known_args(argv)
+    config, model = plan_config_and_model(args, overrides)
     nproc = args.nproc or config.train.nproc or default_nproc()
     dims = config.parallel_dims(nproc)
     plan = build_plan(model, config.fsdp.plan)
@@ -185,18 +185,45 @@ def cmd_plan(argv: list[str]) -> int:
           f"activation checkpointing {fsdp.activation_checkpointing}, {config.optim.name}, "
           f"{accumulation or 'unknown'} micro-batch(es) per step, {device_type}):")
     print(estimate.describe())
+    if dims.pp > 1:
+        print(f"\npipeline (pp {dims.pp}, {fsdp.pp_schedule}): each stage's layers and per-rank memory estimate")
+        for line, stage in describe_pipeline(model, fsdp):
+            stage_plan = build_plan(stage, fsdp.plan)
+            stage_estimate = estimate_memory(
+                stage, stage_plan, dims.dp_shard, micro, seq_len, DTYPES[precision], fsdp.activation_checkpointing,
+                config.optim.name, accumulation_steps=accumulation, device_type=device_type,
+                reduce_dtype=DTYPES[fsdp.reduce_dtype], tp_assignments=tp_assignments(stage, fsdp.tp_plan, dims.tp),
+                tp_size=dims.tp, cp_size=dims.cp)
+            print(f"{line}\n" + "\n".join(f"    {row}" for row in stage_estimate.describe().splitlines()))
     return 0
 
 
-def plan_config_and_model(args):
-    """The config `fullshard plan` was given (a YAML file or a model name) and its model on meta."""
+def describe_pipeline(model, fsdp):
+    """Each pipeline stage of `model` (on meta) with its one-line description."""
+    from .parallel.pp import build_stage, decoder_parts, held_ends, stage_layers
+
+    parts = decoder_parts(model)
+    ranges = stage_layers(model, parts, fsdp.pp_size * fsdp.pp_virtual_stages, fsdp.pp_layers_per_stage)
+    for index, layers in enumerate(ranges):
+        ends = [name for name, held in held_ends(parts, index, len(ranges)).items() if held]
+        stage = build_stage(model, parts, ranges, index)
+        params = sum(p.numel() for p in stage.parameters())
+        yield (f"stage {index} (pp rank {index % fsdp.pp_size}): layers {layers.start}-{layers.stop - 1}"
+               + (f" + {', '.join(ends)}" if ends else "") + f", {params:,} parameters"), stage
+
+
+def plan_config_and_model(args, overrides: list[str] = ()):
+    """The config `fullshard plan` was given (a YAML file or a model name, and `--section.key=value`
+    overrides) and its model on meta."""
     from .train.config import load_config
     from .train.preflight import build_meta_model
 
     if args.source.endswith((".yaml", ".yml")):
-        config = load_config(args.source, ["--model.trust_remote_code=true"] if args.trust_remote_code else [])
+        config = load_config(args.source, (["--model.trust_remote_code=true"] if args.trust_remote_code else [])
+                             + list(overrides))
     else:
-        config = load_config(None, {"model": {"name_or_path": args.source, "trust_remote_code": args.trust_remote_code}})
+        trust = ["--model.trust_remote_code=true"] if args.trust_remote_code else []
+        config = load_config(None, [f"--model.name_or_path={args.source}", *trust, *overrides])
     return config, build_meta_model(config)
 
 
