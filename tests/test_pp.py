@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from fullshard import optim
-from fullshard.errors import ConfigError, PlanError
+from fullshard.errors import CheckpointError, ConfigError, PlanError
 from fullshard.parallel import pp
 from fullshard.strategy import FSDPStrategy
 from fullshard.testing import build_model, make_batch, reported_by_every_rank, run_distributed
@@ -79,9 +79,9 @@ def _parity(name: str, overrides: dict, config: dict) -> dict:
 
 
 def _checkpoints(tmp: str) -> dict:
-    """A pp 2 checkpoint resumes at pp 2 like the run that wrote it; its weights load at pp 1 (and a
-    pp 1 checkpoint's at pp 2) by their full-model names; the export loads in transformers with
-    the same logits."""
+    """A pp 2 checkpoint resumes at pp 2 and at pp 1 like the run that wrote it, weights by their
+    full-model names; a pp 1 checkpoint's weights load at pp 2 (its optimizer groups, kept by index,
+    are refused by name); the export loads in transformers with the same logits."""
     from transformers import AutoModelForCausalLM
 
     from fullshard.checkpoint import CheckpointManager, export_hf
@@ -102,18 +102,26 @@ def _checkpoints(tmp: str) -> dict:
     CheckpointManager(f"{tmp}/from_pp", async_save=False).load(r_model, r_opt)
     out["pp_resume"] = (_step(r_strategy, r_model, r_opt, name, 2).loss, expected)
     d_strategy, d_model, d_opt = runs["dp"]
-    CheckpointManager(f"{tmp}/from_pp", async_save=False).load(d_model, d_opt, load_optimizer=False)
+    CheckpointManager(f"{tmp}/from_pp", async_save=False).load(d_model, d_opt)
     out["pp_to_dp_weights"] = max((w - saved[n]).abs().max().item() for n, w in _weights(d_model).items())
+    out["pp_to_dp"] = (_step(d_strategy, d_model, d_opt, name, 2).loss, expected)
     CheckpointManager(f"{tmp}/from_dp", async_save=False).save(3, d_model, d_opt)
+    saved = _weights(d_model)
+    expected = _step(d_strategy, d_model, d_opt, name, 3).loss
+    try:
+        CheckpointManager(f"{tmp}/from_dp", async_save=False).load(r_model, r_opt)
+    except CheckpointError as err:
+        out["dp_to_pp_optimizer_error"] = str(err)
     CheckpointManager(f"{tmp}/from_dp", async_save=False).load(r_model, r_opt, load_optimizer=False)
     out["dp_to_pp_weights"] = max((w - saved[n]).abs().max().item() for n, w in _gather_stages(r_model).items())
 
+    exported = _gather_stages(r_model)
     export_hf(r_model, f"{tmp}/hf")
     batch = make_batch(name, batch_size=2, seq_len=SEQ, seed=7)
     if dist.get_rank() == 0:
         loaded = AutoModelForCausalLM.from_pretrained(f"{tmp}/hf", dtype=torch.float32)
         reference = build_model(name)
-        reference.load_state_dict(saved)
+        reference.load_state_dict(exported)
         with torch.no_grad():
             out["export_logits_diff"] = (loaded(**batch).logits - reference(**batch).logits).abs().max().item()
     return out
@@ -164,9 +172,11 @@ def test_pipeline_matches_single_process(world_4):
 def test_pipeline_checkpoints_carry_full_model_names_and_export(world_4):
     for rank, result in enumerate(world_4):
         checks = result["checkpoints"]
-        resumed, uninterrupted = checks["pp_resume"]
-        assert abs(resumed - uninterrupted) < TOL, (rank, checks["pp_resume"])
+        for key in ("pp_resume", "pp_to_dp"):  # the step after the resume is the uninterrupted one
+            resumed, uninterrupted = checks[key]
+            assert abs(resumed - uninterrupted) < TOL, (rank, key, checks[key])
         assert checks["pp_to_dp_weights"] == 0 and checks["dp_to_pp_weights"] == 0, (rank, checks)
+        assert "load_optimizer=False" in checks["dp_to_pp_optimizer_error"], checks  # named, not a KeyError
     assert world_4[0]["checkpoints"]["export_logits_diff"] < TOL
 
 

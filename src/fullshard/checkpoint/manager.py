@@ -296,8 +296,13 @@ class CheckpointManager:
                 raise CheckpointError(f"checkpoint {checkpoint} has format {trainer_state.get('format')}; this fullshard "
                                       f"reads format {layout.FORMAT_VERSION} (export it with the fullshard that wrote it)")
             reader = CheckpointReader(checkpoint)
+            options = _options(model, reader.metadata)
+            if optimizer is not None and _staged(model) and not options.flatten_optimizer_state_dict:
+                raise CheckpointError(f"checkpoint {checkpoint} keeps its optimizer groups by index (saved without "
+                                      "pipeline stages), which a pipeline stage's groups do not match: load its "
+                                      "weights alone (load_optimizer=False) or resume it without pp")
             model_state, optim_state = get_state_dict(model, optimizer if optimizer is not None else [],
-                                                  options=_options(model))
+                                                      options=options)
             state = {"model": model_state}
             if optimizer is not None:
                 state["optim"] = optim_state
@@ -310,7 +315,7 @@ class CheckpointManager:
             trainer_state, reader, state = prepare()
         with agreed(CheckpointError, f"reading checkpoint {checkpoint}"):
             reader.read(state)
-        options = _options(model, strict=strict)
+        options = _options(model, reader.metadata, strict=strict)
         set_model_state_dict(model, state["model"], options=options)
         if optimizer is not None:
             set_optimizer_state_dict(model, optimizer, state["optim"], options=options)
@@ -338,11 +343,21 @@ class CheckpointManager:
                                "world_size": world, "rng": rng}
 
 
-def _options(model, **kwargs) -> StateDictOptions:
-    """A pipeline stage's optimizer groups hold other parameters than another stage's: its state is
-    keyed by parameter name throughout, so no stage's groups stand for another's in the checkpoint."""
-    staged = getattr(model, "other_stage_names", None) is not None
-    return StateDictOptions(flatten_optimizer_state_dict=staged, **kwargs)
+def _options(model, metadata=None, **kwargs) -> StateDictOptions:
+    """The optimizer state keyed by parameter name throughout (groups too) where a pipeline stage
+    saves it, since each stage's groups hold other parameters, or where the checkpoint being read
+    was saved so; by group index otherwise (the format every other checkpoint has)."""
+    if metadata is not None:
+        flat = any(k.startswith("optim.param_groups.") and not k.split(".")[2].isdigit()
+                   for k in metadata.state_dict_metadata)
+    else:
+        flat = _staged(model)
+    return StateDictOptions(flatten_optimizer_state_dict=flat, **kwargs)
+
+
+def _staged(model) -> bool:
+    """Whether `model` is a pipeline stage (`fullshard.parallel.pp`): other ranks hold the rest."""
+    return getattr(model, "other_stage_names", None) is not None
 
 
 def _planner():
