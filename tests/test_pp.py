@@ -9,6 +9,7 @@ import torch.distributed as dist
 from fullshard import optim
 from fullshard.errors import CheckpointError, ConfigError, PlanError
 from fullshard.parallel import pp
+from fullshard.parallel.cp import context_parallel_batch
 from fullshard.strategy import FSDPStrategy
 from fullshard.testing import build_model, make_batch, reported_by_every_rank, run_distributed
 from fullshard.testing.compare import data_slice, full_tensor
@@ -24,6 +25,7 @@ LAYOUTS = {  # name -> (model, model overrides, engine config)
     "qwen3_pp2_interleaved": ("qwen3", {"num_hidden_layers": 4},
                               {"pp_size": 2, "pp_schedule": "Interleaved1F1B", "pp_virtual_stages": 2}),
     "llama_pp2_tp2": ("llama", {}, {"pp_size": 2, "tp_size": 2}),
+    "qwen3_pp2_cp2": ("qwen3", {}, {"pp_size": 2, "cp_size": 2, "pp_schedule": "GPipe"}),
 }
 
 
@@ -43,6 +45,9 @@ def _step(strategy, model, optimizer, name: str, step: int) -> float:
     mine = data_slice(make_batch(name, batch_size=GLOBAL, seq_len=SEQ, seed=100 + step),
                       dims.coordinates(dist.get_rank())["dp"], dims.dp_size)
     micro = [data_slice(mine, i, len(mine["input_ids"]) // MICRO) for i in range(len(mine["input_ids"]) // MICRO)]
+    if dims.cp > 1:
+        cp_rank = dims.coordinates(dist.get_rank())["cp"]
+        micro = [context_parallel_batch(batch, cp_rank, dims.cp) for batch in micro]
     step_fn = pipeline_train_step if pp.pipeline_of(model) is not None else train_step
     return step_fn(strategy, model, optimizer, None, micro)
 
