@@ -1,6 +1,6 @@
 """Pipeline schedules against data parallelism alone, on 4 CPU ranks: tokens/s of dp 4 and of dp 2 x pp 2
 under GPipe, 1F1B and Interleaved1F1B (2 stages per rank), with the same model and global batch, and
-each schedule's bubble (the idle share of its ranks' slots in torch's own schedule table).
+each schedule's bubble (the idle share of each rank's time in fill and drain, from the schedule's shape).
 
     .venv/bin/python bench/bench_pp.py      # a few minutes on 2 CPU cores; writes BENCHMARKS.md
 """
@@ -28,13 +28,12 @@ LAYOUTS = {"dp 4": {},
            "dp 2 x pp 2, Interleaved1F1B x 2": {"pp_size": 2, "pp_schedule": "Interleaved1F1B", "pp_virtual_stages": 2}}
 
 
-def _bubble(pipeline) -> float | None:
-    """Idle slots over all slots of the schedule's table (None where torch gives no table)."""
-    order = getattr(pipeline.schedule(), "pipeline_order", None)
-    if not order:
-        return None
-    slots = [action for actions in order.values() for action in actions]
-    return sum(action is None for action in slots) / len(slots)
+def _bubble(pipeline) -> float:
+    """The idle share of each rank's time in the fill and drain, (p - 1) / (v m + p - 1) for p ranks,
+    v stages per rank and m micro-batches (Narayanan et al. 2021), with forward and backward slots
+    taken as equal: torch's own tables drop the idle slots of its single-stage schedules."""
+    p, v = pipeline.dims.pp, len(pipeline.stages)
+    return (p - 1) / (v * pipeline.microbatches + p - 1)
 
 
 def _run(config: dict) -> dict:
@@ -88,15 +87,15 @@ def main() -> None:
             if name not in results or run["tokens_per_s"] > results[name]["tokens_per_s"]:
                 results[name] = run
     base = results["dp 4"]
-    rows = [[name, *speed_and_memory_cells(r, base), "-" if r["bubble"] is None else f"{r['bubble']:.2f}"]
+    rows = [[name, *speed_and_memory_cells(r, base), f"{r['bubble']:.2f}"]
             for name, r in results.items()]
     params = sum(p.numel() for p in _model().parameters())
     body = (f"Training step (forward, backward, global clip to 1.0, AdamW) of a {params / 1e6:.1f}M-parameter, "
             f"4-layer Llama, global batch {GLOBAL_BATCH} x {SEQ} tokens, fp32, world size 4 (gloo, 1 thread per "
             f"rank), {STEPS} timed steps after {WARMUP} warm-up, the best of {ROUNDS} interleaved rounds. Under pp "
-            f"each rank's 4 rows are cut into {PIPELINE_MICROBATCHES} pipeline micro-batches. Bubble: the idle "
-            "share of all ranks' slots in torch's schedule table for that schedule (its own accounting of the "
-            "fill and drain; a slot is one micro-batch's forward or backward of one stage). Ratios are against "
+            f"each rank's 4 rows are cut into {PIPELINE_MICROBATCHES} pipeline micro-batches. Bubble: (p - 1) / "
+            "(v m + p - 1) for p pp ranks, v stages per rank and m micro-batches, the idle share of each rank's "
+            "time in the fill and drain (computed from the schedule's shape, not timed). Ratios are against "
             "dp 4 in the same run. On 2 shared CPU cores the 4 ranks already take turns on the cores, so a pipeline "
             "bubble costs less than on devices that would otherwise compute; read the ratios as CPU/gloo "
             "results only.\n\n")

@@ -25,6 +25,8 @@ LAYOUTS = {  # name -> (model, model overrides, engine config)
     "qwen3_pp2_interleaved": ("qwen3", {"num_hidden_layers": 4},
                               {"pp_size": 2, "pp_schedule": "Interleaved1F1B", "pp_virtual_stages": 2}),
     "llama_pp2_tp2": ("llama", {}, {"pp_size": 2, "tp_size": 2}),
+    "qwen3_pp4_gpipe": ("qwen3", {"num_hidden_layers": 4},
+                        {"pp_size": 4, "pp_schedule": "GPipe", "pp_microbatches": 2}),
     "qwen3_pp2_cp2": ("qwen3", {}, {"pp_size": 2, "cp_size": 2, "pp_schedule": "GPipe"}),
 }
 

@@ -37,7 +37,8 @@ from ..plan import find_blocks, find_final_norm
 
 # schedules with one stage per rank, and those that loop over several (stage s on pp rank s % pp)
 SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
-MULTI_STAGE_SCHEDULES = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
+# InterleavedZeroBubble is left out: with FSDP stages its split weight gradients came out wrong here
+MULTI_STAGE_SCHEDULES = ("Interleaved1F1B", "LoopedBFS")
 PP_SCHEDULES = SINGLE_STAGE_SCHEDULES + MULTI_STAGE_SCHEDULES
 
 
@@ -153,14 +154,11 @@ def stage_layers(model: nn.Module, parts: DecoderParts, num_stages: int,
         layers = model.get_submodule(parts.layers)
         costs = [_numel(layer) for layer in layers]
         costs[0] += _numel(model.get_submodule(parts.embed))
-        costs[-1] += _numel(model.get_submodule(parts.head)) + _numel(_get(model, parts.norm))
+        costs[-1] += _numel(model.get_submodule(parts.head))
+        costs[-1] += _numel(model.get_submodule(parts.norm)) if parts.norm else 0
         counts = _balanced(costs, num_stages)
     starts = [sum(counts[:s]) for s in range(num_stages)]
     return [range(start, start + count) for start, count in zip(starts, counts)]
-
-
-def _get(model: nn.Module, name: str | None) -> nn.Module | None:
-    return model.get_submodule(name) if name else None
 
 
 def _balanced(costs: list[int], parts: int) -> list[int]:
@@ -362,27 +360,10 @@ class Pipeline:
                 return stage.get_submodule(self.parts.embed).weight
         return None
 
-    def counts_tied_weight(self) -> bool:
-        """Whether this rank's copy of a tied weight counts in the global gradient norm (the first stage's does)."""
-        return self.has_first
-
-    def describe(self) -> list[str]:
-        """One line per stage: its index, its layers and what else it holds."""
-        lines = []
-        for index, layers in enumerate(self.ranges):
-            extra = [name for name, on in ((self.parts.embed, index == 0 or (self.parts.tied and index == len(self.ranges) - 1)),
-                                           (self.parts.norm, index == len(self.ranges) - 1),
-                                           (self.parts.head, index == len(self.ranges) - 1)) if name and on]
-            lines.append(f"stage {index}: layers {layers.start}-{layers.stop - 1}" + (f" + {', '.join(extra)}" if extra else ""))
-        return lines
-
 
 def tie_group(world_mesh, pp_size: int):
     """The group of the first and last pp ranks of this rank's column (where a tied weight's two ends
     are): the pp group itself at pp 2, else one new group per column, made in the same order everywhere."""
-    from torch.distributed.device_mesh import DeviceMesh
-
-    assert isinstance(world_mesh, DeviceMesh)
     if pp_size == 2:
         return world_mesh["pp"].get_group()
     columns = world_mesh.mesh.reshape(pp_size, -1)

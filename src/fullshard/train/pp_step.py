@@ -19,7 +19,8 @@ from .loss import NOT_MODEL_INPUTS, aligned_targets, global_target_count, sum_ov
 from .step import StepOutput
 
 
-def pipeline_train_step(strategy, model: torch.nn.Module, optimizer, scheduler, micro_batches: list[dict]) -> StepOutput:
+def pipeline_train_step(strategy, model: torch.nn.Module, optimizer, scheduler,
+                        micro_batches: list[dict]) -> StepOutput:
     """`train_step` for a pipelined model: every micro-batch through the schedule, then one step."""
     if len(micro_batches) != strategy.accumulated_gradient:
         raise ValueError(f"got {len(micro_batches)} micro-batches, the accumulation window is "
