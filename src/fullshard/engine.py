@@ -60,10 +60,8 @@ class EngineConfig:
         fails (the process group's timeout), so a stalled rank ends the run instead of hanging it.
     pp_size: pipeline stages over ranks; the mesh is pp x dp_replicate x dp_shard x cp x tp, each
         stage sharded over its own sub-mesh (`fullshard.parallel.pp`).
-    pp_schedule: the pipeline schedule, GPipe, 1F1B, or with pp_virtual_stages >= 2 Interleaved1F1B,
-        LoopedBFS (torch.distributed.pipelining's).
-    pp_microbatches: pipeline micro-batches per trainer micro-batch (unset: pp_size), dividing
-        train.micro_batch_size.
+    pp_schedule: GPipe, 1F1B, Interleaved1F1B or LoopedBFS (the last two need pp_virtual_stages >= 2)
+    pp_microbatches: pipeline micro-batches per trainer micro-batch, dividing it (unset: pp_size)
     pp_virtual_stages: stages per pp rank (stage s runs on pp rank s mod pp_size).
     pp_layers_per_stage: decoder layers of each stage, in order; unset: balanced by parameter count.
     """
