@@ -141,6 +141,22 @@ def _gather_stages(model) -> dict[str, torch.Tensor]:
     return {n: w for weights in gathered for n, w in weights.items()}
 
 
+def _load_pretrained(tmp: str) -> dict:
+    """A transformers directory loaded into pipeline stages: each rank reads only its stage's slices."""
+    import fullshard
+    from fullshard import FSDP2Engine
+
+    reference = build_model("qwen3", num_hidden_layers=4)
+    if dist.get_rank() == 0:
+        reference.save_pretrained(f"{tmp}/pretrained")
+    dist.barrier()
+    model = fullshard.from_pretrained(f"{tmp}/pretrained", engine=FSDP2Engine({"pp_size": 2}))
+    ref = dict(reference.named_parameters(remove_duplicate=False))
+    report = model.fullshard_load_report
+    return {"diff": max((w - ref[n]).abs().max().item() for n, w in _weights(model).items()),
+            "share_read": report.bytes_read / report.checkpoint_bytes}
+
+
 def _errors() -> dict:
     """Bad input: one named error, raised on every rank."""
     found = {}
@@ -156,6 +172,7 @@ def _errors() -> dict:
 def _world_4_checks(tmp: str) -> dict:
     results = {"parity": {label: _parity(*layout) for label, layout in LAYOUTS.items()}}
     results["checkpoints"] = _checkpoints(tmp)
+    results["pretrained"] = _load_pretrained(tmp)
     results["errors"] = _errors()
     return results
 
@@ -185,6 +202,13 @@ def test_pipeline_checkpoints_carry_full_model_names_and_export(world_4):
         assert checks["pp_to_dp_weights"] == 0 and checks["dp_to_pp_weights"] == 0, (rank, checks)
         assert "load_optimizer=False" in checks["dp_to_pp_optimizer_error"], checks  # named, not a KeyError
     assert world_4[0]["checkpoints"]["export_logits_diff"] < TOL
+
+
+def test_pipeline_stages_load_only_their_own_slices(world_4):
+    for result in world_4:
+        assert result["pretrained"]["diff"] == 0
+        # a stage's half of the layers over 2 dp ranks, plus the tied embedding both ends hold
+        assert result["pretrained"]["share_read"] < 0.35, result["pretrained"]
 
 
 def test_pipeline_bad_input_is_one_error_on_every_rank(world_4):
