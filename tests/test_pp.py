@@ -88,10 +88,12 @@ def _parity(name: str, overrides: dict, config: dict) -> dict:
 def _checkpoints(tmp: str) -> dict:
     """A pp 2 checkpoint resumes at pp 2 and at pp 1 like the run that wrote it, weights by their
     full-model names; a pp 1 checkpoint's weights load at pp 2 (its optimizer groups, kept by index,
-    are refused by name); the export loads in transformers with the same logits."""
+    are refused by name); eval through the pipeline (a batch padded to its micro-batches) equals the
+    whole model's; the export loads in transformers with the same logits."""
     from transformers import AutoModelForCausalLM
 
     from fullshard.checkpoint import CheckpointManager, export_hf
+    from fullshard.train.pp_step import pipeline_evaluate
 
     name, out = "qwen3", {}
     runs = {}
@@ -124,11 +126,14 @@ def _checkpoints(tmp: str) -> dict:
 
     exported = _gather_stages(r_model)
     export_hf(r_model, f"{tmp}/hf")
-    batch = make_batch(name, batch_size=2, seq_len=SEQ, seed=7)
+    batch = make_batch(name, batch_size=3, seq_len=SEQ, seed=7)  # 3 rows: padded to the 2 micro-batches
+    reference = build_model(name)
+    reference.load_state_dict(exported)
+    with torch.no_grad():
+        out["eval"] = (pipeline_evaluate(r_model, [batch]),
+                       float(causal_lm_loss_sum(reference, batch) / target_count(batch)))
     if dist.get_rank() == 0:
         loaded = AutoModelForCausalLM.from_pretrained(f"{tmp}/hf", dtype=torch.float32)
-        reference = build_model(name)
-        reference.load_state_dict(exported)
         with torch.no_grad():
             out["export_logits_diff"] = (loaded(**batch).logits - reference(**batch).logits).abs().max().item()
     return out
@@ -201,6 +206,8 @@ def test_pipeline_checkpoints_carry_full_model_names_and_export(world_4):
             assert abs(resumed - uninterrupted) < TOL, (rank, key, checks[key])
         assert checks["pp_to_dp_weights"] == 0 and checks["dp_to_pp_weights"] == 0, (rank, checks)
         assert "load_optimizer=False" in checks["dp_to_pp_optimizer_error"], checks  # named, not a KeyError
+        pipelined, whole = checks["eval"]
+        assert abs(pipelined - whole) < TOL, (rank, checks["eval"])
     assert world_4[0]["checkpoints"]["export_logits_diff"] < TOL
 
 
