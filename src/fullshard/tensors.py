@@ -45,5 +45,9 @@ def named_state_tensors(model: nn.Module, persistent_buffers: bool = True) -> di
 def held_elsewhere(model: nn.Module, name: str) -> bool:
     """Whether a state name belongs to a part of the model that another pipeline stage holds
     (`fullshard.parallel.pp`): a checkpoint of the whole model has it, and it is not unexpected."""
-    pattern = getattr(model, "other_stage_names", None)
-    return pattern is not None and pattern.match(name) is not None
+    return name in (getattr(model, "other_stage_names", None) or ())
+
+
+def is_pipeline_stage(model: nn.Module) -> bool:
+    """Whether `model` is what one rank holds of a pipeline (`fullshard.parallel.pp`): other ranks hold the rest."""
+    return getattr(model, "other_stage_names", None) is not None

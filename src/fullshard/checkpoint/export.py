@@ -29,7 +29,7 @@ from ..distributed import all_ranks_agree_ok, broadcast_from_rank0, get_rank, ge
 from ..dtypes import SAFETENSORS_NAMES, dtype_name, resolve_dtype
 from ..errors import CheckpointError
 from ..fsdp import reshard_all
-from ..tensors import tensor_aliases
+from ..tensors import is_pipeline_stage, tensor_aliases
 from . import layout
 
 WEIGHTS_NAME = "model.safetensors"
@@ -363,7 +363,7 @@ def export_hf(model: torch.nn.Module, output_dir: str | os.PathLike, tokenizer=N
     state = model.state_dict() if tensors is None else tensors
     aliases = alias_names(model)
     entries = [Entry(k, tuple(t.shape), written_dtype(t.dtype, out_dtype)) for k, t in state.items() if k not in aliases]
-    staged = getattr(model, "other_stage_names", None) is not None  # a pipeline stage: other ranks hold the rest
+    staged = is_pipeline_stage(model)
     if staged:
         entries = every_stage_entries(entries)
     files = plan_files(entries, max_bytes)

@@ -33,7 +33,7 @@ from ..distributed import agreed, broadcast_from_rank0, get_rank, get_world_size
 from ..errors import CheckpointError, ConfigError
 from ..fsdp import reshard_all
 from ..log import logger, warn_rank0
-from ..tensors import held_elsewhere
+from ..tensors import held_elsewhere, is_pipeline_stage
 from . import async_exit, layout
 from .export import config_json, generation_config_json
 from .offline import model_meta
@@ -297,7 +297,7 @@ class CheckpointManager:
                                       f"reads format {layout.FORMAT_VERSION} (export it with the fullshard that wrote it)")
             reader = CheckpointReader(checkpoint)
             options = _options(model, reader.metadata)
-            if optimizer is not None and _staged(model) and not options.flatten_optimizer_state_dict:
+            if optimizer is not None and is_pipeline_stage(model) and not options.flatten_optimizer_state_dict:
                 raise CheckpointError(f"checkpoint {checkpoint} keeps its optimizer groups by index (saved without "
                                       "pipeline stages), which a pipeline stage's groups do not match: load its "
                                       "weights alone (load_optimizer=False) or resume it without pp")
@@ -351,13 +351,8 @@ def _options(model, metadata=None, **kwargs) -> StateDictOptions:
         flat = any(k.startswith("optim.param_groups.") and not k.split(".")[2].isdigit()
                    for k in metadata.state_dict_metadata)
     else:
-        flat = _staged(model)
+        flat = is_pipeline_stage(model)
     return StateDictOptions(flatten_optimizer_state_dict=flat, **kwargs)
-
-
-def _staged(model) -> bool:
-    """Whether `model` is a pipeline stage (`fullshard.parallel.pp`): other ranks hold the rest."""
-    return getattr(model, "other_stage_names", None) is not None
 
 
 def _planner():

@@ -276,7 +276,7 @@ def mark_held_elsewhere(module: nn.Module, everything: set[str], ignored: list[s
     """Tell the loaders and the checkpoint check which of the full model's names other stages hold:
     a checkpoint has them, and they are not unexpected here (`fullshard.tensors.held_elsewhere`)."""
     elsewhere = sorted(everything - state_names(module))
-    module.other_stage_names = re.compile("|".join(re.escape(n) for n in elsewhere) + "$") if elsewhere else None
+    module.other_stage_names = frozenset(elsewhere)
     module._keys_to_ignore_on_load_unexpected = [rf"^{re.escape(n)}$" for n in elsewhere] + list(ignored or [])
 
 
