@@ -34,10 +34,25 @@ class Fit:
     unsaved_states: list[str] = field(default_factory=list)  # Statefuls with nothing saved: not loaded
 
     def drop_fresh_params(self, optim_state: dict) -> None:
-        """Remove from the state to read and load the optimizer state `get_state_dict` made up for
-        parameters that had none when saved (it runs a zero-gradient step on a fresh optimizer)."""
+        """Remove from the state to read the optimizer state `get_state_dict` made up for parameters
+        that had none when saved (it runs a zero-gradient step on a fresh optimizer), in either form:
+        nested by parameter (`state`), or flattened to `state.<name>.<key>`."""
+        if "state" in optim_state:
+            for fqn in self.fresh_params:
+                optim_state["state"].pop(fqn, None)
+            return
+        prefixes = tuple(f"state.{fqn}." for fqn in self.fresh_params)
+        for key in [k for k in optim_state if prefixes and k.startswith(prefixes)]:
+            del optim_state[key]
+
+    def clear_fresh_params(self, model, optimizer) -> None:
+        """Leave the parameters that had no optimizer state when saved without any after the load,
+        as a fresh optimizer holds them: loading a flattened state fills every parameter's entries,
+        with empty placeholders where none was read."""
+        params = dict(model.named_parameters(remove_duplicate=False))
         for fqn in self.fresh_params:
-            optim_state["state"].pop(fqn, None)
+            if fqn in params:
+                optimizer.state.pop(params[fqn], None)
 
 
 def fit_to_index(checkpoint: Path, metadata, state: dict, strict: bool, model=None) -> Fit:
@@ -66,8 +81,8 @@ def fit_to_index(checkpoint: Path, metadata, state: dict, strict: bool, model=No
     for key, value in flat.items():
         saved = index.get(key)
         path = paths[key]
-        if saved is None and path[:2] == ("optim", "state") and has_optim:
-            optim_absent.setdefault(path[2], []).append(key)
+        if saved is None and has_optim and _optim_state_param(path):
+            optim_absent.setdefault(_optim_state_param(path), []).append(key)
         elif saved is None and path[0] == "states":
             states_absent.setdefault(path[1], []).append(key)
         elif saved is None and path[0] == "optim" and has_optim:
@@ -90,6 +105,16 @@ def fit_to_index(checkpoint: Path, metadata, state: dict, strict: bool, model=No
         raise CheckpointError(f"checkpoint {checkpoint} does not fit this model: " + "; ".join(problems))
     unsaved = [name for name in states_absent if f"states.{name}" not in saved_prefixes]
     return Fit(model_state, sorted(fresh), states_absent, unsaved)
+
+
+def _optim_state_param(path: tuple) -> str | None:
+    """The parameter an optimizer state entry belongs to, nested (`optim`, `state`, name, key) or
+    flattened (`optim`, `state.<name>.<key>`; the key is one word in AdamW, Adam and SGD), else None."""
+    if path[:2] == ("optim", "state"):
+        return path[2]
+    if len(path) == 2 and path[0] == "optim" and path[1].startswith("state."):
+        return path[1][len("state."):].rsplit(".", 1)[0]
+    return None
 
 
 def _prefixes(index) -> set[str]:

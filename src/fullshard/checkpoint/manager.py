@@ -15,6 +15,7 @@ import concurrent.futures
 import contextlib
 import json
 import os
+import re
 import shutil
 import time
 import uuid
@@ -188,7 +189,7 @@ class CheckpointManager:
         layout.write_file(layout.rng_file(tmp, get_rank()), _torch_bytes(capture_rng_state()))
         reshard_all(model)
         model_state, optim_state = get_state_dict(model, optimizer if optimizer is not None else [],
-                                                  options=_options(model))
+                                                  options=_options())
         if get_rank() == 0:
             trainer_state = {"format": layout.FORMAT_VERSION, "step": step, "world_size": get_world_size(),
                              "base_seed": torch.initial_seed(), "has_optimizer": optimizer is not None,
@@ -296,10 +297,10 @@ class CheckpointManager:
                 raise CheckpointError(f"checkpoint {checkpoint} has format {trainer_state.get('format')}; this fullshard "
                                       f"reads format {layout.FORMAT_VERSION} (export it with the fullshard that wrote it)")
             reader = CheckpointReader(checkpoint)
-            options = _options(model, reader.metadata)
+            options = _options(reader.metadata)
             if optimizer is not None and is_pipeline_stage(model) and not options.flatten_optimizer_state_dict:
-                raise CheckpointError(f"checkpoint {checkpoint} keeps its optimizer groups by index (saved without "
-                                      "pipeline stages), which a pipeline stage's groups do not match: load its "
+                raise CheckpointError(f"checkpoint {checkpoint} keeps its optimizer groups by index (an older "
+                                      "fullshard's format), which a pipeline stage's groups do not match: load its "
                                       "weights alone (load_optimizer=False) or resume it without pp")
             model_state, optim_state = get_state_dict(model, optimizer if optimizer is not None else [],
                                                       options=options)
@@ -318,12 +319,12 @@ class CheckpointManager:
             trainer_state, reader, state, fit = prepare()
         with agreed(CheckpointError, f"reading checkpoint {checkpoint}"):
             reader.read(state, partial=bool(fit.absent_states))  # what a state lacks keeps its current value
-        set_model_state_dict(model, state["model"], options=_options(model, reader.metadata, strict=strict))
+        set_model_state_dict(model, state["model"], options=_options(reader.metadata, strict=strict))
         if optimizer is not None:
             # torch refuses a parameter without saved state when strict; `fit` has told the
             # legitimately absent (left fresh) from the missing (refused)
-            set_optimizer_state_dict(model, optimizer, state["optim"], options=_options(model, reader.metadata,
-                                                                                          strict=False))
+            set_optimizer_state_dict(model, optimizer, state["optim"], options=_options(reader.metadata, strict=False))
+            fit.clear_fresh_params(model, optimizer)
             if fit.fresh_params:
                 log_rank0(f"{len(fit.fresh_params)} parameter(s) had no optimizer state when {checkpoint} was saved "
                           f"(no gradient yet), so they have none now, as in the run that saved it: "
@@ -362,16 +363,16 @@ class CheckpointManager:
                                "world_size": world, "rng": rng}
 
 
-def _options(model, metadata=None, **kwargs) -> StateDictOptions:
-    """The optimizer state keyed by parameter name throughout (groups too) where a pipeline stage
-    saves it, since each stage's groups hold other parameters, or where the checkpoint being read
-    was saved so; by group index otherwise (the format every other checkpoint has)."""
-    if metadata is not None:
-        flat = any(k.startswith("optim.param_groups.") and not k.split(".")[2].isdigit()
-                   for k in metadata.state_dict_metadata)
-    else:
-        flat = is_pipeline_stage(model)
-    return StateDictOptions(flatten_optimizer_state_dict=flat, **kwargs)
+def _options(metadata=None, **kwargs) -> StateDictOptions:
+    """The optimizer state keyed by parameter name throughout, groups too (torch's flattened form),
+    for every save: a pipeline stage's groups hold other parameters than the whole model's, so only
+    names let a checkpoint move between pp sizes. A checkpoint being read is read in its own form:
+    older ones keep their groups by index."""
+    by_index = metadata is not None and any(_INDEXED_GROUP.fullmatch(k) for k in metadata.state_dict_metadata)
+    return StateDictOptions(flatten_optimizer_state_dict=not by_index, **kwargs)
+
+
+_INDEXED_GROUP = re.compile(r"optim\.param_groups\.\d+\.params")  # the flattened form has no "params" entry
 
 
 def _planner():
