@@ -2,6 +2,9 @@
 pp x tp, virtual stages, tied embeddings, checkpoints across pp sizes, the export, and bad input.
 Every 4-rank check runs in one process group."""
 
+import contextlib
+from unittest import mock
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -11,9 +14,11 @@ from fullshard.errors import CheckpointError, ConfigError, PlanError
 from fullshard.parallel import pp
 from fullshard.parallel.cp import context_parallel_batch
 from fullshard.strategy import FSDPStrategy
+from fullshard.tensors import parameter_counts
 from fullshard.testing import build_model, make_batch, reported_by_every_rank, run_distributed
 from fullshard.testing.compare import data_slice, full_tensor
 from fullshard.train.loss import aligned_targets, causal_lm_loss_sum, target_count, token_loss_sum
+from fullshard.train.metrics import model_flops_per_token
 
 TOL = 1e-5
 GLOBAL, MICRO, SEQ, STEPS = 8, 2, 16, 5
@@ -54,6 +59,11 @@ def _step(strategy, model, optimizer, name: str, step: int) -> float:
     return step_fn(strategy, model, optimizer, None, micro)
 
 
+def _steps(run: tuple, name: str, steps: tuple) -> list[float]:
+    strategy, model, optimizer = run
+    return [_step(strategy, model, optimizer, name, step).loss for step in steps]
+
+
 def _reference_step(model, optimizer, name: str, step: int) -> tuple[float, float]:
     batch = make_batch(name, batch_size=GLOBAL, seq_len=SEQ, seed=100 + step)
     loss = causal_lm_loss_sum(model, batch) / target_count(batch)
@@ -73,6 +83,9 @@ def _parity(name: str, overrides: dict, config: dict) -> dict:
     reference = build_model(name, **overrides)
     ref_opt = optim.create_optimizer(reference, lr=1e-3, weight_decay=0.01, eps=1e-6)
     out = {"loss": [], "ref_loss": [], "norm": [], "ref_norm": []}
+    # the run's first line and its MFU count the whole model, not this rank's stages
+    out["counts"] = (parameter_counts(model), parameter_counts(reference))
+    out["flops"] = (model_flops_per_token(model, SEQ), model_flops_per_token(reference, SEQ))
     for step in range(STEPS):
         result = _step(strategy, model, opt, name, step)
         out["loss"].append(result.loss)
@@ -86,10 +99,11 @@ def _parity(name: str, overrides: dict, config: dict) -> dict:
 
 
 def _checkpoints(tmp: str) -> dict:
-    """A pp 2 checkpoint resumes at pp 2 and at pp 1 like the run that wrote it, weights by their
-    full-model names; a pp 1 checkpoint's weights load at pp 2 (its optimizer groups, kept by index,
-    are refused by name); eval through the pipeline (a batch padded to its micro-batches) equals the
-    whole model's; the export loads in transformers with the same logits."""
+    """A pp 2 checkpoint resumes at pp 2 and at pp 1 (dp 4), and a dp 4 one at pp 2, like the run
+    that wrote it, weights and optimizer state by their full-model names; one in the older format
+    (optimizer groups by index) still resumes at dp 4, and at pp 2 its weights alone load (its
+    groups are refused by name); eval through the pipeline (a batch padded to its micro-batches)
+    equals the whole model's; the export loads in transformers with the same logits."""
     from transformers import AutoModelForCausalLM
 
     from fullshard.checkpoint import CheckpointManager, export_hf
@@ -101,27 +115,32 @@ def _checkpoints(tmp: str) -> dict:
         strategy = _strategy(config)
         model = strategy.prepare_model(build_model(name, seed=len(runs)), is_training=True)
         runs[label] = (strategy, model, strategy.create_optimizer(model, lr=1e-3, weight_decay=0.01, eps=1e-6))
-    strategy, model, opt = runs["pp"]
-    for step in range(2):
-        _step(strategy, model, opt, name, step)
-    CheckpointManager(f"{tmp}/from_pp", async_save=False).save(2, model, opt)
-    saved = _gather_stages(model)
-    expected = _step(strategy, model, opt, name, 2).loss
-    r_strategy, r_model, r_opt = runs["pp_resumed"]
-    CheckpointManager(f"{tmp}/from_pp", async_save=False).load(r_model, r_opt)
-    out["pp_resume"] = (_step(r_strategy, r_model, r_opt, name, 2).loss, expected)
-    d_strategy, d_model, d_opt = runs["dp"]
+    _steps(runs["pp"], name, (0, 1))
+    CheckpointManager(f"{tmp}/from_pp", async_save=False).save(2, *runs["pp"][1:])
+    saved = _gather_stages(runs["pp"][1])
+    # two steps after each resume: the first checks the weights, the second the AdamW moments
+    expected = _steps(runs["pp"], name, (2, 3))
+    CheckpointManager(f"{tmp}/from_pp", async_save=False).load(*runs["pp_resumed"][1:])
+    out["pp_resume"] = (_steps(runs["pp_resumed"], name, (2, 3)), expected)
+    _, d_model, d_opt = runs["dp"]
     CheckpointManager(f"{tmp}/from_pp", async_save=False).load(d_model, d_opt)
     out["pp_to_dp_weights"] = max((w - saved[n]).abs().max().item() for n, w in _weights(d_model).items())
-    out["pp_to_dp"] = (_step(d_strategy, d_model, d_opt, name, 2).loss, expected)
-    CheckpointManager(f"{tmp}/from_dp", async_save=False).save(3, d_model, d_opt)
+    out["pp_to_dp"] = (_steps(runs["dp"], name, (2, 3)), expected)
+    CheckpointManager(f"{tmp}/from_dp", async_save=False).save(4, d_model, d_opt)
+    with _optimizer_groups_by_index():
+        CheckpointManager(f"{tmp}/from_dp_old", async_save=False).save(4, d_model, d_opt)
     saved = _weights(d_model)
-    expected = _step(d_strategy, d_model, d_opt, name, 3).loss
+    expected = _steps(runs["dp"], name, (4, 5))
+    _, r_model, r_opt = runs["pp_resumed"]
+    CheckpointManager(f"{tmp}/from_dp", async_save=False).load(r_model, r_opt)
+    out["dp_to_pp"] = (_steps(runs["pp_resumed"], name, (4, 5)), expected)
+    CheckpointManager(f"{tmp}/from_dp_old", async_save=False).load(d_model, d_opt)
+    out["old_dp_resume"] = (_steps(runs["dp"], name, (4, 5)), expected)
     try:
-        CheckpointManager(f"{tmp}/from_dp", async_save=False).load(r_model, r_opt)
+        CheckpointManager(f"{tmp}/from_dp_old", async_save=False).load(r_model, r_opt)
     except CheckpointError as err:
-        out["dp_to_pp_optimizer_error"] = str(err)
-    CheckpointManager(f"{tmp}/from_dp", async_save=False).load(r_model, r_opt, load_optimizer=False)
+        out["old_to_pp_optimizer_error"] = str(err)
+    CheckpointManager(f"{tmp}/from_dp_old", async_save=False).load(r_model, r_opt, load_optimizer=False)
     out["dp_to_pp_weights"] = max((w - saved[n]).abs().max().item() for n, w in _gather_stages(r_model).items())
 
     exported = _gather_stages(r_model)
@@ -137,6 +156,24 @@ def _checkpoints(tmp: str) -> dict:
         with torch.no_grad():
             out["export_logits_diff"] = (loaded(**batch).logits - reference(**batch).logits).abs().max().item()
     return out
+
+
+@contextlib.contextmanager
+def _optimizer_groups_by_index():
+    """Saves in the format of checkpoints written before every save was keyed by name."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    from fullshard.checkpoint import manager
+
+    original = manager._options
+
+    def by_index(metadata=None, **kwargs):
+        if metadata is None:  # saving
+            return StateDictOptions(flatten_optimizer_state_dict=False, **kwargs)
+        return original(metadata, **kwargs)
+
+    with mock.patch.object(manager, "_options", by_index):
+        yield
 
 
 def _gather_stages(model) -> dict[str, torch.Tensor]:
@@ -195,17 +232,20 @@ def test_pipeline_matches_single_process(world_4):
             norm = max(abs(a - b) for a, b in zip(r["norm"], r["ref_norm"]))
             if max(loss, norm, r["weight_diff"]) > TOL:
                 bad.append(f"rank {rank} {label}: loss {loss:.1e} norm {norm:.1e} weight {r['weight_diff']:.1e}")
+            if r["counts"][0] != r["counts"][1] or r["flops"][0] != r["flops"][1]:
+                bad.append(f"rank {rank} {label}: counts {r['counts']} flops/token {r['flops']}, not the whole model's")
     assert not bad, "\n".join(bad)
 
 
 def test_pipeline_checkpoints_carry_full_model_names_and_export(world_4):
     for rank, result in enumerate(world_4):
         checks = result["checkpoints"]
-        for key in ("pp_resume", "pp_to_dp"):  # the step after the resume is the uninterrupted one
+        for key in ("pp_resume", "pp_to_dp", "dp_to_pp", "old_dp_resume"):  # the steps after the resume
             resumed, uninterrupted = checks[key]
-            assert abs(resumed - uninterrupted) < TOL, (rank, key, checks[key])
+            assert max(abs(a - b) for a, b in zip(resumed, uninterrupted)) < TOL, (rank, key, checks[key])
         assert checks["pp_to_dp_weights"] == 0 and checks["dp_to_pp_weights"] == 0, (rank, checks)
-        assert "load_optimizer=False" in checks["dp_to_pp_optimizer_error"], checks  # named, not a KeyError
+        message = checks["old_to_pp_optimizer_error"]  # named, not a KeyError
+        assert "by index" in message and "load_optimizer=False" in message and "from_dp_old" in message, message
         pipelined, whole = checks["eval"]
         assert abs(pipelined - whole) < TOL, (rank, checks["eval"])
     assert world_4[0]["checkpoints"]["export_logits_diff"] < TOL

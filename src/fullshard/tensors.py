@@ -51,3 +51,19 @@ def held_elsewhere(model: nn.Module, name: str) -> bool:
 def is_pipeline_stage(model: nn.Module) -> bool:
     """Whether `model` is what one rank holds of a pipeline (`fullshard.parallel.pp`): other ranks hold the rest."""
     return getattr(model, "other_stage_names", None) is not None
+
+
+def parameter_counts(model: nn.Module) -> tuple[int, int]:
+    """The whole model's parameters (a tied weight once) and, of them, the input embedding's when it
+    is not tied to the head (a table lookup, not a matmul, so FLOP counts leave it out). A pipeline
+    stage holds part of the model: it carries the uncut model's counts, recorded where it was cut
+    (`fullshard.parallel.pp`)."""
+    recorded = getattr(model, "whole_model_parameter_counts", None)
+    if recorded is not None:
+        return recorded
+    total = sum(p.numel() for p in model.parameters())
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if embedding is None or embedding.weight is getattr(head, "weight", None):
+        return total, 0
+    return total, embedding.weight.numel()

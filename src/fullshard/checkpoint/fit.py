@@ -45,15 +45,6 @@ class Fit:
         for key in [k for k in optim_state if prefixes and k.startswith(prefixes)]:
             del optim_state[key]
 
-    def clear_fresh_params(self, model, optimizer) -> None:
-        """Leave the parameters that had no optimizer state when saved without any after the load,
-        as a fresh optimizer holds them: loading a flattened state fills every parameter's entries,
-        with empty placeholders where none was read."""
-        params = dict(model.named_parameters(remove_duplicate=False))
-        for fqn in self.fresh_params:
-            if fqn in params:
-                optimizer.state.pop(params[fqn], None)
-
 
 def fit_to_index(checkpoint: Path, metadata, state: dict, strict: bool, model=None) -> Fit:
     """Compare `state` ({"model": ..., "optim"?: ..., "states"?: ...}) with the checkpoint's DCP

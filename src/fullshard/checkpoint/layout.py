@@ -3,7 +3,8 @@ the one place that finishes a save a crash interrupted.
 
 ```
 <save_dir>/<tag>/
-    state/                  DCP shards (.distcp) + .metadata: "model.<fqn>", "optim.<...>", "states.<name>.<...>"
+    state/                  DCP shards (.distcp) + .metadata: "model.<fqn>", "optim.state.<fqn>.<key>",
+                            "optim.param_groups.<fqn>.<key>", "states.<name>.<...>"
     rng/rank_00000.pt       one file per rank (RNG cannot be resharded)
     trainer_state.json      step, world size, base seed, the caller's extra_state
     model_meta.json         class name, source dtype, the export recipe (output name -> state key, LoRA merges)

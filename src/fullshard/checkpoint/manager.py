@@ -323,8 +323,8 @@ class CheckpointManager:
         if optimizer is not None:
             # torch refuses a parameter without saved state when strict; `fit` has told the
             # legitimately absent (left fresh) from the missing (refused)
-            set_optimizer_state_dict(model, optimizer, state["optim"], options=_options(reader.metadata, strict=False))
-            fit.clear_fresh_params(model, optimizer)
+            set_optimizer_state_dict(model, optimizer, _nested(state["optim"], model),
+                                     options=_options(reader.metadata, strict=False))
             if fit.fresh_params:
                 log_rank0(f"{len(fit.fresh_params)} parameter(s) had no optimizer state when {checkpoint} was saved "
                           f"(no gradient yet), so they have none now, as in the run that saved it: "
@@ -373,6 +373,34 @@ def _options(metadata=None, **kwargs) -> StateDictOptions:
 
 
 _INDEXED_GROUP = re.compile(r"optim\.param_groups\.\d+\.params")  # the flattened form has no "params" entry
+
+
+def _nested(optim_state: dict, model) -> dict:
+    """torch's flattened optimizer state (`state.<name>.<key>`, `param_groups.<name>.<key>`) in the
+    nested form, keyed by parameter name with one group per parameter (torch matches groups by the
+    names they list). Unflattened by torch, a parameter saved without state (`Fit.fresh_params`)
+    would get empty placeholders for the live optimizer's entries instead of none."""
+    if "state" in optim_state:
+        return optim_state
+    names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    state: dict[str, dict] = {}
+    groups: dict[str, dict] = {}
+    for key, value in optim_state.items():
+        section, _, rest = key.partition(".")
+        parts = rest.split(".")
+        # a parameter is a leaf: only one prefix of the key is a parameter's name
+        cut = next((i for i in range(len(parts) - 1, 0, -1) if ".".join(parts[:i]) in names), None)
+        if cut is None:
+            raise CheckpointError(f"optimizer state entry {key!r} names no parameter of {type(model).__name__}")
+        name, path = ".".join(parts[:cut]), parts[cut:]
+        if section == "param_groups":
+            groups.setdefault(name, {"params": [name]})[path[0]] = value
+            continue
+        entry = state.setdefault(name, {})
+        for part in path[:-1]:
+            entry = entry.setdefault(part, {})
+        entry[path[-1]] = value
+    return {"state": state, "param_groups": list(groups.values())}
 
 
 def _planner():

@@ -34,6 +34,7 @@ from torch import nn
 from ..distributed import agreed
 from ..errors import ConfigError, FullshardError, PlanError
 from ..plan import find_blocks, find_final_norm
+from ..tensors import parameter_counts
 
 # schedules with one stage per rank, and those that loop over several (stage s on pp rank s % pp)
 SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
@@ -389,6 +390,7 @@ def prepare_pipeline(model: nn.Module, engine) -> nn.Module:
     indices = stage_indices(meshes.pp.get_local_rank(), dims.pp, config.pp_virtual_stages)
     stages = [build_stage(model, parts, ranges, index) for index in indices]
     module = rank_module(model, parts, stages)
+    module.whole_model_parameter_counts = parameter_counts(model)
     stages = [engine.prepare_stage(stage) for stage in stages]
     module.fullshard_pipeline = Pipeline(
         stages, len(ranges), config.pp_schedule, microbatches_of(dims.pp, config.pp_microbatches),

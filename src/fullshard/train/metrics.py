@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ConfigError
+from ..tensors import parameter_counts
 
 # dense bf16 tensor-core peak per device, TFLOP/s (vendor data sheets, SXM parts)
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "L4": 121.0,
@@ -37,11 +38,8 @@ def flops_per_token(num_params: int, num_layers: int, hidden_size: int, seq_len:
 def model_flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
     """FLOPs per trained token for a transformers model (embedding lookups are not matmuls and are excluded)."""
     config = model.config
-    embedding = model.get_input_embeddings()
-    num_params = sum(p.numel() for p in model.parameters())
-    if embedding is not None and embedding.weight is not getattr(model.get_output_embeddings(), "weight", None):
-        num_params -= embedding.weight.numel()
-    return flops_per_token(num_params, config.num_hidden_layers, config.hidden_size, seq_len)
+    total, lookup = parameter_counts(model)
+    return flops_per_token(total - lookup, config.num_hidden_layers, config.hidden_size, seq_len)
 
 
 def peak_device_flops(configured_tflops: float | None = None) -> float | None:

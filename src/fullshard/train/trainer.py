@@ -25,6 +25,7 @@ from ..lora import apply_lora, export_merged, save_adapter
 from ..optim import create_scheduler
 from ..packed_attention import attention_path, use_attention
 from ..strategy import FSDPStrategy, describe_mesh
+from ..tensors import parameter_counts
 from .config import BUILTIN_MODELS, ConfigError, TrainConfig
 from .data import byte_tokenizer, load_data
 from .loss import causal_lm_loss_sum, target_count
@@ -233,7 +234,7 @@ class Trainer:
             end = min(end, start + config.train.stop_after)
         logger = MetricsLogger(config.output_dir, config.train.steps, start, enabled=rank == 0,
                                report_to=report_to, config=config.to_dict())
-        log_rank0(f"{config.model.name_or_path}: {sum(p.numel() for p in model.parameters()):,} parameters, "
+        log_rank0(f"{config.model.name_or_path}: {parameter_counts(model)[0]:,} parameters, "
                   f"{describe_mesh(dims)}, {data.describe()} of {config.data.seq_len} tokens, "
                   f"steps {start}..{end} of {config.train.steps}" + (f" (resumed from step {start})" if start else ""))
         log_rank0(attention_path(model, config.data.packing))
