@@ -123,7 +123,7 @@ class FSDPStrategy:
         self.device = init_distributed(timeout_s=self.config.timeout_s if seconds is None else seconds)
         try:
             self.dims = ParallelDims(self.config.dp_replicate, self.config.dp_shard, get_world_size(),
-                                     cp=self.config.cp_size, tp=self.config.tp_size)
+                                     cp=self.config.cp_size, tp=self.config.tp_size, ep=self.config.ep_size)
         except ValueError as err:
             raise ConfigError(str(err)) from None
         self.accumulated_gradient = batch_arithmetic(self.train_batch_size, self.micro_train_batch_size,

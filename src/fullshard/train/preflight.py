@@ -38,7 +38,7 @@ def check_before_launch(config: TrainConfig, world_size: int) -> None:
 
 
 def _check_parallel(model, fsdp) -> None:
-    """The TP plan against the model's modules and heads, and CP's head split, as the engine will check them."""
+    """The TP plan against the model's modules and heads, CP's head split and EP's experts, as the engine will check them."""
     from ..parallel.cp import check_context_parallel
     from ..parallel.tp import plan_assignments, resolve_tp_plan
 
@@ -49,6 +49,13 @@ def _check_parallel(model, fsdp) -> None:
             raise PlanError(f"fsdp.tp_plan: {err}") from None
     if fsdp.cp_size > 1:
         check_context_parallel(model, fsdp.tp_size, fsdp.cp_size)
+    if fsdp.ep_size > 1:
+        from ..parallel.ep import check_expert_parallel
+
+        try:
+            check_expert_parallel(model, fsdp.ep_size)
+        except PlanError as err:
+            raise PlanError(f"fsdp.{err}") from None
 
 
 def _check_data(config: TrainConfig) -> None:
