@@ -2,8 +2,11 @@
 ep 2 (experts further sharded over 2 efsdp ranks) and ep 4, AdamW with global clipping, experts that get
 no token, each rank's share of the experts, and bad input refused on every rank. One 4-rank group."""
 
+from pathlib import Path
+
 import pytest
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -51,7 +54,72 @@ def _refused(make) -> str | None:
     return None
 
 
-def _world_4_checks():
+def _checkpoint_checks(root: str) -> dict:
+    """Load a per-expert HF checkpoint at ep 2 (only this rank's experts read), train, save (DCP) and
+    export; resume the save at ep 1, export it offline in this one process, load the exports in
+    transformers."""
+    import transformers
+
+    from fullshard import from_pretrained
+    from fullshard.checkpoint import CheckpointManager, export_checkpoint, export_hf
+    from fullshard.checkpoint.export import own_rows
+    from fullshard.testing import make_batch
+    from fullshard.testing.compare import data_slice, full_state
+
+    root, name, rank, out = Path(root), "ep_mixtral", dist.get_rank(), {}
+    if rank == 0:
+        build_model(name, seed=3).save_pretrained(root / "hf")  # transformers writes experts one per key
+    dist.barrier()
+    reference = transformers.MixtralForCausalLM.from_pretrained(root / "hf")
+    model = from_pretrained(str(root / "hf"), engine=FSDP2Engine({"ep_size": 2}))
+    out["loaded_equal"] = _equal(full_state(model), dict(reference.named_parameters()))
+    experts = {f"{e.name}.{p}" for e in find_experts(model) for p in e.params}
+    allowance = 0
+    for key, tensor in model.state_dict().items():
+        size = tensor.numel() * tensor.element_size()
+        allowance += size // (2 if key in experts else 4) + size // tensor.shape[0]
+    out["bytes_read"], out["allowance"] = model.fullshard_load_report.bytes_read, allowance
+
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
+    batch = make_batch(name, seed=5)
+
+    def step(m, opt):
+        loss = m(**data_slice(batch, rank, 4)).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        return float(total) / 4
+
+    step(model, optimizer)
+    CheckpointManager(root / "ckpt").save(1, model, optimizer=optimizer)
+    export_hf(model, root / "export")
+    out["experts_gathered"] = sorted(k for k, t in model.state_dict().items() if k in experts and own_rows(t) is None)
+    resumed = FSDP2Engine({}).prepare_model(build_model(name, seed=9))
+    resumed_optimizer = torch.optim.AdamW(resumed.parameters(), lr=1e-3, eps=1e-6)
+    CheckpointManager(root / "ckpt").load(resumed, optimizer=resumed_optimizer)
+    trained = full_state(model)
+    out["resumed_equal"] = _equal(full_state(resumed), trained)
+    out["next_losses"] = (step(model, optimizer), step(resumed, resumed_optimizer))
+    out["next_weight_diff"] = max((full_state(model)[k] - v).abs().max().item() for k, v in full_state(resumed).items())
+    if rank == 0:
+        export_checkpoint(root / "ckpt", root / "offline")  # one process, no group: the stored tensors are global
+        offline = transformers.MixtralForCausalLM.from_pretrained(root / "offline")
+        out["offline_equal"] = _equal(trained, dict(offline.named_parameters()))
+        exported = transformers.MixtralForCausalLM.from_pretrained(root / "export")
+        out["export_equal"] = _equal(trained, dict(exported.named_parameters()))
+    return out
+
+
+def _equal(state: dict, reference: dict) -> list[str]:
+    """The names whose tensors differ (or are missing on one side)."""
+    return sorted(k for k in state.keys() | reference.keys()
+                  if k not in state or k not in reference or not torch.equal(state[k], reference[k].detach()))
+
+
+def _world_4_checks(root: str):
     results = {}
     for ep, families in ((2, FAMILIES), (4, EP4_FAMILIES)):
         engine = FSDP2Engine({"mixed_precision": "fp32", "ep_size": ep})
@@ -64,12 +132,12 @@ def _world_4_checks():
             lambda: FSDP2Engine({"ep_size": 4}).prepare_model(build_model("ep_mixtral", num_local_experts=6))),
         "dense_model": _refused(lambda: FSDP2Engine({"ep_size": 2}).prepare_model(build_model("llama"))),
     }
-    return {"parity": results, "errors": errors}
+    return {"parity": results, "errors": errors, "checkpoint": _checkpoint_checks(root)}
 
 
 @pytest.fixture(scope="module")
-def world_4():
-    return run_distributed(_world_4_checks, 4)
+def world_4(tmp_path_factory):
+    return run_distributed(_world_4_checks, 4, str(tmp_path_factory.mktemp("ep")))
 
 
 def test_ep_matches_single_process_for_every_moe_family(world_4):
@@ -111,3 +179,17 @@ def test_bad_ep_input_refused_on_every_rank(world_4):
             assert message is not None and text in message, (key, message)
             if key != "ep_not_dividing":  # raised by every rank alone, before any collective
                 assert reported_by_every_rank(message, 4), message
+
+
+def test_ep_loads_saves_resumes_and_exports_global_experts(world_4):
+    """Per-expert HF weights load into fused experts at ep 2 reading about this rank's share; the DCP
+    save resumes at ep 1 bit for bit and continues like the run that saved it; both the live export
+    (no rank gathering all experts) and the offline one (one process) load in transformers unchanged."""
+    for rank, result in enumerate(world_4):
+        r = result["checkpoint"]
+        assert r["loaded_equal"] == [], r["loaded_equal"]
+        assert r["bytes_read"] <= r["allowance"], (rank, r["bytes_read"], r["allowance"])
+        assert r["experts_gathered"] == [], r["experts_gathered"]  # each rank wrote its own experts' rows
+        assert r["resumed_equal"] == [], r["resumed_equal"]
+        assert abs(r["next_losses"][0] - r["next_losses"][1]) < TOL and r["next_weight_diff"] < TOL, r
+    assert world_4[0]["checkpoint"]["offline_equal"] == [] and world_4[0]["checkpoint"]["export_equal"] == []
