@@ -113,6 +113,28 @@ def _checkpoint_checks(root: str) -> dict:
     return out
 
 
+def _trainer_runs(root: str) -> dict:
+    """The trainer on a local tiny Mixtral: 4 steps at ep 1, and 2 steps at ep 2 resumed for 2 at ep 1."""
+    from fullshard.data.builtin import byte_tokenizer
+    from fullshard.train import load_config, train
+
+    root = Path(root)
+    if dist.get_rank() == 0:
+        build_model("ep_mixtral", vocab_size=257, max_position_embeddings=32).save_pretrained(root / "moe")
+        byte_tokenizer().save_pretrained(root / "moe")
+        (root / "doc.txt").write_text("".join(f"w{(i * 7919) % 613} " for i in range(2000)))
+    dist.barrier()
+
+    def config(run: str, *extra):
+        return load_config(None, [f"--model.name_or_path={root}/moe", f"--data.path={root}/doc.txt", "--data.seq_len=32",
+                                  "--train.micro_batch_size=2", "--train.global_batch_size=8", "--train.steps=4",
+                                  "--train.log_every=1", "--train.plot=false", "--train.max_norm=0.5",
+                                  "--checkpoint.every=2", f"--train.output_dir={root}/{run}", *extra])
+
+    return {"ep1": train(config("ep1")), "ep2": train(config("ep2", "--fsdp.ep_size=2", "--train.stop_after=2")),
+            "resumed": train(config("ep2"))}
+
+
 def _equal(state: dict, reference: dict) -> list[str]:
     """The names whose tensors differ (or are missing on one side)."""
     return sorted(k for k in state.keys() | reference.keys()
@@ -132,7 +154,8 @@ def _world_4_checks(root: str):
             lambda: FSDP2Engine({"ep_size": 4}).prepare_model(build_model("ep_mixtral", num_local_experts=6))),
         "dense_model": _refused(lambda: FSDP2Engine({"ep_size": 2}).prepare_model(build_model("llama"))),
     }
-    return {"parity": results, "errors": errors, "checkpoint": _checkpoint_checks(root)}
+    return {"parity": results, "errors": errors, "checkpoint": _checkpoint_checks(root),
+            "trainer": _trainer_runs(root)}
 
 
 @pytest.fixture(scope="module")
@@ -193,3 +216,13 @@ def test_ep_loads_saves_resumes_and_exports_global_experts(world_4):
         assert r["resumed_equal"] == [], r["resumed_equal"]
         assert abs(r["next_losses"][0] - r["next_losses"][1]) < TOL and r["next_weight_diff"] < TOL, r
     assert world_4[0]["checkpoint"]["offline_equal"] == [] and world_4[0]["checkpoint"]["export_equal"] == []
+
+
+def test_trainer_at_ep_2_trains_the_ep_1_losses_and_resumes_without_ep(world_4):
+    for r in world_4:
+        whole, first, second = r["trainer"]["ep1"], r["trainer"]["ep2"], r["trainer"]["resumed"]
+        assert (first["start_step"], first["end_step"], second["start_step"], second["end_step"]) == (0, 2, 2, 4)
+        losses = {**first["losses"], **second["losses"]}
+        assert sorted(losses) == sorted(whole["losses"]) == [0, 1, 2, 3]
+        assert max(abs(losses[s] - whole["losses"][s]) for s in losses) < TOL, (losses, whole["losses"])
+        assert whole["losses"][3] < whole["losses"][0]

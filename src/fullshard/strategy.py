@@ -50,7 +50,8 @@ def describe_mesh(dims: ParallelDims) -> str:
     """One line for logs and `fullshard plan`: each mesh dim, and what the data and FSDP split over."""
     sizes = f"dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard} x cp {dims.cp} x tp {dims.tp}"
     return (f"mesh {sizes} = {dims.world_size} rank(s): data split {dims.dp_size} way(s), sharded over "
-            f"{dims.fsdp_shard_size} rank(s)" + (f" x {dims.dp_replicate} replica(s)" if dims.hsdp else ""))
+            f"{dims.fsdp_shard_size} rank(s)" + (f" x {dims.dp_replicate} replica(s)" if dims.hsdp else "")
+            + (f"; experts split over ep {dims.ep}, each sharded over efsdp {dims.efsdp}" if dims.ep > 1 else ""))
 
 
 def resolve_precision(bf16: bool | None, fp16: bool, configured: str | None) -> str:

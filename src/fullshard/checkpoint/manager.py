@@ -300,16 +300,21 @@ class CheckpointManager:
                 state["optim"] = optim_state
             if states:
                 state["states"] = {name: obj.state_dict() for name, obj in states.items()}
+            groups = state["optim"]["param_groups"] if optimizer is not None else []
+            if optimizer is not None:  # read every saved group, however many this optimizer has
+                count = _saved_group_count(reader.metadata.state_dict_metadata)
+                state["optim"]["param_groups"] = [dict(groups[min(i, len(groups) - 1)]) for i in range(count)]
             state["model"] = _check_against_index(checkpoint, reader.metadata, state, strict)
-            return trainer_state, reader, state
+            return trainer_state, reader, state, groups
 
         with agreed(CheckpointError, f"loading checkpoint {checkpoint}"):
-            trainer_state, reader, state = prepare()
+            trainer_state, reader, state, groups = prepare()
         with agreed(CheckpointError, f"reading checkpoint {checkpoint}"):
             reader.read(state)
         options = StateDictOptions(strict=strict)
         set_model_state_dict(model, state["model"], options=options)
         if optimizer is not None:
+            state["optim"]["param_groups"] = regroup(state["optim"]["param_groups"], groups)
             set_optimizer_state_dict(model, optimizer, state["optim"], options=options)
         for name, obj in states.items():
             obj.load_state_dict(state["states"][name])
@@ -323,7 +328,14 @@ class CheckpointManager:
             file = checkpoint / layout.SCHEDULER
             if not file.is_file():
                 raise CheckpointError(f"{file} is missing: the checkpoint was saved without a scheduler")
-            scheduler.load_state_dict(read_side_file(file))
+            saved = read_side_file(file)
+            own = scheduler.state_dict()
+            per_group = {k: v for k, v in own.items() if isinstance(v, list)}
+            if any(len(saved.get(k, [])) != len(v) for k, v in per_group.items()):
+                # saved with the parameters grouped otherwise (see `regroup`): the per-group lists
+                # stay this run's, built from the same settings; the position in the schedule is restored
+                saved = {**saved, **per_group}
+            scheduler.load_state_dict(saved)
         rank, world, saved_world = get_rank(), get_world_size(), trainer_state["world_size"]
         if saved_world == world:
             restore_rng_state(read_side_file(layout.rng_file(checkpoint, rank)))
@@ -436,6 +448,21 @@ def _check_against_index(checkpoint: Path, metadata, state: dict, strict: bool) 
 def _few(items: list[str], limit: int = 8) -> str:
     shown = ", ".join(items[:limit])
     return shown + (f" (and {len(items) - limit} more)" if len(items) > limit else "")
+
+
+def _saved_group_count(index) -> int:
+    groups = {key.split(".")[2] for key in index if key.startswith("optim.param_groups.")}
+    return len(groups)
+
+
+def regroup(saved: list[dict], current: list[dict]) -> list[dict]:
+    """The optimizer's own parameter groups, each with the settings of the saved group that held its
+    first parameter (its own where none did). Groups follow the parameters' mesh and placement, so
+    a run saved under another layout (MoE experts on their own mesh under expert parallelism)
+    groups the same parameters differently, and the saved groups cannot be loaded as they are."""
+    owner = {name: group for group in saved for name in group.get("params", [])}
+    return [{**owner.get(group["params"][0], group), "params": group["params"]} if group["params"] else group
+            for group in current]
 
 
 def _torch_bytes(obj) -> bytes:
