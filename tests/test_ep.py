@@ -226,3 +226,20 @@ def test_trainer_at_ep_2_trains_the_ep_1_losses_and_resumes_without_ep(world_4):
         assert sorted(losses) == sorted(whole["losses"]) == [0, 1, 2, 3]
         assert max(abs(losses[s] - whole["losses"][s]) for s in losses) < TOL, (losses, whole["losses"])
         assert whole["losses"][3] < whole["losses"][0]
+
+
+def test_plan_shows_owners_and_memory_estimate_gathers_only_own_experts():
+    from fullshard.parallel.ep import expert_owners
+    from fullshard.plan import build_plan
+    from fullshard.train.memory import estimate_memory
+
+    model = build_model("ep_qwen3_moe")
+    lines = expert_owners(model, 2)
+    assert "experts 0-3 of 8" in lines[0] and "experts 4-7 of 8" in lines[1], lines
+    plan = build_plan(model, "auto")
+    whole, split = (estimate_memory(model, plan, 4, 1, 16, device_type="cpu", ep_size=ep) for ep in (1, 2))
+    layer = {n: p.numel() * 4 for n, p in model.named_parameters() if n.startswith("model.layers.0.")}
+    experts = sum(size for n, size in layer.items() if ".mlp.experts." in n)
+    assert whole.largest_unit == sum(layer.values())
+    assert split.largest_unit == max(sum(layer.values()) - experts, experts // 2)
+    assert split.parameters == whole.parameters  # an expert's shard is 1/4 of it either way

@@ -210,19 +210,15 @@ def _local_experts(module: nn.Module, num_local: int):
             module.num_experts = count
 
 
-def expert_owners(experts: list[ExpertsModule], ep: int) -> list[str]:
-    """One line per ep rank: which experts of each module it owns (what `fullshard plan` prints)."""
+def expert_owners(model: nn.Module, ep: int) -> list[str]:
+    """One line per ep rank: which experts of each experts module it owns (what `fullshard plan` prints)."""
+    experts = check_expert_parallel(model, ep)
     counts = sorted({e.num_experts for e in experts})
     lines = []
     for ep_rank in range(ep):
-        runs = ", ".join(f"{owned_experts(n, ep, ep_rank).start}-{owned_experts(n, ep, ep_rank).stop - 1} of {n}"
+        runs = ", ".join(f"{owned_experts(n, ep, ep_rank)[0]}-{owned_experts(n, ep, ep_rank)[-1]} of {n}"
                          for n in counts)
-        lines.append(f"ep rank {ep_rank} (ranks r with r % {ep} == {ep_rank}): experts {runs} in each of "
-                     f"{len(experts)} experts module(s)")
+        lines.append(f"  ep rank {ep_rank} (ranks r with r % {ep} == {ep_rank}): experts {runs} "
+                     f"in each of the {len(experts)} experts modules")
     return lines
-
-
-def is_expert_parameter(name: str, experts: list[ExpertsModule]) -> bool:
-    module, _, param = name.rpartition(".")
-    return any(e.name == module and param in e.params for e in experts)
 
