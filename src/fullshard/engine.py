@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
@@ -31,7 +32,7 @@ from .errors import ConfigError, PlanError
 from .fsdp import apply_activation_checkpointing, is_on_meta
 from .loading import materialize_and_load
 from .parallel.cp import check_context_parallel, enable_context_parallel
-from .parallel.ep import apply_expert_parallel, check_expert_parallel
+from .parallel.ep import apply_expert_parallel, check_expert_parallel, global_router_loss
 from .parallel.tp import apply_tp_styles, plan_assignments, resolve_tp_plan
 from .plan import ShardingPlan, build_plan
 
@@ -220,7 +221,11 @@ class FSDP2Engine:
 
     def apply_expert_parallel(self, model: nn.Module) -> None:
         """Split every MoE experts module over the ep mesh and make each its own FSDP unit over the
-        efsdp ranks (a no-op without ep). What cannot be split is one agreed `PlanError` first."""
+        efsdp ranks (a no-op without ep). What cannot be split is one agreed `PlanError` first.
+        With or without ep, a MoE's load-balancing loss becomes that of the whole batch (tp ranks
+        share their tokens, so only without tp)."""
+        if get_world_size() > 1 and self.dims.tp == 1:
+            global_router_loss(model, dist.group.WORLD)
         if self.meshes.ep is None:
             return
         with agreed(PlanError, "expert parallel"):

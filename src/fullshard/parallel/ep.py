@@ -26,6 +26,7 @@ tensors whose first dim is `num_experts`). No family table.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from dataclasses import dataclass
 from typing import Callable
 
@@ -222,3 +223,51 @@ def expert_owners(model: nn.Module, ep: int) -> list[str]:
                      f"in each of the {len(experts)} experts modules")
     return lines
 
+
+
+# ------------------------------------------------------------------------------ router (aux) loss
+
+_ROUTER_GROUP: contextvars.ContextVar = contextvars.ContextVar("fullshard_router_group", default=None)
+
+
+def global_router_loss(model: nn.Module, group) -> bool:
+    """Make the model's load-balancing (router aux) loss that of the whole batch, as in one process.
+
+    transformers computes it in the causal-LM forward from the router logits of the tokens it sees
+    (`load_balancing_loss_func` of the model's module): a product of two per-expert means, so the
+    mean of the ranks' losses is not the loss of their union. While this model runs, the function
+    sees every rank's logits (and mask), gathered by a differentiable all-gather over `group`; its
+    backward sums each rank's share, which the data-parallel mean of the gradients then turns into
+    the one-process gradient. Other models of the class in the process keep the plain function.
+    Returns whether the model has such a loss. Every rank must hold as many tokens (fixed-shape batches).
+    """
+    import sys
+
+    module = sys.modules.get(type(model).__module__)
+    original = getattr(module, "load_balancing_loss_func", None)
+    if original is None:
+        return False
+    if not getattr(original, "fullshard_global", False):
+        def over_all_ranks(gate_logits, *args, **kwargs):
+            group = _ROUTER_GROUP.get()
+            if group is not None and isinstance(gate_logits, (tuple, list)) and gate_logits:
+                gate_logits = tuple(funcol.all_gather_tensor_autograd(g, 0, group) for g in gate_logits)
+                mask = kwargs.get("attention_mask", args[2] if len(args) > 2 else None)
+                if mask is not None:
+                    mask = funcol.all_gather_tensor(mask.contiguous(), 0, group)
+                    args, kwargs = args[:2], {**kwargs, "attention_mask": mask}
+            return original(gate_logits, *args, **kwargs)
+
+        over_all_ranks.fullshard_global = True
+        module.load_balancing_loss_func = over_all_ranks
+    forward = model.forward
+
+    def forward_with_global_router_loss(*args, **kwargs):
+        token = _ROUTER_GROUP.set(group)
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            _ROUTER_GROUP.reset(token)
+
+    model.forward = forward_with_global_router_loss
+    return True
