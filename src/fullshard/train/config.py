@@ -173,6 +173,8 @@ class CheckpointSection:
     """complete checkpoints kept (older ones are deleted)"""
     resume: Optional[str] = "auto"
     """auto (the latest complete checkpoint in dir, if any), none (or null), or a checkpoint path"""
+    overwrite: bool = False
+    """a run that does not continue the checkpoints already in dir deletes them first (else it is refused)"""
     export: bool = True
     """write a plain Hugging Face directory to <train.output_dir>/hf at the end"""
     async_save: bool = False
