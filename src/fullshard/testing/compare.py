@@ -41,8 +41,7 @@ def train_against_reference(
     split: Callable[[dict], dict] | None = None,
     check_tie: bool = True, model_kwargs: dict | None = None,
     prepare: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
-    inspect: Callable[[torch.nn.Module], object] | None = None,
-    max_norm: float = 0.0,
+    inspect: Callable[[torch.nn.Module], object] | None = None, max_norm: float = 0.0,
 ) -> dict:
     """Train `name` sharded (each dp rank a slice of the batch) and whole in this process.
 
