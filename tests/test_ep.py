@@ -161,6 +161,9 @@ def _world_4_checks(root: str):
         "experts_not_dividing": _refused(
             lambda: FSDP2Engine({"ep_size": 4}).prepare_model(build_model("ep_mixtral", num_local_experts=6))),
         "dense_model": _refused(lambda: FSDP2Engine({"ep_size": 2}).prepare_model(build_model("llama"))),
+        "with_tp": _refused(lambda: FSDP2Engine({"ep_size": 2, "tp_size": 2})),
+        "with_compile": _refused(
+            lambda: FSDP2Engine({"ep_size": 2, "compile": True}).prepare_model(build_model("ep_mixtral"))),
     }
     return {"parity": results, "errors": errors, "checkpoint": _checkpoint_checks(root),
             "trainer": _trainer_runs(root)}
@@ -203,12 +206,14 @@ def test_bad_ep_input_refused_on_every_rank(world_4):
         "ep_not_dividing": "ConfigError: ep_size=3 does not divide the data-parallel shard size dp_shard=4",
         "experts_not_dividing": "num_experts=6, not divisible by ep_size",
         "dense_model": "ep_size=2 but LlamaForCausalLM has no MoE experts to split",
+        "with_tp": "ConfigError: ep_size=2 does not compose with tp=2 yet",
+        "with_compile": "ep_size=2 does not compose with compile yet",
     }
     for result in world_4:
         for key, text in expected.items():
             message = result["errors"][key]
             assert message is not None and text in message, (key, message)
-            if key != "ep_not_dividing":  # raised by every rank alone, before any collective
+            if key not in ("ep_not_dividing", "with_tp"):  # those raised by every rank alone, before any collective
                 assert reported_by_every_rank(message, 4), message
 
 
@@ -251,3 +256,19 @@ def test_plan_shows_owners_and_memory_estimate_gathers_only_own_experts():
     assert whole.largest_unit == sum(layer.values())
     assert split.largest_unit == max(sum(layer.values()) - experts, experts // 2)
     assert split.parameters == whole.parameters  # an expert's shard is 1/4 of it either way
+
+
+def test_per_expert_module_list_moe_refused_by_name():
+    from torch import nn
+
+    from fullshard.parallel.ep import check_expert_parallel
+
+    class RemoteCodeMoE(nn.Module):  # a block that loops over its experts itself, as remote-code MoEs do
+        def __init__(self):
+            super().__init__()
+            self.gate = nn.Linear(8, 4)
+            self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+    model = nn.Sequential(RemoteCodeMoE())
+    with pytest.raises(PlanError, match=r"keeps its experts one module each \('0.experts'\)"):
+        check_expert_parallel(model, 2)

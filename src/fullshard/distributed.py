@@ -191,12 +191,6 @@ class ParallelDims:
         """How many ranks hold the same experts (FSDP shards the experts over them)."""
         return self.fsdp_shard_size // self.ep
 
-    def experts_of(self, rank: int, num_experts: int) -> range:
-        """The experts `rank` owns: a contiguous run of `num_experts / ep` (its ep rank is rank mod ep)."""
-        per_rank = num_experts // self.ep
-        start = (rank % self.ep) * per_rank
-        return range(start, start + per_rank)
-
     def coordinates(self, rank: int) -> dict[str, int]:
         """Where `rank` sits on each dim (row-major over dp_replicate, dp_shard, cp, tp), and its dp rank."""
         tp, rest = rank % self.tp, rank // self.tp
