@@ -272,3 +272,12 @@ def test_per_expert_module_list_moe_refused_by_name():
     model = nn.Sequential(RemoteCodeMoE())
     with pytest.raises(PlanError, match=r"keeps its experts one module each \('0.experts'\)"):
         check_expert_parallel(model, 2)
+
+
+def test_lora_on_expert_tensors_refused_by_name():
+    from fullshard.parallel.ep import check_expert_parallel
+
+    model = apply_lora(build_model("ep_qwen3_moe"), {"r": 2, "target_modules": [],
+                                                     "target_parameters": ["mlp.experts.gate_up_proj"]})
+    with pytest.raises(PlanError, match="layers.0.mlp.experts.base_layer carries LoRA adapters"):
+        check_expert_parallel(model, 2)

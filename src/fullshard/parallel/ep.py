@@ -121,7 +121,12 @@ def check_expert_parallel(model: nn.Module, ep: int) -> list[ExpertsModule]:
             raise PlanError(f"ep_size={ep}: {type(model).__name__} keeps its experts one module each ({lists[0]!r}); "
                             "expert parallelism needs transformers' fused experts modules (gate_up_proj / down_proj)")
         raise PlanError(f"ep_size={ep} but {type(model).__name__} has no MoE experts to split; use ep_size=1")
+    modules = dict(model.named_modules())
     for entry in experts:
+        if entry.name.endswith(".base_layer") or hasattr(modules[entry.name], "parametrizations"):
+            raise PlanError(f"ep_size={ep}: {entry.name} carries LoRA adapters on its expert tensors (PEFT "
+                            "target_parameters), which do not compose with expert parallelism; target attention "
+                            "or dense modules, or use ep_size=1")
         if entry.num_experts % ep:
             raise PlanError(f"ep_size={ep}: {entry.name} has num_experts={entry.num_experts}, not divisible by ep_size")
     return experts
