@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -267,6 +268,7 @@ def global_router_loss(model: nn.Module, group) -> bool:
         module.load_balancing_loss_func = over_all_ranks
     forward = model.forward
 
+    @functools.wraps(forward)  # keeps the signature transformers inspects (generate, PEFT)
     def forward_with_global_router_loss(*args, **kwargs):
         token = _ROUTER_GROUP.set(group)
         try:
