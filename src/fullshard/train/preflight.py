@@ -5,8 +5,9 @@ process before any rank starts, so a mistake is one line naming the key instead 
 `data.path`, and the model: a built-in name (a near miss is named as a typo), a local directory or a
 Hub id (resolved from the local cache when offline, downloaded once otherwise), built on the meta
 device from its config (no weights read) so the sharding plan is validated against the real module
-names. `build_meta_model` is the same model for `fullshard plan`. The output paths and the run
-directory's rules (one live run, one run's checkpoints) are `rundir`'s.
+names, and its attention implementation against packing. `build_meta_model` is the same model for
+`fullshard plan`. The output paths and the run directory's rules (one live run, one run's
+checkpoints) are `rundir`'s.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import difflib
 from pathlib import Path
 
 from ..errors import CheckpointError, ConfigError, FullshardError, PlanError
+from ..packed_attention import attention_path, use_attention
 from .config import BUILTIN_MODELS, TrainConfig
 
 
@@ -22,7 +24,9 @@ def check_before_launch(config: TrainConfig, world_size: int) -> None:
     config.accumulation_steps(world_size)
     _check_resume(config.checkpoint.resume)
     _check_data(config)
-    model = build_meta_model(config)
+    model = use_attention(build_meta_model(config), config.model.attn_implementation)
+    if config.fsdp.cp_size == 1:  # under cp the all-to-all attention replaces it
+        attention_path(model, config.data.packing)
     if config.lora.enabled:
         from ..lora import apply_lora
 

@@ -23,6 +23,7 @@ from ..fsdp import reshard_all
 from ..log import log_rank0, warn_rank0
 from ..lora import apply_lora, export_merged, save_adapter
 from ..optim import create_scheduler
+from ..packed_attention import attention_path, use_attention
 from ..strategy import FSDPStrategy, describe_mesh
 from .config import BUILTIN_MODELS, ConfigError, TrainConfig
 from .data import byte_tokenizer, load_data
@@ -51,11 +52,7 @@ def build_strategy(config: TrainConfig) -> FSDPStrategy:
 
 
 class ContextSplit:
-    """This rank's part of every batch under context parallelism (the batches unchanged without it).
-
-    The all-to-all attention is causal over the whole row, so documents packed into one row see
-    each other, where without cp they are kept apart by their restarting `position_ids`: said once.
-    """
+    """This rank's part of every batch under context parallelism (the batches unchanged without it)."""
 
     def __init__(self, dims: ParallelDims, rank: int, pad_token_id: int | None):
         self.cp, self.cp_rank = dims.cp, dims.coordinates(rank)["cp"]
@@ -66,15 +63,7 @@ class ContextSplit:
             return micro_batches
         from ..parallel.cp import context_parallel_batch
 
-        if any(_has_document_starts(b) for b in micro_batches):
-            warn_rank0(f"fsdp.cp_size={self.cp}: rows holding several packed documents are attended as one "
-                       "sequence under context parallelism (without it the documents are kept apart)")
         return [context_parallel_batch(b, self.cp_rank, self.cp, self.pad_token_id) for b in micro_batches]
-
-
-def _has_document_starts(batch: dict) -> bool:
-    positions = batch.get("position_ids")
-    return positions is not None and bool((positions[:, 1:] - positions[:, :-1] != 1).any())
 
 
 def load_tokenizer(config: TrainConfig):
@@ -119,13 +108,13 @@ def _build_model(config: TrainConfig, strategy: FSDPStrategy, vocab_size: int) -
     if config.model.name_or_path not in BUILTIN_MODELS:
         from ..pretrained import from_pretrained
 
-        return from_pretrained(config.model.name_or_path, engine=strategy.engine(), dtype=dtype,
-                               lora=lora).train()
+        return from_pretrained(config.model.name_or_path, engine=strategy.engine(), dtype=dtype, lora=lora,
+                               attn_implementation=config.model.attn_implementation).train()
     from transformers import LlamaConfig, LlamaForCausalLM
 
     hf_config = LlamaConfig(vocab_size=vocab_size, max_position_embeddings=config.data.seq_len,
                             **BUILTIN_MODELS[config.model.name_or_path])
-    model = LlamaForCausalLM._from_config(hf_config, dtype=dtype)
+    model = use_attention(LlamaForCausalLM._from_config(hf_config, dtype=dtype), config.model.attn_implementation)
     if lora is not None:
         model = apply_lora(model, lora)
     return strategy.prepare_model(model, is_training=True)
@@ -244,6 +233,7 @@ class Trainer:
         log_rank0(f"{config.model.name_or_path}: {sum(p.numel() for p in model.parameters()):,} parameters, "
                   f"{describe_mesh(dims)}, {data.describe()} of {config.data.seq_len} tokens, "
                   f"steps {start}..{end} of {config.train.steps}" + (f" (resumed from step {start})" if start else ""))
+        log_rank0(attention_path(model, config.data.packing))
         split = ContextSplit(dims, rank, tokenizer.pad_token_id)
         evals = split(data.eval_batches(config.train.micro_batch_size, dp_rank, dp_size, config.train.eval_batches))
         checkpoint = manager.last_load_info["path"] if start else None
