@@ -130,13 +130,15 @@ def _grads(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     return [p.grad for p in params if p.grad is not None]
 
 
-def global_grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+def global_grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0, across=None) -> torch.Tensor:
     """The norm of all gradients together, as one plain tensor equal on every rank.
 
     Gradients are grouped by mesh and placement; each group's norm is a DTensor whose
     `full_tensor()` reduces the per-shard pieces over that group's mesh (both dims of an HSDP
     mesh), and the groups' norms are then combined like one vector. `clip_grad_norm_` alone
     fails on a mix of meshes and returns a DTensor the caller must remember to reduce.
+    `across` is a process group whose ranks hold different parameters (the stages of a
+    pipeline): their norms are combined the same way, so every stage clips by the whole model's.
     """
     norm_type = float(norm_type)
     groups: dict[tuple, list[torch.Tensor]] = {}
@@ -149,9 +151,19 @@ def global_grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0) -> 
             norm = norm.full_tensor()
         norms.append(norm.float())
     if not norms:
-        return torch.tensor(0.0)
+        norms = [torch.tensor(0.0)]
     device = norms[0].device
-    return torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), ord=norm_type)
+    total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), ord=norm_type)
+    if across is None:
+        return total
+    import torch.distributed as dist
+
+    if math.isinf(norm_type):
+        dist.all_reduce(total, op=dist.ReduceOp.MAX, group=across)
+        return total
+    total = total.double() ** norm_type
+    dist.all_reduce(total, group=across)
+    return (total ** (1.0 / norm_type)).float()
 
 
 def scale_grads_(params: Iterable[torch.Tensor], factor: float) -> None:
@@ -164,14 +176,18 @@ def scale_grads_(params: Iterable[torch.Tensor], factor: float) -> None:
         torch._foreach_mul_(grads, factor)
 
 
-def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> float:
+def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0, across=None,
+                   uncounted: Iterable[torch.Tensor] = ()) -> float:
     """Clip to `max_norm` by the global norm and return that norm (before clipping).
 
     `max_norm <= 0` means no clipping: the norm is still measured (it is logged), gradients are
     left exactly as they are. A non-finite norm leaves gradients alone too; the caller skips the step.
+    `across` is passed to `global_grad_norm`; `uncounted` parameters are clipped but left out of
+    the norm (the second copy of a weight two pipeline stages hold).
     """
     params = list(params)
-    norm = float(global_grad_norm(params, norm_type))
+    skip = {id(p) for p in uncounted}
+    norm = float(global_grad_norm([p for p in params if id(p) not in skip], norm_type, across))
     if max_norm > 0 and math.isfinite(norm):
         coef = max_norm / (norm + 1e-6)
         if coef < 1.0:
@@ -248,6 +264,8 @@ def clip_and_step(
     max_norm: float = 0.0,
     scheduler=None,
     scaler: ShardedGradScaler | None = None,
+    across=None,
+    uncounted: Iterable[torch.Tensor] = (),
 ) -> StepResult:
     """Unscale (fp16), clip by the global norm, step, and zero the gradients.
 
@@ -257,7 +275,7 @@ def clip_and_step(
     params = optimizer_params(optimizer)
     if scaler is not None:
         scaler.unscale_(params)
-    norm = clip_grad_norm(params, max_norm)
+    norm = clip_grad_norm(params, max_norm, across=across, uncounted=uncounted)
     skipped = not math.isfinite(norm)
     if not skipped:
         optimizer.step()

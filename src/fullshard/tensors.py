@@ -40,3 +40,14 @@ def named_state_tensors(model: nn.Module, persistent_buffers: bool = True) -> di
                 if buf is not None and attr not in module._non_persistent_buffers_set:
                     tensors[f"{module_name}.{attr}" if module_name else attr] = buf
     return tensors
+
+
+def held_elsewhere(model: nn.Module, name: str) -> bool:
+    """Whether a state name belongs to a part of the model that another pipeline stage holds
+    (`fullshard.parallel.pp`): a checkpoint of the whole model has it, and it is not unexpected."""
+    return name in (getattr(model, "other_stage_names", None) or ())
+
+
+def is_pipeline_stage(model: nn.Module) -> bool:
+    """Whether `model` is what one rank holds of a pipeline (`fullshard.parallel.pp`): other ranks hold the rest."""
+    return getattr(model, "other_stage_names", None) is not None

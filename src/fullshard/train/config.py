@@ -264,10 +264,11 @@ class TrainConfig:
         """The mesh of `world_size` processes; a `ConfigError` naming the fsdp.* keys and the numbers
         when their product does not match (cp and tp named when used)."""
         fsdp = self.fsdp
-        keys = {"dp_replicate": fsdp.dp_replicate, "dp_shard": fsdp.dp_shard, "cp_size": fsdp.cp_size,
-                "tp_size": fsdp.tp_size}
+        keys = {"pp_size": fsdp.pp_size, "dp_replicate": fsdp.dp_replicate, "dp_shard": fsdp.dp_shard,
+                "cp_size": fsdp.cp_size, "tp_size": fsdp.tp_size}
         try:
-            dims = ParallelDims(fsdp.dp_replicate, fsdp.dp_shard, world_size, cp=fsdp.cp_size, tp=fsdp.tp_size)
+            dims = ParallelDims(fsdp.dp_replicate, fsdp.dp_shard, world_size, cp=fsdp.cp_size, tp=fsdp.tp_size,
+                                pp=fsdp.pp_size)
         except ConfigError:
             mesh = " x ".join(f"fsdp.{k}={v}" for k, v in keys.items() if k.startswith("dp") or v > 1)
             fixed = math.prod(v for v in keys.values() if v != -1)
@@ -287,8 +288,17 @@ class TrainConfig:
         from ..strategy import batch_arithmetic
 
         dims = self.parallel_dims(world_size)
-        return batch_arithmetic(self.train.global_batch_size, self.train.micro_batch_size, dims.dp_size,
-                                names=("train.global_batch_size", "train.micro_batch_size"))
+        steps = batch_arithmetic(self.train.global_batch_size, self.train.micro_batch_size, dims.dp_size,
+                                 names=("train.global_batch_size", "train.micro_batch_size"))
+        if dims.pp > 1:
+            from ..parallel.pp import microbatches_of
+
+            pieces = microbatches_of(dims.pp, self.fsdp.pp_microbatches)
+            if self.train.micro_batch_size % pieces:
+                raise ConfigError(f"train.micro_batch_size={self.train.micro_batch_size} does not split into "
+                                  f"fsdp.pp_microbatches={pieces} pipeline micro-batches"
+                                  + ("" if self.fsdp.pp_microbatches else " (unset: one per pp rank)"))
+        return steps
 
 
 # ---------------------------------------------------------------------------------------------- reading
@@ -437,6 +447,7 @@ def _check_values(config: TrainConfig) -> None:
         ("fsdp.tp_size", config.fsdp.tp_size, config.fsdp.tp_size >= 1, "must be >= 1"),
         ("fsdp.cp_size", config.fsdp.cp_size, config.fsdp.cp_size >= 1, "must be >= 1"),
         ("fsdp.ep_size", config.fsdp.ep_size, config.fsdp.ep_size >= 1, "must be >= 1"),
+        ("fsdp.pp_size", config.fsdp.pp_size, config.fsdp.pp_size >= 1, "must be >= 1"),
         ("fsdp.timeout_s", config.fsdp.timeout_s, config.fsdp.timeout_s > 0, "must be > 0 seconds"),
     ]
     for key, value, ok, rule in checks:

@@ -55,10 +55,22 @@ def causal_lm_loss_sum(model: torch.nn.Module, batch: dict) -> torch.Tensor:
     """Sum of the next-token cross-entropy over the batch's target tokens, in fp32."""
     inputs = packed_inputs(model, {k: v for k, v in batch.items() if k not in NOT_MODEL_INPUTS})
     logits = model(**inputs).logits
-    shifted = (logits if "shift_labels" in batch else logits[:, :-1, :]).float()
-    labels = _targets(batch).to(shifted.device)
-    return F.cross_entropy(shifted.reshape(-1, shifted.size(-1)), labels.reshape(-1), ignore_index=IGNORE_INDEX,
-                           reduction="sum")
+    return token_loss_sum(logits if "shift_labels" in batch else logits[:, :-1, :], _targets(batch))
+
+
+def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Sum of the cross-entropy of each position's logits against its target (already aligned), in fp32."""
+    logits = logits.float()
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.to(logits.device).reshape(-1),
+                           ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def aligned_targets(batch: dict) -> torch.Tensor:
+    """The next-token target of every position, as long as the inputs (the last position of unshifted
+    labels gets none): what a pipeline's last stage compares its logits with, unshifted."""
+    if "shift_labels" in batch:
+        return batch["shift_labels"]
+    return F.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE_INDEX)
 
 
 def normalized_loss(loss_sum: torch.Tensor, global_tokens: int, dp_size: int) -> torch.Tensor:

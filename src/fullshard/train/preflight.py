@@ -41,7 +41,8 @@ def check_before_launch(config: TrainConfig, world_size: int) -> None:
 
 
 def _check_parallel(model, fsdp) -> None:
-    """The TP plan against the model's modules and heads, CP's head split and EP's experts, as the engine will check them."""
+    """The TP plan against the model's modules and heads, CP's head split, the pipeline cut and EP's
+    experts, as the engine will check them."""
     from ..parallel.cp import check_context_parallel
     from ..parallel.tp import plan_assignments, resolve_tp_plan
 
@@ -52,6 +53,13 @@ def _check_parallel(model, fsdp) -> None:
             raise PlanError(f"fsdp.tp_plan: {err}") from None
     if fsdp.cp_size > 1:
         check_context_parallel(model, fsdp.tp_size, fsdp.cp_size)
+    if fsdp.pp_size > 1:
+        from ..parallel.pp import decoder_parts, stage_layers
+
+        try:
+            stage_layers(model, decoder_parts(model), fsdp.pp_size * fsdp.pp_virtual_stages, fsdp.pp_layers_per_stage)
+        except (ConfigError, PlanError) as err:
+            raise type(err)(f"fsdp.pp_size={fsdp.pp_size}: {err}") from None
     if fsdp.ep_size > 1:
         from ..parallel.ep import check_expert_parallel
 

@@ -30,6 +30,7 @@ from .data import byte_tokenizer, load_data
 from .loss import causal_lm_loss_sum, target_count
 from .metrics import (NO_PLOT, MetricsLogger, Throughput, check_report_to, model_flops_per_token, peak_device_flops,
                       peak_memory_gb, plot_loss)
+from .pp_step import pipeline_evaluate, pipeline_of, pipeline_train_step
 from .rundir import claim_run_directory, lock_for_this_process
 from .step import train_step
 from .stop import StopRequest
@@ -125,6 +126,8 @@ def evaluate(model: torch.nn.Module, batches: list[dict]) -> float | None:
     """Mean loss per target token over this rank's eval batches and every other rank's."""
     if not batches:
         return None
+    if pipeline_of(model) is not None:
+        return pipeline_evaluate(model, batches)
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64)  # tp ranks repeat their data rank's sums: they cancel in the ratio
     for batch in batches:
@@ -253,7 +256,8 @@ class Trainer:
         losses, hashes, stop = {}, {}, run.stop
         started = time.perf_counter()
         for step in range(run.start, run.end):
-            out = train_step(strategy, model, optimizer, scheduler, run.split(batches.micro_batches(step)))
+            step_fn = pipeline_train_step if pipeline_of(model) is not None else train_step
+            out = step_fn(strategy, model, optimizer, scheduler, run.split(batches.micro_batches(step)))
             throughput.add(out.tokens)
             losses[step], hashes[step] = out.loss, batches.step_hash(step)
             done = step + 1
