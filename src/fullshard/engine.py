@@ -273,8 +273,8 @@ class FSDP2Engine:
         """Split every MoE experts module over the ep mesh and make each its own FSDP unit over the
         efsdp ranks (a no-op without ep). What cannot be split is one agreed `PlanError` first.
         With or without ep, a MoE's load-balancing loss becomes that of the whole batch (tp ranks
-        share their tokens, so only without tp)."""
-        if get_world_size() > 1 and self.dims.tp == 1:
+        share their tokens, pp ranks hold other stages: so only without either)."""
+        if get_world_size() > 1 and self.dims.tp == 1 and self.dims.pp == 1:
             global_router_loss(model, dist.group.WORLD)
         if self.meshes.ep is None:
             return
