@@ -312,7 +312,7 @@ class CheckpointManager:
             if optimizer is not None:  # read every saved group, however many this optimizer has
                 count = _saved_group_count(reader.metadata.state_dict_metadata)
                 state["optim"]["param_groups"] = [dict(groups[min(i, len(groups) - 1)]) for i in range(count)]
-                        fit = fit_to_index(checkpoint, reader.metadata, state, strict, model)
+            fit = fit_to_index(checkpoint, reader.metadata, state, strict, model)
             state["model"] = fit.model_state
             if optimizer is not None:
                 fit.drop_fresh_params(state["optim"])
