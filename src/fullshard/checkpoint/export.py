@@ -28,7 +28,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from ..distributed import all_ranks_agree_ok, broadcast_from_rank0, get_rank, get_world_size, run_agreed
 from ..dtypes import SAFETENSORS_NAMES, dtype_name, resolve_dtype
 from ..errors import CheckpointError
-from ..fsdp import reshard_all
+from ..fsdp import model_class_name, reshard_all
 from ..tensors import tensor_aliases
 from . import layout
 
@@ -369,7 +369,7 @@ def export_hf(model: torch.nn.Module, output_dir: str | os.PathLike, tokenizer=N
                 del full
         error = writer.finish()
         all_ranks_agree_ok(not error, error, CheckpointError)
-        run_agreed(lambda: finish_directory(staging, output_dir, files, export_config(config, type(model).__name__, out_dtype),
+        run_agreed(lambda: finish_directory(staging, output_dir, files, export_config(config, model_class_name(model), out_dtype),
                                              generation_config_json(model), tokenizer), on_rank=0, error_type=CheckpointError)
     except BaseException:
         writer.finish(sync=False)
