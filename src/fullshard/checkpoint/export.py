@@ -245,7 +245,12 @@ def gather_full(tensor: torch.Tensor | GatheredTensor) -> torch.Tensor:
     mesh_device = tensor.device_mesh.device_type
     if tensor.device.type != mesh_device:  # CPU-offloaded shards of an accelerator mesh
         tensor = tensor.to(mesh_device)
-    return tensor.full_tensor().detach()
+    # one mesh dim at a time, outermost first: the same all-gathers `full_tensor` runs for FSDP x TP's
+    # _StridedShard, without its warning (once per rank and layout) that they cannot be merged
+    for dim in range(tensor.device_mesh.ndim):
+        if not tensor.placements[dim].is_replicate():
+            tensor = tensor.redistribute(placements=[*tensor.placements[:dim], Replicate(), *tensor.placements[dim + 1:]])
+    return tensor.to_local().detach()
 
 
 def own_rows(tensor) -> tuple[int, torch.Tensor | None] | None:
