@@ -259,6 +259,33 @@ def test_chat_labels_only_assistant_tokens(tmp_path):
     assert all(torch.equal(x, y) for x, y in zip(a.train.take([0, 1]).values(), b.train.take([0, 1]).values()))
 
 
+def test_dropped_and_truncated_conversations_are_said_every_run(tmp_path, caplog):
+    """Over-long conversations were dropped with no word (the count only in a cache file)."""
+    import logging
+
+    from fullshard.log import logger
+
+    tokenizer = chat_tokenizer()
+    records = conversations(60)
+    path = write_jsonl(tmp_path / "chat.jsonl", records)
+    overlong = sum(len(tokenizer.apply_chat_template(r["messages"], tokenize=False)) > 64 for r in records)
+    assert overlong
+    logger.addHandler(caplog.handler)
+    try:
+        for rule, said in (("drop", "dropped"), ("truncate", "truncated")):
+            for run in ("fresh", "cached"):
+                caplog.clear()
+                with caplog.at_level(logging.WARNING, logger="fullshard"):
+                    load_data(section(tmp_path, path=str(path), format="chat", seq_len=64, overlong=rule), tokenizer)
+                assert f"{overlong} of {len(records)} conversations {said}" in caplog.text, (rule, run, caplog.text)
+                assert "data.seq_len=64" in caplog.text
+        # nothing left: one error naming the keys, not an empty run
+        with pytest.raises(ConfigError, match=r"all 60 conversations are longer than data.seq_len=8 .*data.overlong"):
+            load_data(section(tmp_path, path=str(path), format="chat", seq_len=8), tokenizer)
+    finally:
+        logger.removeHandler(caplog.handler)
+
+
 def _chat_runs(root: str, world: int) -> dict:
     """Chat training through the trainer; on two ranks also the tokenization count and a streamed run."""
     from fullshard.data.prepare import TOKENIZE_RUNS

@@ -35,7 +35,7 @@ class Tokenize:
                 raise RecordError(indices[texts.index(None)], f"has no field {self.field!r}")
             ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
             return {"input_ids": [doc + [eos] for doc in ids]}
-        out = {"input_ids": [], "labels": []}
+        out = {"input_ids": [], "labels": [], "truncated": []}
         messages, prompt, response = self.chat_fields
         for k, row in enumerate(indices):
             if messages in batch:
@@ -43,10 +43,12 @@ class Tokenize:
             else:
                 turns = as_messages(row, prompt=batch[prompt][k], response=batch[response][k])
             ids, labels = tokenize_chat(self.tokenizer, self.template, turns, row)
-            if len(ids) > self.seq_len:
+            overlong = len(ids) > self.seq_len
+            if overlong:
                 ids, labels = ([], []) if self.overlong == "drop" else (ids[:self.seq_len], labels[:self.seq_len])
             out["input_ids"].append(ids)
             out["labels"].append(labels)
+            out["truncated"].append(overlong and self.overlong == "truncate")
         return out
 
 
