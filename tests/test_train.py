@@ -6,9 +6,9 @@ import json
 import pytest
 import torch
 
-from fullshard.testing import run_distributed
+from fullshard.testing import make_batch, run_distributed
 from fullshard.train import ConfigError, load_config, train
-from fullshard.train.data import StepBatches, byte_tokenizer, load_data, read_texts
+from fullshard.train.data import StepBatches, byte_tokenizer, eval_batches, load_data, read_texts
 from fullshard.train.loss import causal_lm_loss_sum, target_count
 from fullshard.train.metrics import read_metrics
 
@@ -60,7 +60,7 @@ def _trainer_runs(root: str):
     # the shards a run holds, for the memory estimate: parameters, gradients, AdamW moments
     from fullshard.strategy import FSDPStrategy
     from fullshard.testing import build_model
-    from fullshard.testing.compare import data_slice
+    from fullshard.testing.compare import data_slice, full_state
     from fullshard.testing.zoo import make_batch
 
     strategy = FSDPStrategy(bf16=False, micro_train_batch_size=2, train_batch_size=4)
@@ -82,9 +82,29 @@ def _trainer_runs(root: str):
 
     optimizer.zero_grad(set_to_none=True)
     big = data_slice(make_batch("llama", batch_size=4, seq_len=64), torch.distributed.get_rank(), 2)
+    out["eval"] = _eval_by_batching(model)
+    out["eval_weights"] = full_state(model)
     out["peak"] = measured_peak_bytes(model, optimizer, lambda: train_step(strategy, model, optimizer, None, [big]),
                                       [big])
     return out
+
+
+def eval_rows():
+    """13 held-out rows (divisible by no batching below), each with its own number of ignored labels."""
+    import datasets
+
+    ids = make_batch("llama", batch_size=13, seq_len=16, seed=7)["input_ids"]
+    labels = ids.clone()
+    for row in range(13):
+        labels[row, : (row * 5) % 14] = -100
+    return datasets.Dataset.from_dict({"input_ids": ids.numpy(), "labels": labels.numpy()}).with_format("numpy")
+
+
+def _eval_by_batching(model) -> dict:
+    from fullshard.train.trainer import evaluate
+
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return {micro: evaluate(model, eval_batches(eval_rows(), micro, rank, world, 13)) for micro in (1, 2, 3, 8)}
 
 
 @pytest.fixture(scope="module")
@@ -189,9 +209,7 @@ def test_export_is_the_trained_model(runs):
     total = tokens = 0.0
     with torch.no_grad():
         for rank in range(2):  # the eval batches of both ranks, as the trainer split them
-            from fullshard.train.data import eval_batches
-
-            for batch in eval_batches(data.eval, 2, rank, 2, 2):
+            for batch in eval_batches(data.eval, 2, rank, 2, 16):  # eval_batches=2 x global_batch_size=8 rows
                 total += float(causal_lm_loss_sum(model, batch))
                 tokens += target_count(batch)
     assert abs(total / tokens - results[0]["whole"]["eval_loss"]) < 1e-5
@@ -202,6 +220,23 @@ def test_export_is_the_trained_model(runs):
     assert model.generation_config.eos_token_id == tokenizer.eos_token_id
     trainer_state = json.loads((root / "whole" / "checkpoints" / "step_6" / "trainer_state.json").read_text())
     assert trainer_state["extra_state"]["data"]["position"] == 6
+
+
+def test_eval_loss_is_the_mean_over_all_eval_tokens_whatever_the_batching(runs):
+    """Same weights, same eval set: eval_loss was 2.916 at micro 8 and 2.923 at micro 2."""
+    from fullshard.testing import build_model
+    from fullshard.train.trainer import evaluate
+
+    _, results = runs
+    model = build_model("llama")
+    model.load_state_dict(results[0]["eval_weights"])
+    rows = eval_rows()
+    batch = {k: torch.from_numpy(v) for k, v in rows[:].items()}
+    with torch.no_grad():
+        reference = float(causal_lm_loss_sum(model, batch)) / target_count(batch)  # one batch of every row
+    one_process = {micro: evaluate(model, eval_batches(rows, micro, 0, 1, 13)) for micro in (2, 8)}
+    for value in [*one_process.values(), *(v for r in results for v in r["eval"].values())]:
+        assert abs(value - reference) < 1e-6, (value, reference, one_process, results[0]["eval"])
 
 
 def test_memory_estimate_matches_the_shards_a_run_holds(runs):

@@ -122,7 +122,7 @@ class TrainSection:
     eval_every: NonNegativeInt = 0
     """steps between evaluations; 0 evaluates at the end only"""
     eval_batches: NonNegativeInt = 4
-    """micro-batches per rank in one evaluation"""
+    """one evaluation's size in global batches: the first eval_batches x global_batch_size held-out rows, whatever the micro-batch and world size"""
     output_dir: str = "runs/demo"
     """where metrics, checkpoints, the exported model, the loss plot and logs/ go"""
     nproc: Optional[PositiveInt] = None

@@ -43,8 +43,8 @@ class PackedData:
                      seed: int, shuffle: bool) -> StepBatches:
         return StepBatches(self.train, global_batch_size, micro_batch_size, dp_rank, dp_size, seed, shuffle)
 
-    def eval_batches(self, micro_batch_size: int, dp_rank: int, dp_size: int, limit: int) -> list[dict]:
-        return eval_batches(self.eval, micro_batch_size, dp_rank, dp_size, limit)
+    def eval_batches(self, micro_batch_size: int, dp_rank: int, dp_size: int, num_rows: int) -> list[dict]:
+        return eval_batches(self.eval, micro_batch_size, dp_rank, dp_size, num_rows)
 
 
 def cache_dir_of(section: DataSection) -> Path:

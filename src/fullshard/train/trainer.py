@@ -197,7 +197,8 @@ class Trainer:
                   f"{describe_mesh(dims)}, {data.describe()} of {config.data.seq_len} tokens, "
                   f"steps {start}..{end} of {config.train.steps}" + (f" (resumed from step {start})" if start else ""))
         split = ContextSplit(dims, rank, tokenizer.pad_token_id)
-        evals = split(data.eval_batches(config.train.micro_batch_size, dp_rank, dp_size, config.train.eval_batches))
+        eval_rows = config.train.eval_batches * config.train.global_batch_size  # the same rows on any batching
+        evals = split(data.eval_batches(config.train.micro_batch_size, dp_rank, dp_size, eval_rows))
         return Run(strategy, tokenizer, data, model, optimizer, scheduler, manager, logger, start, end, batches,
                    evals, split)
 
