@@ -39,6 +39,12 @@ def _trainer_runs(root: str):
     second = train(tiny_config(f"{root}/resumed", "--checkpoint.every=3", "--checkpoint.async_save=true"))
     out["whole"], out["first"], out["second"] = whole, first, second
     out["again"] = train(tiny_config(f"{root}/resumed", "--checkpoint.every=3"))  # a finished run, re-run
+    # several datasets mixed by weight: resumed, the same batches as uninterrupted
+    mix = (f"--data.path=[{root}/a.jsonl, {root}/b.jsonl]", "--data.weights=[3, 1]", "--train.steps=4",
+           "--checkpoint.every=2", "--train.plot=false", "--checkpoint.export=false")
+    out["mix_whole"] = train(tiny_config(f"{root}/mix_whole", *mix))
+    out["mix_first"] = train(tiny_config(f"{root}/mix_resumed", *mix, "--train.stop_after=2"))
+    out["mix_second"] = train(tiny_config(f"{root}/mix_resumed", *mix))
     # every fsdp setting of a TrainConfig reaches the engine the trainer builds
     from dataclasses import asdict
 
@@ -110,7 +116,15 @@ def _eval_by_batching(model) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("trainer")
+    write_sources(root)
     return root, run_distributed(_trainer_runs, 2, str(root))
+
+
+def write_sources(root):
+    """Two text sources told apart by their letters: a.jsonl writes only 'a', b.jsonl only 'b'."""
+    for letter in "ab":
+        docs = [{"text": " ".join(letter * (1 + (i * 7 + k) % 5) for k in range(3 + i % 4))} for i in range(60)]
+        (root / f"{letter}.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
 
 
 def test_resumed_run_sees_the_same_batches_and_losses(runs):
@@ -134,6 +148,47 @@ def test_resumed_run_sees_the_same_batches_and_losses(runs):
     assert (again["start_step"], again["end_step"], again["losses"]) == (6, 6, {})
     assert again["metrics"] == str(root / "resumed" / "metrics.jsonl")
     assert (root / "resumed" / "loss.png").stat().st_size > 0
+
+
+def test_mixed_datasets_resume_exactly(runs):
+    for r in runs[1]:
+        whole, first, second = r["mix_whole"], r["mix_first"], r["mix_second"]
+        assert (first["end_step"], second["start_step"]) == (2, 2)
+        assert {**first["batch_hashes"], **second["batch_hashes"]} == whole["batch_hashes"]
+        assert len(set(whole["batch_hashes"].values())) == 4
+        resumed = {**first["losses"], **second["losses"]}
+        assert max(abs(resumed[s] - whole["losses"][s]) for s in whole["losses"]) < 1e-6
+
+
+def test_mixed_datasets_follow_their_weights(tmp_path):
+    from fullshard.data.mix import MixedRows
+
+    write_sources(tmp_path)
+    tokenizer = byte_tokenizer()
+    a, b = (tokenizer.convert_tokens_to_ids(c) for c in "ab")
+    paths = f"--data.path=[{tmp_path}/a.jsonl, {tmp_path}/b.jsonl]"
+    alone = [load_data(tiny_config(tmp_path, f"--data.path={tmp_path}/{c}.jsonl").data, tokenizer) for c in "ab"]
+    for weights, share in (("[3, 1]", 0.75), ("[1, 4]", 0.2)):
+        data = load_data(tiny_config(tmp_path, paths, f"--data.weights={weights}").data, tokenizer)
+        assert isinstance(data.train, MixedRows)
+        total = len(alone[0].train) + len(alone[1].train)
+        assert len(data.train) == total  # an epoch is as long as the sources together
+        rows = data.train.take(range(total))["input_ids"]
+        from_a = (rows == a).any(1)
+        assert not ((rows == a).any(1) & (rows == b).any(1)).any()  # every row is one source's
+        assert abs(int(from_a.sum()) - share * total) <= 0.5
+        # evenly spread: every stretch of 10 rows is within one row of its share
+        stretches = from_a[: total // 10 * 10].view(-1, 10).sum(1).float()
+        assert ((stretches - 10 * share).abs() <= 1).all(), stretches
+        # the rows are the sources' own rows: a's are a.jsonl's training rows (cycled when up-sampled)
+        own = {tuple(r.tolist()) for r in alone[0].train.take(range(len(alone[0].train)))["input_ids"]}
+        assert {tuple(r.tolist()) for r in rows[from_a]} <= own
+        assert len({tuple(r.tolist()) for r in rows[from_a]}) == min(len(own), int(from_a.sum()))
+    # without weights: each row once; the held-out rows are each source's own
+    data = load_data(tiny_config(tmp_path, paths).data, tokenizer)
+    assert len(data.train) == total and len(data.eval) == len(alone[0].eval) + len(alone[1].eval)
+    mixed = data.train.take(range(total))["input_ids"].tolist()
+    assert sorted(mixed) == sorted(torch.cat([d.train.take(range(len(d.train)))["input_ids"] for d in alone]).tolist())
 
 
 def test_every_fsdp_setting_reaches_the_engine(runs):
