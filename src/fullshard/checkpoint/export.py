@@ -29,7 +29,7 @@ from ..distributed import all_ranks_agree_ok, broadcast_from_rank0, get_rank, ge
 from ..dtypes import SAFETENSORS_NAMES, dtype_name, resolve_dtype
 from ..errors import CheckpointError
 from ..fsdp import model_class_name, reshard_all
-from ..tensors import tensor_aliases
+from ..tensors import replicated, tensor_aliases
 from . import layout
 
 WEIGHTS_NAME = "model.safetensors"
@@ -245,12 +245,7 @@ def gather_full(tensor: torch.Tensor | GatheredTensor) -> torch.Tensor:
     mesh_device = tensor.device_mesh.device_type
     if tensor.device.type != mesh_device:  # CPU-offloaded shards of an accelerator mesh
         tensor = tensor.to(mesh_device)
-    # one mesh dim at a time, outermost first: the same all-gathers `full_tensor` runs for FSDP x TP's
-    # _StridedShard, without its warning (once per rank and layout) that they cannot be merged
-    for dim in range(tensor.device_mesh.ndim):
-        if not tensor.placements[dim].is_replicate():
-            tensor = tensor.redistribute(placements=[*tensor.placements[:dim], Replicate(), *tensor.placements[dim + 1:]])
-    return tensor.to_local().detach()
+    return replicated(tensor).detach()
 
 
 def own_rows(tensor) -> tuple[int, torch.Tensor | None] | None:
