@@ -159,7 +159,13 @@ def _lora_tp():
                 "q_A": tuple(attn.q_proj.lora_A["default"].weight.device_mesh.mesh_dim_names),
                 "down_A": tuple(mlp.down_proj.lora_A["default"].weight.device_mesh.mesh_dim_names)}
 
-    return _train(engine, "llama", prepare=_lora_llama, check_tie=False, inspect=layout)
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        result = _train(engine, "llama", prepare=_lora_llama, check_tie=False, inspect=layout)
+    result["warnings"] = [str(w.message) for w in seen]
+    return result
 
 
 def _world_4_checks():
@@ -208,6 +214,7 @@ def test_lora_with_tp_plan_auto_matches_single_process(world_4):
         # the split factor lives on both dims, the whole one on dp only
         assert r["inspect"]["q_B"] == ("dp_shard", "tp") and r["inspect"]["down_A"] == ("dp_shard", "tp")
         assert r["inspect"]["q_A"] == ("dp_shard",)
+        assert not r["warnings"], r["warnings"]
 
 
 def test_bf16_compute_on_the_2d_mesh_tracks_fp32_reference(world_4):

@@ -118,6 +118,17 @@ def apply_tp_styles(model: nn.Module, tp_mesh: DeviceMesh, assignments: dict[str
     """`parallelize_module` with each module's style (a collective over tp: every rank must call it)."""
     if assignments:
         parallelize_module(model, tp_mesh, {name: TP_STYLES[style][0]() for name, style in assignments.items()})
+    modules = dict(model.named_modules())
+    for name in assignments:
+        if name.rsplit(".", 2)[-2] in LORA_SPLIT.values():
+            modules[name].register_forward_hook(_own_output)
+
+
+def _own_output(module: nn.Module, inputs, output):
+    """A split LoRA factor's output as a tensor of its own: TP hands back a view of its DTensor
+    result, and FSDP, which makes the adapters their own unit, warns on every rank about any view a
+    unit returns (PEFT adds the output out of place, so the view was harmless). One elementwise copy."""
+    return output.clone()
 
 
 def plan_assignments(model: nn.Module, plan: dict[str, str], tp_size: int) -> dict[str, str]:
