@@ -135,8 +135,9 @@ def global_grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0) -> 
     """The norm of all gradients together, as one plain tensor equal on every rank.
 
     Gradients are grouped by mesh and placement; each group's norm is reduced over the mesh dims
-    its gradients are split on (both dims of FSDP x TP, the shard dim of HSDP), and the groups' norms are then combined like one vector. `clip_grad_norm_` alone
-    fails on a mix of meshes and returns a DTensor the caller must remember to reduce.
+    its gradients are split on (both dims of FSDP x TP, the shard dim of HSDP), and the groups'
+    norms are then combined like one vector. `clip_grad_norm_` alone fails on a mix of meshes
+    and returns a DTensor the caller must remember to reduce.
     """
     norm_type = float(norm_type)
     groups: dict[tuple, list[torch.Tensor]] = {}

@@ -15,9 +15,9 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 def replicated(tensor: torch.Tensor) -> torch.Tensor:
     """The whole of a DTensor on every rank (a collective), as `full_tensor()` gives it, but
-    gathered or reduced one mesh dim at a time, outermost first: the collectives torch runs for a
-    layout over two dims anyway (FSDP x TP's `_StridedShard`, a norm partial over dp and tp), minus
-    its warning, once per rank and layout, that they cannot be merged into one."""
+    gathered one mesh dim at a time, outermost first: the collectives torch runs for FSDP x TP's
+    `_StridedShard` layout anyway, minus its warning, once per rank and layout, that they cannot
+    be merged into one."""
     if not isinstance(tensor, DTensor):
         return tensor
     for dim in range(tensor.device_mesh.ndim):

@@ -174,7 +174,7 @@ def _through_lora(pattern: str, style: str, name: str, module: nn.Module) -> dic
         raise PlanError(f"tp_plan entry {pattern!r}: {name!r} carries LoRA adapters, which split only with "
                         f"colwise or rowwise, not {style!r}; leave it out of lora.target_modules or of the tp plan")
     split = {f"{name}.base_layer": style}
-    for adapter, factor in getattr(module, LORA_SPLIT[style]).items():
+    for adapter in getattr(module, LORA_SPLIT[style]):
         dropout = getattr(module.lora_dropout[adapter], "p", 0.0) if adapter in module.lora_dropout else 0.0
         if style == "colwise" and dropout:
             raise PlanError(f"tp_plan entry {pattern!r}: LoRA dropout {dropout} on {name!r} would drop other "
