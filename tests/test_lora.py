@@ -66,21 +66,21 @@ def _peft_reference(base_dir):
 
 
 def _gathered_numel(fn):
-    """Run `fn` and count the elements every `full_tensor` gather in it returned."""
-    from torch.distributed.tensor import DTensor
+    """Run `fn` and count the elements every gather of a whole DTensor in it returned."""
+    from fullshard.checkpoint import export
 
-    original, counts = DTensor.full_tensor, []
+    original, counts = export.replicated, []
 
-    def counting(self, *args, **kwargs):
-        full = original(self, *args, **kwargs)
+    def counting(tensor):
+        full = original(tensor)
         counts.append(full.numel())
         return full
 
-    DTensor.full_tensor = counting
+    export.replicated = counting
     try:
         fn()
     finally:
-        DTensor.full_tensor = original
+        export.replicated = original
     return counts
 
 
