@@ -28,7 +28,7 @@ from .pack import COLUMNS, Packer
 from .sources import Source, load_records, locate, resolve_source
 from .tokenize import RecordError, Tokenize, layouts
 
-CACHE_VERSION = 2  # 2: info.json counts truncated conversations
+CACHE_VERSION = 3  # 2: a document's first token is no target; 3: info.json counts truncated records
 TOKENIZE_RUNS = {"count": 0}  # tokenizations done by this process (the once-per-node test counts them)
 READ_BATCH = 1000  # documents per packing batch
 
@@ -58,7 +58,7 @@ def cache_key(source: Source, tokenizer, section, exact: bool = True) -> str:
     """Tokenizer + data + packing; `exact=False` identifies the data by file names and sizes only."""
     recipe = {"version": CACHE_VERSION, "data": source.stamp(exact), "tokenizer": tokenizer_id(tokenizer),
               "format": section.format, "fields": layouts(section), "seq_len": section.seq_len,
-              "overlong": section.overlong,
+              "overlong": section.overlong, "packing": section.packing,
               "chat_template": chat_template_of(tokenizer, section.chat_template) if section.format == "chat" else None}
     return hashlib.sha256(json.dumps(recipe, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
@@ -96,19 +96,21 @@ def prepare(section, tokenizer, path: str | None, cache_dir: Path) -> Prepared:
 
 
 def report_overlong(info: dict, section, path: str) -> None:
-    """Say how many conversations did not fit data.seq_len and what became of them, on every run
-    (the counts are kept with the cache); refuse data of which nothing would be left."""
+    """Say how many records (conversations, or documents without packing) did not fit
+    data.seq_len and what became of them, on every run (the counts are kept with the cache);
+    refuse data of which nothing would be left."""
     dropped, truncated = info["dropped"], info.get("truncated", 0)
     total = info["documents"] + dropped
+    records = "conversations" if section.format == "chat" else "documents"
     rule = f"longer than data.seq_len={section.seq_len}"
     if dropped and not info["documents"]:
-        raise ConfigError(f"{path}: all {dropped} conversations are {rule} and data.overlong=drop drops them; "
+        raise ConfigError(f"{path}: all {dropped} {records} are {rule} and data.overlong=drop drops them; "
                           "raise data.seq_len or set data.overlong=truncate")
     if dropped:
-        warn_rank0(f"{path}: {dropped} of {total} conversations dropped as {rule} (data.overlong=drop; "
+        warn_rank0(f"{path}: {dropped} of {total} {records} dropped as {rule} (data.overlong=drop; "
                    "data.overlong=truncate keeps their first tokens)", once=False)
     if truncated:
-        warn_rank0(f"{path}: {truncated} of {total} conversations truncated to their first {section.seq_len} "
+        warn_rank0(f"{path}: {truncated} of {total} {records} truncated to their first {section.seq_len} "
                    f"tokens as {rule} (data.overlong=truncate)", once=False)
 
 
@@ -175,7 +177,7 @@ def _write_rows(tokens, section, tokenizer, path: Path) -> dict:
     from datasets.arrow_writer import ArrowWriter
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    packer = Packer(section.seq_len, pad, whole_documents=section.format == "chat")
+    packer = Packer(section.seq_len, pad, whole_documents=section.format == "chat", packing=section.packing)
     features = Features({c: Sequence(Value("int32"), length=section.seq_len) for c in COLUMNS})
     rows = total = truncated = 0
     with ArrowWriter(path=str(path), features=features) as writer:

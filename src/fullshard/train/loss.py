@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..packed_attention import packed_inputs
+
 IGNORE_INDEX = -100
 
 
@@ -51,7 +53,7 @@ def global_target_count(micro_batches: list[dict], repeats: int = 1) -> int:
 
 def causal_lm_loss_sum(model: torch.nn.Module, batch: dict) -> torch.Tensor:
     """Sum of the next-token cross-entropy over the batch's target tokens, in fp32."""
-    inputs = {k: v for k, v in batch.items() if k not in NOT_MODEL_INPUTS}
+    inputs = packed_inputs(model, {k: v for k, v in batch.items() if k not in NOT_MODEL_INPUTS})
     logits = model(**inputs).logits
     shifted = (logits if "shift_labels" in batch else logits[:, :-1, :]).float()
     labels = _targets(batch).to(shifted.device)
