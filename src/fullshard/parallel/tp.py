@@ -120,7 +120,7 @@ def apply_tp_styles(model: nn.Module, tp_mesh: DeviceMesh, assignments: dict[str
         parallelize_module(model, tp_mesh, {name: TP_STYLES[style][0]() for name, style in assignments.items()})
     modules = dict(model.named_modules())
     for name in assignments:
-        if name.rsplit(".", 2)[-2] in LORA_SPLIT.values():
+        if any(f".{factor}." in name for factor in LORA_SPLIT.values()):
             modules[name].register_forward_hook(_own_output)
 
 
