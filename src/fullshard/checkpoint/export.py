@@ -29,8 +29,8 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from ..distributed import all_ranks_agree_ok, broadcast_from_rank0, get_rank, get_world_size, run_agreed
 from ..dtypes import SAFETENSORS_NAMES, dtype_name, resolve_dtype
 from ..errors import CheckpointError
-from ..fsdp import reshard_all
-from ..tensors import is_pipeline_stage, tensor_aliases
+from ..fsdp import model_class_name, reshard_all
+from ..tensors import is_pipeline_stage, replicated, tensor_aliases
 from . import layout
 
 WEIGHTS_NAME = "model.safetensors"
@@ -246,7 +246,7 @@ def gather_full(tensor: torch.Tensor | GatheredTensor) -> torch.Tensor:
     mesh_device = tensor.device_mesh.device_type
     if tensor.device.type != mesh_device:  # CPU-offloaded shards of an accelerator mesh
         tensor = tensor.to(mesh_device)
-    return tensor.full_tensor().detach()
+    return replicated(tensor).detach()
 
 
 def own_rows(tensor) -> tuple[int, torch.Tensor | None] | None:
@@ -404,7 +404,7 @@ def export_hf(model: torch.nn.Module, output_dir: str | os.PathLike, tokenizer=N
                 del full
         error = writer.finish()
         all_ranks_agree_ok(not error, error, CheckpointError)
-        run_agreed(lambda: finish_directory(staging, output_dir, files, export_config(config, type(model).__name__, out_dtype),
+        run_agreed(lambda: finish_directory(staging, output_dir, files, export_config(config, model_class_name(model), out_dtype),
                                              generation_config_json(model), tokenizer), on_rank=0, error_type=CheckpointError)
     except BaseException:
         writer.finish(sync=False)

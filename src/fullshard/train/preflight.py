@@ -72,9 +72,12 @@ def _check_parallel(model, fsdp) -> None:
 def _check_data(config: TrainConfig) -> None:
     """A local data path must exist and hold data files; a name that is not a local path is a Hub
     dataset, which the ranks read from the local `datasets` cache (and name if it is not there)."""
-    path = config.data.path
-    if not path:
-        return
+    paths = config.data.path if isinstance(config.data.path, list) else [config.data.path]
+    for path in filter(None, paths):
+        _check_data_path(config, path)
+
+
+def _check_data_path(config: TrainConfig, path: str) -> None:
     if not Path(path).exists():
         if path.startswith(("/", ".", "~")) or Path(path).suffix:
             raise ConfigError(f"data.path={path!r} does not exist")
