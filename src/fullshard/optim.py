@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -133,10 +134,10 @@ def _grads(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
 def global_grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0, across=None) -> torch.Tensor:
     """The norm of all gradients together, as one plain tensor equal on every rank.
 
-    Gradients are grouped by mesh and placement; each group's norm is a DTensor whose
-    `full_tensor()` reduces the per-shard pieces over that group's mesh (both dims of an HSDP
-    mesh), and the groups' norms are then combined like one vector. `clip_grad_norm_` alone
-    fails on a mix of meshes and returns a DTensor the caller must remember to reduce.
+    Gradients are grouped by mesh and placement; each group's norm is reduced over the mesh dims
+    its gradients are split on (both dims of FSDP x TP, the shard dim of HSDP), and the groups'
+    norms are then combined like one vector. `clip_grad_norm_` alone fails on a mix of meshes
+    and returns a DTensor the caller must remember to reduce.
     `across` is a process group whose ranks hold different parameters (the stages of a
     pipeline): their norms are combined the same way, so every stage clips by the whole model's.
     """
@@ -146,9 +147,11 @@ def global_grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0, acr
         groups.setdefault(_placement_key(grad)[:3], []).append(grad)
     norms = []
     for grads in groups.values():
-        norm = torch.nn.utils.get_total_norm(grads, norm_type=norm_type)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
+        pieces = [t for t in map(local_tensor, grads) if t.numel()]  # an uneven split leaves some ranks none
+        norm = (torch.nn.utils.get_total_norm(pieces, norm_type=norm_type) if pieces
+                else torch.zeros((), device=local_tensor(grads[0]).device))
+        if isinstance(grads[0], DTensor):
+            norm = _combine_over_mesh(norm.float(), grads[0], norm_type)
         norms.append(norm.float())
     if not norms:
         norms = [torch.tensor(0.0)]
@@ -156,14 +159,26 @@ def global_grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0, acr
     total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), ord=norm_type)
     if across is None:
         return total
-    import torch.distributed as dist
-
     if math.isinf(norm_type):
         dist.all_reduce(total, op=dist.ReduceOp.MAX, group=across)
         return total
     total = total.double() ** norm_type
     dist.all_reduce(total, group=across)
     return (total ** (1.0 / norm_type)).float()
+
+
+def _combine_over_mesh(norm: torch.Tensor, like: DTensor, norm_type: float) -> torch.Tensor:
+    """The norm of a group split over mesh dims, from each rank's norm of its own pieces: one
+    reduction per split dim. DTensor's own reduction of a norm split over two dims runs the same
+    collectives, and warns once per rank that it cannot merge them. Gradients are split or
+    replicated (FSDP reduce-scatters them), never pending partial sums."""
+    infinite = math.isinf(norm_type)
+    value = norm if infinite else norm ** norm_type
+    for dim, placement in enumerate(like.placements):
+        if not placement.is_replicate():  # Shard, and FSDP x TP's _StridedShard
+            dist.all_reduce(value, op=dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM,
+                            group=like.device_mesh.get_group(dim))
+    return value if infinite else value ** (1.0 / norm_type)
 
 
 def scale_grads_(params: Iterable[torch.Tensor], factor: float) -> None:
