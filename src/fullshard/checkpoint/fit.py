@@ -72,8 +72,8 @@ def fit_to_index(checkpoint: Path, metadata, state: dict, strict: bool, model=No
     for key, value in flat.items():
         saved = index.get(key)
         path = paths[key]
-        if saved is None and has_optim and _optim_state_param(path):
-            optim_absent.setdefault(_optim_state_param(path), []).append(key)
+        if saved is None and has_optim and (param := _optim_state_param(path)):
+            optim_absent.setdefault(param, []).append(key)
         elif saved is None and path[0] == "states":
             states_absent.setdefault(path[1], []).append(key)
         elif saved is None and path[0] == "optim" and has_optim:
