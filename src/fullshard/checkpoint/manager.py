@@ -311,10 +311,7 @@ class CheckpointManager:
                 state["states"] = {name: obj.state_dict() for name, obj in states.items()}
             groups = None  # keyed by name, each parameter's group settings are read as its own
             if optimizer is not None and not options.flatten_optimizer_state_dict:
-                # keyed by index: read every saved group, however many this optimizer has
-                groups = state["optim"]["param_groups"]
-                count = _saved_group_count(reader.metadata.state_dict_metadata)
-                state["optim"]["param_groups"] = [dict(groups[min(i, len(groups) - 1)]) for i in range(count)]
+                groups = _read_every_saved_group(state["optim"], reader.metadata.state_dict_metadata)
             fit = fit_to_index(checkpoint, reader.metadata, state, strict, model)
             state["model"] = fit.model_state
             if optimizer is not None:
@@ -479,9 +476,13 @@ def _write_model_files(tmp: Path, model, tokenizer) -> None:
         tokenizer.save_pretrained(str(tmp / layout.TOKENIZER_DIR))
 
 
-def _saved_group_count(index) -> int:
-    groups = {key.split(".")[2] for key in index if key.startswith("optim.param_groups.")}
-    return len(groups)
+def _read_every_saved_group(optim_state: dict, index) -> list[dict]:
+    """Groups kept by index (an older checkpoint): every saved one is read, however many this
+    optimizer has; returns this optimizer's own groups, for `regroup`."""
+    groups = optim_state["param_groups"]
+    count = len({key.split(".")[2] for key in index if key.startswith("optim.param_groups.")})
+    optim_state["param_groups"] = [dict(groups[min(i, len(groups) - 1)]) for i in range(count)]
+    return groups
 
 
 def regroup(saved: list[dict], current: list[dict]) -> list[dict]:
