@@ -28,7 +28,7 @@ from .distributed import (
     shard_mesh,
 )
 from .errors import ConfigError, PlanError
-from .fsdp import apply_activation_checkpointing, is_on_meta
+from .fsdp import apply_activation_checkpointing, is_on_meta, needs_weight_in_backward
 from .loading import materialize_and_load
 from .parallel.cp import check_context_parallel, enable_context_parallel
 from .parallel.tp import apply_tp_styles, plan_assignments, resolve_tp_plan
@@ -176,6 +176,8 @@ class FSDP2Engine:
                 mp_policy=self.get_mp_policy(unit.mixed_precision),
                 offload_policy=self.get_offload_policy(unit.cpu_offload),
             )
+            if not any(needs_weight_in_backward(module) for module in targets):
+                targets[0].set_unshard_in_backward(False)
         fully_shard(
             model,
             mesh=self.mesh,

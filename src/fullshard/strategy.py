@@ -216,14 +216,15 @@ class FSDPStrategy:
         loss.backward()
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, model: nn.Module, scheduler=None,
-                       name: str = "model", **kwargs) -> optim.StepResult | None:
+                       name: str = "model", values: torch.Tensor | None = None, **kwargs) -> optim.StepResult | None:
         """Count a micro-batch; at the end of the window clip, step (or skip on a non-finite norm
-        on any rank) and zero the gradients. Returns the step's result, or None mid-window."""
+        on any rank) and zero the gradients. Returns the step's result, or None mid-window.
+        `values` are summed over every rank in the grad norm's collective (`StepResult.sums`)."""
         last = self.is_last_micro_step()
         self._micro_step += 1
         if not last:
             return None
-        result = optim.clip_and_step(optimizer, self.max_norm, scheduler, self.scaler)
+        result = optim.clip_and_step(optimizer, self.max_norm, scheduler, self.scaler, values)
         self.last_step = result
         self.skipped_steps += int(result.skipped)
         if result.skipped:

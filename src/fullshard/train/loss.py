@@ -10,6 +10,10 @@ Under context parallelism a micro-batch is this rank's part of each sequence, it
 shifted over the whole sequence (`shift_labels`, from `fullshard.parallel.cp.context_parallel_batch`):
 its logits are compared unshifted. Tensor-parallel ranks of one data rank hold the same batch, so
 sums over the world count it tp times; `repeats` divides that out.
+
+The loss goes through the output head a chunk of tokens at a time (`chunked_loss.py`) unless
+`chunk_tokens` is 0 or the model's head cannot be stood in for; the two give the same loss and
+gradients.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-IGNORE_INDEX = -100
+from .chunked_loss import DEFAULT_LOSS_CHUNK_TOKENS, IGNORE_INDEX, chunked_loss_sum
 
 
 NOT_MODEL_INPUTS = ("labels", "shift_labels", "num_items_in_batch")
@@ -43,20 +47,48 @@ def sum_over_ranks(value: torch.Tensor, repeats: int = 1) -> torch.Tensor:
     return value // repeats if not value.is_floating_point() else value / repeats
 
 
+class PendingTargetCount:
+    """Target tokens of one optimizer step across all micro-batches and all data ranks, summed by an
+    all_reduce started at once and waited for only when the count is needed (before the first
+    backward), so it travels while the first forward runs."""
+
+    def __init__(self, micro_batches: list[dict], repeats: int = 1):
+        self.value = torch.tensor(sum(target_count(b) for b in micro_batches), dtype=torch.int64)
+        self.repeats = repeats
+        distributed = dist.is_initialized() and dist.get_world_size() > 1
+        self.work = dist.all_reduce(self.value, async_op=True) if distributed else None
+
+    def wait(self) -> int:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        return int(self.value) // self.repeats
+
+
 def global_target_count(micro_batches: list[dict], repeats: int = 1) -> int:
     """Target tokens of one optimizer step across all micro-batches and all data ranks (a collective)."""
-    count = torch.tensor(sum(target_count(b) for b in micro_batches), dtype=torch.int64)
-    return int(sum_over_ranks(count, repeats))
+    return PendingTargetCount(micro_batches, repeats).wait()
 
 
-def causal_lm_loss_sum(model: torch.nn.Module, batch: dict) -> torch.Tensor:
-    """Sum of the next-token cross-entropy over the batch's target tokens, in fp32."""
+def position_targets(batch: dict) -> torch.Tensor:
+    """One target per position, [batch, seq]: `_targets`, with IGNORE_INDEX for the last position
+    when the labels are shifted here (so logits are compared whole, never sliced and copied)."""
+    targets = _targets(batch)
+    return targets if "shift_labels" in batch else F.pad(targets, (0, 1), value=IGNORE_INDEX)
+
+
+def causal_lm_loss_sum(model: torch.nn.Module, batch: dict, chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS) -> torch.Tensor:
+    """Sum of the next-token cross-entropy over the batch's target tokens, in fp32; the logits of
+    `chunk_tokens` tokens at a time where the model allows (0: all at once)."""
     inputs = {k: v for k, v in batch.items() if k not in NOT_MODEL_INPUTS}
-    logits = model(**inputs).logits
-    shifted = (logits if "shift_labels" in batch else logits[:, :-1, :]).float()
-    labels = _targets(batch).to(shifted.device)
-    return F.cross_entropy(shifted.reshape(-1, shifted.size(-1)), labels.reshape(-1), ignore_index=IGNORE_INDEX,
-                           reduction="sum")
+    targets = position_targets(batch)
+    if chunk_tokens > 0:
+        loss = chunked_loss_sum(model, inputs, targets, chunk_tokens)
+        if loss is not None:
+            return loss
+    logits = model(**inputs).logits.float()
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1).to(logits.device),
+                           ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 def normalized_loss(loss_sum: torch.Tensor, global_tokens: int, dp_size: int) -> torch.Tensor:
