@@ -175,7 +175,8 @@ def cmd_plan(argv: list[str]) -> int:
     estimate = estimate_memory(model, plan, dims.dp_shard, micro, seq_len, DTYPES[precision],
                                fsdp.activation_checkpointing, config.optim.name, accumulation_steps=accumulation,
                                device_type=device_type, reduce_dtype=DTYPES[fsdp.reduce_dtype],
-                               tp_assignments=assignments, tp_size=dims.tp, cp_size=dims.cp)
+                               tp_assignments=assignments, tp_size=dims.tp, cp_size=dims.cp,
+                               loss_chunk_tokens=config.train.loss_chunk_tokens)
     print(f"{type(model).__name__}: {sum(p.numel() for p in model.parameters()):,} parameters, {describe_mesh(dims)}\n")
     print(plan.describe(model, dims.fsdp_shard_size))
     if dims.tp > 1:
@@ -183,6 +184,7 @@ def cmd_plan(argv: list[str]) -> int:
               "slice of the split ones):\n" + describe_tp(model, assignments, dims.tp))
     print(f"\nper-rank memory estimate (micro batch {micro} x {seq_len} tokens over cp {dims.cp}, compute {precision}, "
           f"activation checkpointing {fsdp.activation_checkpointing}, {config.optim.name}, "
+          f"loss chunks of {config.train.loss_chunk_tokens or 'all the'} tokens, "
           f"{accumulation or 'unknown'} micro-batch(es) per step, {device_type}):")
     print(estimate.describe())
     return 0

@@ -47,28 +47,13 @@ class LinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, targets, chunk: int, needs: tuple[bool, bool, bool]):
         valid = targets != IGNORE_INDEX
         safe = torch.where(valid, targets, 0)
-        grad_hidden = torch.empty_like(hidden) if needs[0] else None
-        grad_weight = torch.zeros_like(weight) if needs[1] else None
-        grad_bias = torch.zeros_like(bias) if needs[2] else None
+        grads = (torch.empty_like(hidden) if needs[0] else None, torch.zeros_like(weight) if needs[1] else None,
+                 torch.zeros_like(bias) if needs[2] else None)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start in range(0, hidden.shape[0], chunk):
             rows = slice(start, start + chunk)
-            h, keep = hidden[rows], valid[rows]
-            logits = F.linear(h, weight, bias).float()
-            lse = torch.logsumexp(logits, dim=-1)
-            total += ((lse - logits.gather(1, safe[rows, None]).squeeze(1)) * keep).sum()
-            if not any(needs):
-                continue
-            probs = logits.sub_(lse[:, None]).exp_()  # the chunk's softmax, in the logits' place
-            probs.scatter_add_(1, safe[rows, None], -keep[:, None].to(probs.dtype))
-            grad_logits = probs.mul_(keep[:, None]).to(hidden.dtype)
-            if grad_hidden is not None:
-                torch.mm(grad_logits, weight, out=grad_hidden[rows])
-            if grad_weight is not None:
-                grad_weight.addmm_(grad_logits.t(), h)
-            if grad_bias is not None:
-                grad_bias += grad_logits.sum(0)
-        ctx.grads = (grad_hidden, grad_weight, grad_bias)
+            total += _chunk_loss_and_grads(hidden[rows], weight, bias, safe[rows], valid[rows], rows, grads)
+        ctx.grads = grads
         return total
 
     @staticmethod
@@ -78,6 +63,28 @@ class LinearCrossEntropy(torch.autograd.Function):
                                "computed once, in the forward; set train.loss_chunk_tokens=0")
         grads, ctx.grads = ctx.grads, None
         return (*(None if g is None else g.mul_(grad_total) for g in grads), None, None, None)
+
+
+def _chunk_loss_and_grads(h, weight, bias, targets, keep, rows: slice, grads: tuple) -> torch.Tensor:
+    """One chunk's loss sum, its gradients added into `grads` (hidden's rows written, the weight's
+    and bias's accumulated). A function of its own so that its logits are freed before the next
+    chunk's are made."""
+    logits = F.linear(h, weight, bias).float()
+    lse = torch.logsumexp(logits, dim=-1)
+    loss = ((lse - logits.gather(1, targets[:, None]).squeeze(1)) * keep).sum()
+    grad_hidden, grad_weight, grad_bias = grads
+    if grad_hidden is None and grad_weight is None and grad_bias is None:
+        return loss
+    probs = logits.sub_(lse[:, None]).exp_()  # the chunk's softmax, in the logits' place
+    probs.scatter_add_(1, targets[:, None], -keep[:, None].to(probs.dtype))
+    grad_logits = probs.mul_(keep[:, None]).to(h.dtype)
+    if grad_hidden is not None:
+        torch.mm(grad_logits, weight, out=grad_hidden[rows])
+    if grad_weight is not None:
+        grad_weight.addmm_(grad_logits.t(), h)
+    if grad_bias is not None:
+        grad_bias += grad_logits.sum(0)
+    return loss
 
 
 def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
