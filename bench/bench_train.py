@@ -83,12 +83,14 @@ def _build(name: str, path: str):
 
 
 def _speed(path: str, rounds: int) -> dict:
-    """tokens/s of every peer's window in every round (rank 0's clock; windows start and end at a barrier)."""
+    """Every peer's window in every round: tokens/s (wall clock; windows start and end at a barrier)
+    and this rank's CPU seconds per step (its threads' time, not the time it waits for the cores)."""
     steps = {name: _build(name, path) for name in PEERS}
     for step in range(WARMUP):
         for run in steps.values():
             run(step)
     speeds: dict[str, list[float]] = {name: [] for name in PEERS}
+    cpu: dict[str, list[float]] = {name: [] for name in PEERS}
     loads = []
     tokens = WINDOW * MICRO * SEQ * torch.distributed.get_world_size()
     for round_ in range(rounds):
@@ -96,12 +98,13 @@ def _speed(path: str, rounds: int) -> dict:
         order = PEERS[round_ % len(PEERS):] + PEERS[:round_ % len(PEERS)]
         for name in order:
             torch.distributed.barrier()
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             for step in range(WINDOW):
                 steps[name](WARMUP + round_ * WINDOW + step)
+            cpu[name].append((time.process_time() - cpu_start) / WINDOW)
             torch.distributed.barrier()
             speeds[name].append(tokens / (time.perf_counter() - start))
-    return {"speeds": speeds, "loads": loads}
+    return {"speeds": speeds, "cpu": cpu, "loads": loads}
 
 
 def _memory(name: str, path: str) -> float:
@@ -119,32 +122,41 @@ def main() -> None:
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         _model().save_pretrained(tmp)
-        timed = run_distributed(_speed, 2, tmp, rounds)[0]
+        per_rank = run_distributed(_speed, 2, tmp, rounds)
+        timed = per_rank[0]
         memory = {name: max(run_distributed(_memory, 2, name, tmp)) for name in PEERS}
     load_after = os.getloadavg()
     speeds = timed["speeds"]
+    cpu = {name: [sum(r["cpu"][name][i] for r in per_rank) for i in range(rounds)] for name in PEERS}  # both ranks
     rows = []
     for name in PEERS:
         ratios = [peer / own for peer, own in zip(speeds[name], speeds[FULLSHARD])]
+        cpu_ratios = [peer / own for peer, own in zip(cpu[name], cpu[FULLSHARD])]
         rows.append([name, f"{statistics.median(speeds[name]):,.0f}", f"{statistics.median(ratios):.2f}",
-                     f"{min(ratios):.2f} .. {max(ratios):.2f}", f"{memory[name]:,.0f}",
+                     f"{min(ratios):.2f} .. {max(ratios):.2f}", f"{statistics.median(cpu[name]):.3f}",
+                     f"{statistics.median(cpu_ratios):.3f}", f"{memory[name]:,.0f}",
                      f"{memory[name] / memory[FULLSHARD]:.2f}"])
         print(rows[-1], flush=True)
     native = [own / peer for own, peer in zip(speeds[FULLSHARD], speeds[NATIVE])]
+    native_cpu = [peer / own for own, peer in zip(cpu[FULLSHARD], cpu[NATIVE])]
     params = sum(p.numel() for p in _model().parameters())
     loaded = max(timed["loads"] + [load_before[0]]) > 2
     body = (f"Training step (forward, backward, clip to 1.0, AdamW) of a {params / 1e6:.1f}M-parameter Llama, micro "
             f"batch {MICRO} x {SEQ} tokens per rank, fp32, world size 2 (gloo, 1 thread per rank). Speed: all peers "
             f"in one process group, taking turns (the order rotating) in {rounds} rounds of a {WINDOW}-step window "
             f"each, after {WARMUP} warm-up steps each; 'x fullshard' is the median over rounds of the peer's tokens/s "
-            "over fullshard's in the same round, the range beside it the lowest and highest round. Peak memory: each "
+            "over fullshard's in the same round, the range beside it the lowest and highest round. CPU s / step: the "
+            "CPU time both ranks' processes spent per step (all their threads), median over rounds, with the median "
+            "same-round ratio to fullshard's: the work a step costs, which a loaded machine slows but does not "
+            "change, where tokens/s also counts the time a rank waits for a core. Peak memory: each "
             f"peer alone in its own process group for {MEMORY_STEPS} steps, the process's peak resident set (CPU: "
             "parameters, gradients, optimizer state, activations and the Python/torch runtime together), max over "
             "ranks. fullshard runs its defaults (the loss in chunks of 1,024 tokens: two here) and with the loss from "
             "whole logits. accelerate does not apply FSDP on CPU, so it is measured only where a GPU is lent "
             "(`bench/gpu.py`).\n\n")
     body += ("**fullshard / native FSDP2 tokens/s, round by round: " + ", ".join(f"{r:.2f}" for r in native)
-             + f"; median {statistics.median(native):.2f}.**\n\n")
+             + f"; median {statistics.median(native):.2f}. Native FSDP2's CPU time per step / fullshard's: median "
+             f"{statistics.median(native_cpu):.3f}.**\n\n")
     body += ("Load average (1 min) at the start of each round: " + ", ".join(f"{x:.1f}" for x in timed["loads"])
              + f"; {load_before[0]:.1f} / {load_before[1]:.1f} / {load_before[2]:.1f} (1 / 5 / 15 min) before the "
              f"run, {load_after[0]:.1f} / {load_after[1]:.1f} / {load_after[2]:.1f} after, on {os.cpu_count()} cores")
@@ -152,7 +164,7 @@ def main() -> None:
              "or more either way, so only the medians of same-round ratios mean much, and a quiet machine is the "
              "place to confirm them (`bench/bench_train.py` rewrites this section).\n\n" if loaded else ".\n\n")
     body += markdown_table(["peer", "tokens/s (median window)", "x fullshard (median round)", "rounds' range",
-                            "peak RSS MiB", "x fullshard"], rows)
+                            "CPU s / step", "x fullshard", "peak RSS MiB", "x fullshard"], rows)
     write_section("train", body)
 
 
