@@ -10,7 +10,7 @@ own, for a few steps, so each peak resident set is its own. fullshard runs with 
 chunked loss included) and once more with `loss_chunk_tokens=0`, the loss from whole logits as the
 peers compute it.
 
-    .venv/bin/python bench/bench_train.py [--rounds 12]   # ~6 minutes on 2 quiet CPU cores; writes BENCHMARKS.md
+    .venv/bin/python bench/bench_train.py [--rounds 16]   # ~6 minutes on 2 quiet CPU cores; writes BENCHMARKS.md
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ def _memory(name: str, path: str) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=12, help="rounds in which every peer runs one window")
+    parser.add_argument("--rounds", type=int, default=16, help="rounds in which every peer runs one window")
     rounds = parser.parse_args().rounds
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:

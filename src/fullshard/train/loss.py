@@ -65,11 +65,6 @@ class PendingTargetCount:
         return int(self.value) // self.repeats
 
 
-def global_target_count(micro_batches: list[dict], repeats: int = 1) -> int:
-    """Target tokens of one optimizer step across all micro-batches and all data ranks (a collective)."""
-    return PendingTargetCount(micro_batches, repeats).wait()
-
-
 def position_targets(batch: dict) -> torch.Tensor:
     """One target per position, [batch, seq]: `_targets`, with IGNORE_INDEX for the last position
     when the labels are shifted here (so logits are compared whole, never sliced and copied)."""
