@@ -53,8 +53,8 @@ def _run() -> dict:
         optimizer = strategy.create_optimizer(model, lr=1e-4)
         step = lambda s, m=model, o=optimizer, st=strategy, c=chunk: train_step(st, m, o, None, batch(s), c)  # noqa: E731
         step(0)  # warm-up: the optimizer state exists from here on
-        peak = measured_peak_bytes(model, optimizer, lambda: step(1), batch(1))
-        runs[chunk] = {"step": step, "peak": peak, "estimate": estimate.total, "loss": estimate.loss, "times": []}
+        runs[chunk] = {"step": step, "measure": lambda m=model, o=optimizer, st=step: measured_peak_bytes(
+            m, o, lambda: st(1), batch(1)), "estimate": estimate.total, "times": []}
     for round_ in range(ROUNDS):  # interleaved: each round times one step of every variant
         for chunk, run in runs.items():
             torch.distributed.barrier()
@@ -63,7 +63,9 @@ def _run() -> dict:
             torch.distributed.barrier()
             run["times"].append(time.perf_counter() - start)
             run["last_loss"] = out.loss
-    return {chunk: {k: v for k, v in run.items() if k != "step"} for chunk, run in runs.items()}
+    for run in runs.values():  # last: the tracker leaves its hooks on the model
+        run["peak"] = run["measure"]()
+    return {chunk: {k: v for k, v in run.items() if k not in ("step", "measure")} for chunk, run in runs.items()}
 
 
 def main() -> None:
