@@ -18,6 +18,8 @@ from safetensors.torch import load_file
 from fullshard.cli import main
 from fullshard.errors import ConfigError
 from fullshard.train.config import BUILTIN_MODELS, SECTIONS, load_config
+from fullshard.train.data import byte_tokenizer, load_data
+from fullshard.train.loss import target_count
 from fullshard.train.metrics import read_metrics
 
 CONFIG = """
@@ -56,7 +58,11 @@ def test_train_self_launches_then_export_and_plan(tmp_path, capsys):
     out = tmp_path / "out"
     records = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2, 3]
-    assert all(r["tokens"] == 4 * 31 for r in records if r["kind"] == "train")  # 4 sequences a step, both ranks
+    # 4 sequences a step, both ranks: 31 targets each but at the documents starting inside them
+    config = load_config(str(tmp_path / "tiny.yaml"), [])
+    steps = load_data(config.data, byte_tokenizer()).step_batches(4, 4, 0, 1, seed=config.train.seed, shuffle=True)
+    expected = [target_count(steps.micro_batches(s)[0]) for s in range(3)]
+    assert [r["tokens"] for r in records if r["kind"] == "train"] == expected and max(expected) < 4 * 31
     assert (out / "loss.png").stat().st_size > 0
     assert (out / "checkpoints" / "step_3" / "COMPLETE").exists()
 

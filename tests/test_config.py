@@ -180,8 +180,9 @@ def test_rank_failure_is_logged_and_reported_in_one_line(tmp_path, monkeypatch, 
     monkeypatch.setenv("FULLSHARD_LAUNCHED", "1")
     monkeypatch.setenv("RANK", "0")
     assert run_rank(bug, tmp_path) == 1 and capsys.readouterr().err == ""  # the launcher reports
+    # the first failure by time, rank 1's, not rank 0's later (knock-on) one
     assert _failure_message(tmp_path, 1, debug=False) == (
-        f"KeyError: 'missing' (every rank's traceback: {tmp_path}/rank*.log)")
+        f"rank 1: plan entry 'x': pattern 'x' matches no module (every rank's traceback: {tmp_path}/rank*.log)")
     _failure_message(tmp_path, 1, debug=True)
     shown = capsys.readouterr().err
     assert "raise KeyError" in shown and "raise PlanError" in shown

@@ -111,7 +111,11 @@ def test_packing_restarts_positions_per_document_and_caches(tmp_path):
     # the stream is the documents joined by EOS, cut every seq_len tokens (the tail shorter than a row dropped)
     stream = [t for d in docs for t in tokenizer(d)["input_ids"] + [tokenizer.eos_token_id]]
     assert ids.flatten().tolist() == stream[:ids.numel()]
-    assert len(data.eval) == round(0.1 * len(ids)) and torch.equal(rows["labels"], rows["input_ids"])
+    assert len(data.eval) == round(0.1 * len(ids))
+    # every token a target but each document's first (the end of the document before does not predict it)
+    firsts = [i == 0 for d in docs for i in range(len(tokenizer(d)["input_ids"]) + 1)]
+    labels = torch.cat([rows["labels"], rows_eval["labels"]]).flatten()
+    assert torch.equal(labels, torch.where(torch.tensor(firsts[:ids.numel()]), -100, ids.flatten()))
     # position ids: 0 at every document start and every row start, else one more than the previous token
     pos = rows["position_ids"]
     prev_is_eos = torch.cat([torch.ones(len(ids), 1, dtype=torch.bool), ids[:, :-1] == tokenizer.eos_token_id], 1)

@@ -157,7 +157,7 @@ def _trainer_with_lora(tmp):
     config = load_config(None, [f"--model.name_or_path={tmp}/trainer_base", "--data.seq_len=32",
                                 "--train.micro_batch_size=2", "--train.global_batch_size=4", "--train.steps=3",
                                 "--train.log_every=1", "--optim.warmup_steps=0", "--train.eval_batches=1",
-                                "--train.plot=false", f"--train.output_dir={tmp}/run", "--lora.r=4",
+                                "--train.plot=false", f"--train.output_dir={tmp}/run", "--lora.r=4", "--optim.lr=0.03",
                                 "--lora.target_modules=[q_proj, o_proj, up_proj]", "--lora.alpha=8"])
     summary = train(config)
     return {k: summary.get(k) for k in ("export", "adapter", "losses")}

@@ -16,7 +16,7 @@ EXPECTED_UNITS = {
     "gemma": ["model.layers.0", "model.layers.1", "model.embed_tokens + model.norm + lm_head"],
     "gpt2": ["transformer.h.0", "transformer.h.1", "transformer.wte + transformer.ln_f + lm_head"],
     "bert": ["bert.embeddings", "bert.encoder.layer.0", "bert.encoder.layer.1",
-             "bert.embeddings.word_embeddings + cls.predictions"],
+             "bert.embeddings.word_embeddings + cls"],
 }
 
 
@@ -98,10 +98,12 @@ BAD_PLANS = {
                        "unknown policy 'fre_full_weight'"),
     "claimed twice": ("llama", {"mode": "manual", "modules": {"model.layers.*": [], "model.layers.0": []}},
                       "module 'model.layers.0' is claimed by two plan entries"),
-    "tie split": ("gemma", {"mode": "manual", "modules": {"model.embed_tokens": [], "lm_head": []}},
-                  "parameter 'model.embed_tokens.weight' is shared"),
-    "container": ("llama", {"mode": "manual", "modules": {"model.layers": []}},
-                  "'model.layers' is a container whose forward never runs"),
+    "tie split": ("gemma", {"mode": "manual", "modules": {"model.embed_tokens": ["cpu_offload"],
+                                                          "lm_head": ["no_cpu_offload"]}},
+                  "must be in one unit, but plan entries ['model.embed_tokens', 'lm_head'] set cpu_offload "
+                  "differently"),
+    "container unit": ("llama", ShardingPlan([UnitSpec(("model.layers",), source="by hand")]),
+                       "'model.layers' is a container whose forward never runs"),
     "bad mode": ("llama", {"mode": "smart"}, "'mode' must be 'auto' or 'manual'"),
     "unknown key": ("llama", {"mode": "auto", "offload": True}, "unknown keys ['offload']"),
     "empty manual": ("llama", {"mode": "manual"}, "non-empty 'modules'"),

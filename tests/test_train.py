@@ -291,11 +291,11 @@ def test_progress_bar_shows_loss_throughput_and_eta_on_a_terminal(tmp_path, monk
     monkeypatch.setattr(sys, "stdout", Terminal())
     logger = MetricsLogger(tmp_path, total_steps=4)
     logger.step()
-    logger.log({"kind": "train", "step": 1, "loss": 2.5, "tokens_per_s": 1234.0})
+    logger.log({"kind": "train", "step": 1, "loss": 2.5, "tokens_per_s": 1234.0, "mfu": 0.4125, "peak_mem_gb": 1.5})
     logger.step()
     logger.close()
     shown = sys.stdout.getvalue()
-    assert "step     1  loss 2.5  tokens_per_s 1234" in shown  # the log line
+    assert "step     1  loss 2.5  tokens_per_s 1234  mfu 0.4125  peak_mem_gb 1.5" in shown  # the log line
     bar = shown.splitlines()[-1]
     assert "train:" in bar and "2/4" in bar and "loss=2.5" in bar and "tokens_per_s=1234" in bar
     assert "<" in bar  # tqdm's [elapsed<remaining]: the ETA

@@ -2,9 +2,8 @@
 
 One spawned group of 4 ranks runs the same short `Trainer` job at dp 4, dp 2 x tp 2 and
 dp 2 x cp 2 (the last two stopped half-way and resumed from their checkpoints), and shards a
-model at both layouts so the memory estimate can be checked against what each rank holds. The
-data is one long document, so no row packs two documents (which context parallelism would
-attend as one sequence: see `fullshard.train.trainer.ContextSplit`).
+model at both layouts so the memory estimate can be checked against what each rank holds.
+(Packed rows of several documents under cp: `tests/test_packing.py`.)
 """
 
 import pytest

@@ -19,7 +19,7 @@ from .errors import FullshardError
 from .launch import LAUNCHED_ENV, LOG_DIR_ENV, debug_enabled, describe, die_with_parent, error_line, launch, run_rank
 
 USAGE = """fullshard train [CONFIG.yaml] [--section.key=value ...] [--nproc N] [--print-config] [--debug]
-       fullshard plan MODEL_OR_CONFIG [--nproc N] [--micro-batch-size B] [--seq-len S]
+       fullshard plan MODEL_OR_CONFIG [--section.key=value ...] [--nproc N] [--micro-batch-size B] [--seq-len S]
        fullshard export CHECKPOINT_DIR OUTPUT_DIR [--dtype bf16|fp16|fp32]
        fullshard --version"""
 
@@ -29,7 +29,9 @@ Train a model with FSDP2 on N local processes (torchrun is started for you; unde
 process is one rank). CONFIG.yaml holds any of the sections below and may stand anywhere on the
 line; --section.key=value (or --section.key value) overrides it. Values are YAML: 1e-4, 10, null,
 [0.9, 0.95]. ~ and $VARS are expanded in paths. Ctrl-C stops after the current step and saves a
-checkpoint (again: at once); the same command resumes.
+checkpoint (again: at once); the same command resumes. A directory holds one run: a second run
+into it while it lives is refused, and so is a new run into another run's checkpoints unless
+--checkpoint.overwrite=true (which deletes that run first).
 
 options:
   --nproc N        processes to start (default: train.nproc, else one per GPU, else 2)
@@ -123,11 +125,16 @@ def cmd_train(argv: list[str]) -> int:
     if under_launcher():
         return run_as_rank(config, args)
     from .train.preflight import check_before_launch
+    from .train.rundir import RunLock, check_output_paths, claim_run_directory
 
     world = args.nproc or config.train.nproc or default_nproc()
-    check_before_launch(config, world)
-    rank_args = ["train", *([args.config_path] if args.config_path else []), *args.overrides]
-    return launch(world, rank_args, config.log_dir, config.checkpoint.on_stop_timeout_s, debug=args.debug)
+    check_output_paths(config)
+    with RunLock(config.output_dir) as lock:  # one live run per directory, until the ranks are gone
+        check_before_launch(config, world)
+        claim_run_directory(config)
+        rank_args = ["train", *([args.config_path] if args.config_path else []), *args.overrides]
+        return launch(world, rank_args, config.log_dir, config.checkpoint.on_stop_timeout_s, debug=args.debug,
+                      lock_file=lock.path)
 
 
 def run_as_rank(config, args: TrainArgs) -> int:
@@ -156,7 +163,8 @@ def cmd_plan(argv: list[str]) -> int:
     parser.add_argument("--micro-batch-size", type=int, default=None)
     parser.add_argument("--seq-len", type=int, default=None)
     parser.add_argument("--trust-remote-code", action="store_true", help="run the model repository's own code")
-    args = parser.parse_args(argv)
+    parser.epilog = "--section.key=value overrides the config as for `fullshard train`"
+    args, args.overrides = parser.parse_known_args(argv)
     config, model = plan_config_and_model(args)
     nproc = args.nproc or config.train.nproc or default_nproc()
     dims = config.parallel_dims(nproc)
@@ -191,14 +199,20 @@ def cmd_plan(argv: list[str]) -> int:
 
 
 def plan_config_and_model(args):
-    """The config `fullshard plan` was given (a YAML file or a model name) and its model on meta."""
-    from .train.config import load_config
+    """The config `fullshard plan` was given (a YAML file or a model name, then `--section.key=value`
+    overrides as `fullshard train` takes them) and its model on meta."""
+    from .train.config import load_config, parse_overrides
     from .train.preflight import build_meta_model
 
+    overrides = parse_overrides(args.overrides)
+    model = overrides.setdefault("model", {})
+    if args.trust_remote_code:
+        model["trust_remote_code"] = True
     if args.source.endswith((".yaml", ".yml")):
-        config = load_config(args.source, ["--model.trust_remote_code=true"] if args.trust_remote_code else [])
+        config = load_config(args.source, overrides)
     else:
-        config = load_config(None, {"model": {"name_or_path": args.source, "trust_remote_code": args.trust_remote_code}})
+        model.setdefault("name_or_path", args.source)
+        config = load_config(None, overrides)
     return config, build_meta_model(config)
 
 
@@ -258,10 +272,11 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "--version":
         print(f"fullshard {version()}")
         return 0
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        asked = bool(argv) and argv[0] in ("-h", "--help")
-        print(USAGE, file=sys.stdout if asked else sys.stderr)
-        return 0 if asked else 2
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE, file=sys.stdout if argv else sys.stderr)
+        return 0 if argv else 2
+    if argv[0] not in COMMANDS:
+        return fail(f"unknown command {argv[0]!r}; the commands are {', '.join(COMMANDS)} (fullshard --help)")
     try:
         return COMMANDS[argv[0]](argv[1:])
     except FullshardError as err:  # bad input: the message names it

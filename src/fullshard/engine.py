@@ -6,7 +6,8 @@ model built on the meta device lives in `fullshard.loading`; the engine only cal
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields, is_dataclass
 from typing import Any
 
 import torch
@@ -28,8 +29,11 @@ from .distributed import (
     shard_mesh,
 )
 from .errors import ConfigError, PlanError
-from .fsdp import apply_activation_checkpointing, is_on_meta, needs_weight_in_backward
+from .fsdp import apply_activation_checkpointing, needs_weight_in_backward
 from .loading import materialize_and_load
+from .log import warn_rank0
+from .loading.materialize import tie_declared_weights
+from .loading.rank0 import LOADED, RANK0, agree_on_layout, init_from_rank0
 from .parallel.cp import check_context_parallel, enable_context_parallel
 from .parallel.tp import apply_tp_styles, plan_assignments, resolve_tp_plan
 from .plan import ShardingPlan, build_plan
@@ -91,20 +95,42 @@ class EngineConfig:
 
     @classmethod
     def from_any(cls, config: "EngineConfig | dict | None", **overrides) -> "EngineConfig":
-        if isinstance(config, cls):
-            values = asdict(config)
-        elif config is None:
-            values = {}
-        elif isinstance(config, dict):
-            values = dict(config)
-        else:
-            raise TypeError(f"dist_config must be a dict or EngineConfig, got {type(config).__name__}")
+        """An `EngineConfig` from itself, a dict, or a config object (a dataclass such as
+        LLaMA-Factory's `FSDP2Params`, or a mapping such as its `PluginConfig`). Keys of seed 000's
+        set that fullshard has no use for are named once in a warning and dropped, `bf16` is read
+        as `mixed_precision`; any other unknown key is refused."""
+        values = cls.values_of(config)
         values.update(overrides)
+        if "bf16" in values:  # LLaMA-Factory's `FSDP2Engine(dist_config, bf16=...)` spelling of the precision
+            wanted = "bf16" if values.pop("bf16") else "fp32"
+            if values.setdefault("mixed_precision", wanted) != wanted:
+                raise ValueError(f"bf16 asks for {wanted} but mixed_precision={values['mixed_precision']!r}: "
+                                 "set one of them")
+        unused = sorted(k for k in values if k in SEED_ONLY_KEYS)
+        if unused:
+            why = ", ".join(SEED_ONLY_KEYS[k] for k in unused)
+            warn_rank0(f"dist_config keys {unused} are LLaMA-Factory's ({why}); fullshard does not use them")
+            values = {k: v for k, v in values.items() if k not in SEED_ONLY_KEYS}
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(f"unknown dist_config keys {unknown}; known keys: {sorted(known)}")
         return cls(**values)
+
+    @classmethod
+    def values_of(cls, config: "EngineConfig | dict | None") -> dict:
+        """The keys a config sets, whatever form it came in."""
+        if config is None:
+            return {}
+        if isinstance(config, Mapping):
+            return dict(config)
+        if is_dataclass(config) and not isinstance(config, type):
+            return asdict(config)
+        raise TypeError(f"dist_config must be a dict, a dataclass or an EngineConfig, got {type(config).__name__}")
+
+
+# seed 000's keys (LLaMA-Factory's `dist_config` / `FSDP2Params`) that fullshard accepts and ignores
+SEED_ONLY_KEYS = {"name": "its distributed plugin's name"}
 
 
 class FSDP2Engine:
@@ -235,8 +261,18 @@ class FSDP2Engine:
 
     def shard_model(self, model: nn.Module, hf_model_path: str | None = None, **load_kwargs) -> nn.Module:
         """Shard a model. A model with weights is sharded in place; one on the meta device is
-        sharded and then loaded from `hf_model_path` (or the engine's `dcp_path`)."""
-        if not is_on_meta(model):
+        sharded and then loaded from `hf_model_path` (or the engine's `dcp_path`); a model loaded
+        on rank 0 and on meta elsewhere is sharded and filled from rank 0 (`loading.rank0`).
+
+        Weights the config declares tied but that were built apart on meta (accelerate's
+        `init_empty_weights`) are tied first, so the plan keeps them in one unit.
+        """
+        tie_declared_weights(model)
+        tp = "with tensor parallelism (tp_size > 1)" if self.meshes.tp is not None else None
+        layout = agree_on_layout(model, supported=tp)
+        if layout == RANK0:
+            return init_from_rank0(model, self.prepare_model, self.device)
+        if layout == LOADED:
             return self.prepare_model(model)
         source = hf_model_path or getattr(getattr(model, "config", None), "_name_or_path", None)
         if not source and not self.config.dcp_path:

@@ -6,15 +6,20 @@ of its own, so a terminal's Ctrl-C reaches only the launcher, which then decides
 - first SIGINT / SIGTERM: write the stop file the ranks poll once per step (`train.stop`); they
   stop after the same step, save, and exit; the launcher waits `stop_timeout_s` for that;
 - second signal, or the wait ran out: SIGTERM to torchrun, which passes it to the ranks (a second
-  signal for them: they exit at once) and kills what is left after a short grace; every rank also
-  dies with its parent (`die_with_parent`), so no rank outlives the launcher's torchrun;
-- a rank that fails writes its traceback to `<output_dir>/logs/rank<N>.log` and its message to
-  `rank<N>.error` (`run_rank`); the launcher prints one `fullshard: error:` line from them, and the
-  tracebacks too with `--debug` or FULLSHARD_DEBUG=1. torchrun's own failure report is not shown.
+  signal for them: they exit at once) and kills what is left after a short grace;
+- whatever ends the launcher, `kill -9` included, ends torchrun and the ranks with it: torchrun
+  and every rank ask Linux to kill them when their parent dies (`die_with_parent`), so nothing
+  trains on into a directory whose lock (`train.rundir`) its holder no longer holds;
+- a rank that fails writes its traceback to `<output_dir>/logs/rank<N>.log` and its message, with
+  the time, to `rank<N>.error` (`run_rank`); the launcher prints one `fullshard: error:` line, the
+  first failure by time naming its rank (the others' knock-on errors, such as a peer's closed
+  connection, stay in the logs), and every traceback with `--debug` or FULLSHARD_DEBUG=1.
+  torchrun's own failure report is not shown.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -28,6 +33,7 @@ from .errors import FullshardError
 
 LAUNCHED_ENV = "FULLSHARD_LAUNCHED"  # set for ranks started here: the launcher reports their errors
 LOG_DIR_ENV = "FULLSHARD_LOG_DIR"
+PARENT_PID_ENV = "FULLSHARD_PARENT_PID"  # the process torchrun, then each rank, must die with
 DEBUG_ENV = "FULLSHARD_DEBUG"
 KILL_GRACE_S = 15.0
 
@@ -50,13 +56,18 @@ def describe(exc: BaseException) -> str:
 
 
 def die_with_parent() -> None:
-    """Ask Linux to kill this process when its parent (torchrun) dies, whatever killed it."""
+    """Ask Linux to kill this process when its parent dies, whatever killed it. The parent the
+    launcher meant (`PARENT_PID_ENV`) may already be gone by the time this runs (the imports before
+    it take seconds): then this process was reparented and dies now."""
     try:
         import ctypes
 
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
-        pass  # not Linux: torchrun's own shutdown still ends the ranks on a signal
+        return  # not Linux: torchrun's own shutdown still ends the ranks on a signal
+    expected = os.environ.get(PARENT_PID_ENV)
+    if expected and os.getppid() != int(expected):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def run_rank(fn, log_dir: str | os.PathLike, debug: bool = False) -> int:
@@ -74,8 +85,9 @@ def run_rank(fn, log_dir: str | os.PathLike, debug: bool = False) -> int:
         message, log = describe(exc), Path(log_dir) / f"rank{rank}.log"
         try:
             log.parent.mkdir(parents=True, exist_ok=True)
+            failed_ns = time.time_ns()  # before the traceback is written: peers' knock-on errors come later
             log.write_text(traceback.format_exc())
-            (log.parent / f"rank{rank}.error").write_text(message)
+            (log.parent / f"rank{rank}.error").write_text(json.dumps({"time_ns": failed_ns, "message": message}))
         except OSError:
             log = None  # the output directory itself is the problem; the message still reaches the user
         if os.environ.get(LAUNCHED_ENV) == "1" and log is not None:
@@ -112,9 +124,10 @@ def _close_process_groups(after_failure: bool) -> None:
 
 
 def launch(nproc: int, rank_args: list[str], log_dir: str | os.PathLike, stop_timeout_s: float,
-           debug: bool = False) -> int:
+           debug: bool = False, lock_file: str | os.PathLike | None = None) -> int:
     """Run `fullshard.cli <rank_args>` on `nproc` local ranks under torchrun; see the module docstring.
-    Returns the exit status for the command line."""
+    `lock_file`: the run directory's lock, held by the caller for the ranks. Returns the exit status
+    for the command line."""
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     for stale in [*log_dir.glob("rank*.error"), *log_dir.glob("rank*.log"), log_dir / "stop"]:
@@ -122,7 +135,12 @@ def launch(nproc: int, rank_args: list[str], log_dir: str | os.PathLike, stop_ti
     from .train.stop import STOP_FILE_ENV
 
     stop_file = log_dir / "stop"
-    env = dict(os.environ, **{LAUNCHED_ENV: "1", LOG_DIR_ENV: str(log_dir), STOP_FILE_ENV: str(stop_file)})
+    from .train.rundir import LOCK_HELD_ENV
+
+    env = dict(os.environ, **{LAUNCHED_ENV: "1", LOG_DIR_ENV: str(log_dir), STOP_FILE_ENV: str(stop_file),
+                              PARENT_PID_ENV: str(os.getpid())})
+    if lock_file is not None:
+        env[LOCK_HELD_ENV] = str(lock_file)
     env.setdefault("OMP_NUM_THREADS", "1")
     command = [sys.executable, "-m", "fullshard.launch", "--standalone", f"--nproc_per_node={nproc}",
                f"--shutdown_timeout={int(KILL_GRACE_S)}", "-m", "fullshard.cli", *rank_args]
@@ -170,15 +188,28 @@ def _supervise(command: list[str], env: dict, stop_file: Path, stop_timeout_s: f
 
 
 def _failure_message(log_dir: Path, returncode: int, debug: bool) -> str:
-    """The ranks' one-line messages (identical ones once), pointing at their tracebacks."""
-    errors = sorted(log_dir.glob("rank*.error"), key=lambda p: int(p.stem[4:]))
-    messages = list(dict.fromkeys(p.read_text().strip() for p in errors))
+    """The first failure by time, naming its rank unless every rank that failed said the same
+    (an agreed error names its ranks itself), pointing at every rank's traceback."""
+    failures = sorted(_read_failure(p) for p in log_dir.glob("rank*.error"))
     if debug_enabled(debug):
         for log in sorted(log_dir.glob("rank*.log")):
             print(f"----- {log}\n{log.read_text()}", file=sys.stderr)
-    if not messages:
+    if not failures:
         return f"the ranks failed (torchrun exit status {returncode}) without a message"
-    return f"{messages[0]} (every rank's traceback: {log_dir}/rank*.log)"
+    _, rank, message = failures[0]
+    if len(failures) == 1 or len({m for *_, m in failures}) > 1:
+        message = f"rank {rank}: {message}"
+    return f"{message} (every rank's traceback: {log_dir}/rank*.log)"
+
+
+def _read_failure(path: Path) -> tuple[int, int, str]:
+    """(time_ns, rank, message) of a `rank<N>.error` file (`run_rank`)."""
+    rank, text = int(path.stem[4:]), path.read_text()
+    try:
+        record = json.loads(text)
+        return int(record["time_ns"]), rank, str(record["message"])
+    except (ValueError, KeyError, TypeError):
+        return path.stat().st_mtime_ns, rank, text.strip()
 
 
 # ---------------------------------------------------------------------------------------------- torchrun
@@ -190,6 +221,8 @@ def agent_main(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    die_with_parent()  # the launcher's death, even by SIGKILL, ends torchrun and so every rank
+    os.environ[PARENT_PID_ENV] = str(os.getpid())  # what each rank checks its parent against
     # elastic's loggers set their own level when created (at import): quieten each one
     for name in list(logging.root.manager.loggerDict):
         if name.startswith(("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher")):

@@ -42,7 +42,6 @@ POLICIES = {
 }
 
 BLOCK_CONTAINER_PATHS = ("layers", "model.layers", "h", "transformer.h", "blocks", "model.blocks", "encoder.layer")
-FINAL_NORM_NAMES = ("norm", "final_layernorm", "final_layer_norm", "ln_f", "norm_f", "final_norm")
 
 
 
@@ -177,7 +176,8 @@ class ShardingPlan:
                 )
 
     def describe(self, model: nn.Module, shard_size: int = 1) -> str:
-        """A table: unit, policies, parameter count and bytes each rank holds of it."""
+        """A table: unit, policies, parameter count and bytes each rank holds of it; then each tied
+        parameter's names and the one unit that holds it."""
         rows = [("unit", "reshard", "mp", "offload", "params", "bytes/rank")]
         totals: dict[int | None, list[int]] = {}
         for name, param in model.named_parameters():
@@ -204,6 +204,10 @@ class ShardingPlan:
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
+        for names in tensor_aliases(model).values():  # the guarantee a plan keeps, said where it is kept
+            if len(names) > 1:
+                unit = self._unit_label(self.unit_index_of_parameter(names[0]), short=True)
+                lines.append(f"tied: {' = '.join(names)}: one tensor, in unit {unit}")
         return "\n".join(lines)
 
 
@@ -347,21 +351,46 @@ def _module_name(model: nn.Module, target: nn.Module | None) -> str | None:
 
 
 def find_final_norm(model: nn.Module, blocks: list[str]) -> str | None:
-    """The norm applied after the last block: a sibling of the block list named like a final norm.
+    """The norm applied after the last block, found the way the model defines it: a norm held by
+    the module that holds the block list, registered after that list (LFM2's `embedding_norm`,
+    whatever its name), else the only one it holds (OPT registers its final norm before its layers).
 
-    The last block that trains decides, not the last one registered: BLT registers a frozen side
-    model (`model.patcher`, with a norm of its own) after its decoder.
+    A norm is a module whose class says it is one (`LayerNorm`, `LlamaRMSNorm`, ...) and that has
+    parameters. The last block that trains decides, not the last one registered: BLT registers a
+    frozen side model (`model.patcher`, with a norm of its own) after its decoder.
     """
     if not blocks:
         return None
     trainable = [b for b in blocks if any(p.requires_grad for p in model.get_submodule(b).parameters())]
     last = (trainable or blocks)[-1]
-    parent = last.rpartition(".")[0].rpartition(".")[0]  # "model.layers.3" -> "model"
-    for candidate in FINAL_NORM_NAMES:
-        name = f"{parent}.{candidate}" if parent else candidate
-        if _get_submodule(model, name) is not None:
-            return name
-    return None
+    container = last.rpartition(".")[0]  # "model.layers.3" -> "model.layers"
+    parent, _, list_name = container.rpartition(".")
+    holder = model.get_submodule(parent) if parent else model
+    children = [name for name, _ in holder.named_children()]
+    norms = [name for name, module in holder.named_children() if _is_norm(module) and _parameter_count(module)]
+    after = [n for n in norms if list_name in children and children.index(n) > children.index(list_name)]
+    chosen = after[0] if after else norms[0] if len(norms) == 1 else None
+    return None if chosen is None else f"{parent}.{chosen}" if parent else chosen
+
+
+def _is_norm(module: nn.Module) -> bool:
+    norm_types = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase)
+    return isinstance(module, norm_types) or "norm" in type(module).__name__.lower()
+
+
+def head_modules(model: nn.Module, head: str | None, blocks: list[str]) -> list[str]:
+    """The output head and the task model's own modules that run with it: those registered after
+    its base model (ModernBERT-decoder's prediction head `lm_head`, with its dense layer and norm,
+    runs between the final norm and the `decoder` projection; BERT's `cls` holds its transform)."""
+    base = getattr(model, "base_model", None)
+    children = dict(model.named_children())
+    base_name = next((name for name, module in children.items() if module is base), None)
+    names = list(children)
+    extra = [] if base_name is None else [
+        name for name in names[names.index(base_name) + 1:]
+        if _parameter_count(children[name]) and not any(_is_within(b, name) for b in blocks)]
+    found = extra + ([head] if head is not None else [])
+    return [n for n in dict.fromkeys(found) if not any(_is_within(n, other) and n != other for other in found)]
 
 
 # --------------------------------------------------------------------------- plans
@@ -384,9 +413,9 @@ def auto_plan(model: nn.Module, cpu_offload: bool | None = None, mixed_precision
     if embed is not None and embed != "" and not _shares_parameters(model, embed, head):
         units.append(unit([embed], source="auto: input embeddings"))
     units += [unit([b], source=f"auto: block {b}") for b in _block_unit_roots(model, blocks)]
-    tail = [norm, head]
+    tail = [norm, *head_modules(model, head, blocks)]
     if embed is not None and _shares_parameters(model, embed, head):
-        tail = [embed, norm, head]
+        tail = [embed, *tail]
     units.append(unit(tail, reshard=False, source="auto: tail"))
     plan = ShardingPlan([u for u in units if u is not None])
     return _split_trainable(model, _merge_shared(model, plan))
@@ -440,22 +469,33 @@ def _merge_shared(model: nn.Module, plan: ShardingPlan) -> ShardingPlan:
             if len(indices) <= 1:
                 continue
             targets = sorted(i for i in indices if i is not None)
-            merged_modules = [m for i in targets for m in units[i].modules]
-            merged_modules += [m for m in owner_modules if current.unit_index_of(m) is None]
-            merged_modules = [m for m in dict.fromkeys(merged_modules) if not any(
-                _is_within(m, other) and m != other for other in merged_modules)]
-            reshard_values = [units[i].reshard_after_forward for i in targets]
-            merged = replace(
-                units[targets[0]],
-                modules=tuple(merged_modules),
-                reshard_after_forward=False if False in reshard_values else units[targets[0]].reshard_after_forward,
-                source=" & ".join(units[i].source for i in targets),
-            )
+            rooted = [m for m in owner_modules if current.unit_index_of(m) is None]
+            merged = merge_units(model, [units[i] for i in targets], rooted,
+                                 f"parameter {names[0]!r} (shared by {names})")
             units = [u for i, u in enumerate(units) if i not in targets[1:]]
             units[targets[0]] = merged
             changed = True
             break
     return ShardingPlan(units)
+
+
+def merge_units(model: nn.Module, parts: list[UnitSpec], extra: list[str], why: str) -> UnitSpec:
+    """One unit over `parts` and the modules `extra`, in model order. It keeps its full weight after
+    forward if any part did; parts that set offload or precision differently are a `PlanError`
+    naming them and `why` they must be one unit (no choice between them would be the user's)."""
+    order = {name: index for index, (name, _) in enumerate(model.named_modules())}
+    names = [m for part in parts for m in part.modules] + list(extra)
+    names = sorted((m for m in dict.fromkeys(names) if not any(_is_within(m, o) and m != o for o in names)),
+                   key=order.get)
+    for attr in ("cpu_offload", "mixed_precision"):
+        values = {getattr(part, attr) for part in parts} - {None}
+        if len(values) > 1:
+            entries = [part.source or part.name for part in parts]
+            raise PlanError(f"{why} must be in one unit, but plan entries {entries} set {attr} differently; "
+                            f"give them one {attr} setting")
+    reshard = [part.reshard_after_forward for part in parts]
+    return replace(parts[0], modules=tuple(names), source=" & ".join(part.source for part in parts),
+                   reshard_after_forward=False if False in reshard else parts[0].reshard_after_forward)
 
 
 def _split_trainable(model: nn.Module, plan: ShardingPlan) -> ShardingPlan:
@@ -496,14 +536,18 @@ def _glob_to_regex(pattern: str) -> re.Pattern:
     return re.compile("".join(out) + r"\Z")
 
 
-def manual_plan(model: nn.Module, modules: dict[str, list[str] | str]) -> ShardingPlan:
+def manual_plan(model: nn.Module, modules: dict) -> ShardingPlan:
     """A plan from glob patterns to policies, in the dict form of transformers' `fsdp_plan`.
 
     Each pattern makes one unit per module it matches. A key naming several patterns joined by
-    `+` (e.g. `"model.embed_tokens + lm_head"`) makes one unit over all their matches: the way
-    to keep a tied pair together.
+    `+` (e.g. `"model.embed_tokens + lm_head"`), or a tuple of patterns (transformers' spelling),
+    makes one unit over all their matches. As in transformers, a container (`"model.layers"`:
+    a ModuleList, ModuleDict or Sequential named as it is) stands for its children, one unit
+    each, and a tied module listed without its partner takes the partner into its unit (a tied
+    embedding brings its head): tied parameters always share one unit.
     """
-    names = [n for n, _ in model.named_modules() if n]
+    named = dict(model.named_modules())
+    names = [n for n in named if n]
     units: list[UnitSpec] = []
     for key, policies in modules.items():
         if isinstance(policies, str):
@@ -515,29 +559,70 @@ def manual_plan(model: nn.Module, modules: dict[str, list[str] | str]) -> Shardi
             attr, value = POLICIES[policy]
             settings[attr] = value
         matched_groups = []
-        for pattern in (p.strip() for p in key.split("+")):
+        for pattern in (p.strip() for p in (key if isinstance(key, tuple) else key.split("+"))):
             regex = _glob_to_regex(pattern)
-            matches = [n for n in names if regex.match(n)]
+            matches = _children_of_containers(named, [n for n in names if regex.match(n)], exact="*" not in pattern)
             if not matches:
                 raise PlanError(f"plan entry {key!r}: pattern {pattern!r} matches no module of {type(model).__name__}")
             matched_groups.append(matches)
+        source = " + ".join(key) if isinstance(key, tuple) else key
         if len(matched_groups) == 1:
-            units += [UnitSpec((m,), source=key, **settings) for m in matched_groups[0]]
+            units += [UnitSpec((m,), source=source, **settings) for m in matched_groups[0]]
         else:
-            units.append(UnitSpec(tuple(m for group in matched_groups for m in group), source=key, **settings))
-    return ShardingPlan(units)
+            units.append(UnitSpec(tuple(m for group in matched_groups for m in group), source=source, **settings))
+    return _merge_shared(model, ShardingPlan(units))
+
+
+def _children_of_containers(named: dict[str, nn.Module], matches: list[str], exact: bool) -> list[str]:
+    """Each container among `matches` replaced by its children (transformers' meaning of a
+    container in a plan: its forward never runs, or, for a Sequential named exactly, it is a list
+    of layers). A Sequential matched through a wildcard is a module like any other."""
+    containers = (nn.ModuleList, nn.ModuleDict, nn.Sequential) if exact else (nn.ModuleList, nn.ModuleDict)
+    out = []
+    for name in matches:
+        module = named[name]
+        if isinstance(module, containers):
+            out += _children_of_containers(named, [f"{name}.{child}" for child, _ in module.named_children()], exact)
+        else:
+            out.append(name)
+    return out
+
+
+def transformers_plan(model: nn.Module, spec: dict) -> ShardingPlan:
+    """transformers' `fsdp_plan` forms without a "mode" key, with transformers' meaning:
+    {"modules": {...}} is manual; {"cpu_offload": ..., "mixed_precision": ...} is auto with those
+    policies; a flat {pattern or tuple: style or [styles]} (transformers' `model.fsdp_plan`) is
+    manual, and there, as in transformers, the final norm and the output head (or the tied
+    embedding) kept full after forward are one unit, so nothing is gathered again for backward."""
+    if "modules" in spec:
+        return build_plan(model, {"mode": "manual", **spec})
+    policies_only = set(spec) <= {"cpu_offload", "mixed_precision"}
+    if spec and policies_only and all(v is None or isinstance(v, bool) for v in spec.values()):
+        return auto_plan(model, cpu_offload=spec.get("cpu_offload"), mixed_precision=spec.get("mixed_precision"))
+    plan = manual_plan(model, spec)
+    kept = [unit for unit in plan.units if unit.reshard_after_forward is False]
+    norm = find_final_norm(model, find_blocks(model))
+    ends = {_module_name(model, _safe_call(getattr(model, f, None)))
+            for f in ("get_input_embeddings", "get_output_embeddings")}
+    if len(kept) == 2 and any(norm in u.modules for u in kept) and any(ends & set(u.modules) for u in kept):
+        tail = merge_units(model, kept, [], "the final norm and the head kept full after forward")
+        plan = ShardingPlan([tail if u is kept[0] else u for u in plan.units if u is not kept[1]])
+    return plan
 
 
 def build_plan(model: nn.Module, spec: ShardingPlan | dict | str | None = None) -> ShardingPlan:
     """Turn any accepted plan form into a validated `ShardingPlan`.
 
     Accepted: None or "auto"; {"mode": "auto", "cpu_offload": ..., "mixed_precision": ...};
-    {"mode": "manual", "modules": {pattern: [policy, ...]}}; a `ShardingPlan`.
+    {"mode": "manual", "modules": {pattern: [policy, ...]}}; transformers' forms without "mode"
+    (`transformers_plan`); a `ShardingPlan`.
     """
     if spec is None or spec == "auto":
         plan = auto_plan(model)
     elif isinstance(spec, ShardingPlan):
         plan = spec
+    elif isinstance(spec, dict) and "mode" not in spec:
+        plan = transformers_plan(model, spec)
     elif isinstance(spec, dict):
         mode = spec.get("mode")
         allowed = {"auto": {"mode", "cpu_offload", "mixed_precision"}, "manual": {"mode", "modules"}}

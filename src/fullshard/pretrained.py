@@ -14,11 +14,12 @@ from .engine import FSDP2Engine
 from .errors import LoadError
 from .loading import checkpoint_dtype, init_empty_model, resolve_checkpoint_dir
 from .lora import apply_lora, lora_checkpoint_view
+from .packed_attention import use_attention
 
 
 def from_pretrained(name_or_path: str, engine=None, dtype=None, model_class=None, revision: str | None = None,
                     cache_dir: str | None = None, lora=None, trust_remote_code: bool = False,
-                    **load_kwargs) -> nn.Module:
+                    attn_implementation: str | None = None, **load_kwargs) -> nn.Module:
     """The short path: build the model on meta from its config, shard it with `engine`, load it sharded.
 
     `engine` defaults to `FSDP2Engine()` (fp32, auto plan, whole world). `dtype=None` keeps the
@@ -26,6 +27,7 @@ def from_pretrained(name_or_path: str, engine=None, dtype=None, model_class=None
     `peft.LoraConfig` or a dict of its fields) wraps the model on meta with PEFT LoRA before it is
     sharded (`fullshard.lora.apply_lora`): the result is a `PeftModel` whose base loads sharded from
     the checkpoint and whose adapters are initialised as `get_peft_model` would.
+    `attn_implementation` names transformers' attention kernel (None: transformers' pick).
     """
     from transformers import AutoConfig
 
@@ -36,6 +38,7 @@ def from_pretrained(name_or_path: str, engine=None, dtype=None, model_class=None
         build_dtype = resolve_dtype(dtype) or checkpoint_dtype(directory)
         model = init_empty_model(config, model_class, dtype=build_dtype, trust_remote_code=trust_remote_code)
     model.config._name_or_path = str(name_or_path)
+    use_attention(model, attn_implementation)
     if lora is not None:
         model = apply_lora(model, lora)
         load_kwargs["checkpoint_view"] = lora_checkpoint_view(model)

@@ -21,7 +21,7 @@ from torch.distributed.fsdp import FSDPModule
 from . import optim
 from .checkpoint.rng import seed_everything
 from .distributed import ParallelDims, get_rank, get_world_size, init_distributed
-from .engine import EngineConfig, FSDP2Engine, is_on_meta
+from .engine import EngineConfig, FSDP2Engine
 from .errors import ConfigError
 from .log import warn_rank0
 
@@ -73,9 +73,7 @@ def engine_config(config: EngineConfig | dict | None) -> tuple[EngineConfig, str
         resolved = EngineConfig.from_any(config)
     except (TypeError, ValueError) as err:
         raise ConfigError(str(err)) from None
-    configured = config.get("mixed_precision") if isinstance(config, dict) else (
-        None if config is None else resolved.mixed_precision)
-    return resolved, configured
+    return resolved, EngineConfig.values_of(config).get("mixed_precision")
 
 
 class FSDPStrategy:
@@ -173,9 +171,10 @@ class FSDPStrategy:
 
     def prepare_model(self, model: nn.Module, is_training: bool = False, shard_size: int = -1,
                       reshard_after_forward: bool | int | None = None) -> nn.Module:
-        """Shard `model` (loading its weights if it was built on meta); eval mode unless training."""
+        """Shard `model` (loading its weights if it was built on meta, or sending rank 0's when only
+        rank 0 loaded them); eval mode unless training."""
         engine = self.engine(shard_size, reshard_after_forward)
-        model = engine.shard_model(model) if is_on_meta(model) else engine.prepare_model(model)
+        model = engine.shard_model(model)  # loaded, on meta, or loaded on rank 0 only: the engine tells
         model.train(is_training)
         return model
 

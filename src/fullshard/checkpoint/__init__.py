@@ -6,6 +6,7 @@ sharded model or, offline in one process, from a checkpoint. One module per conc
 
 - `layout`: what a checkpoint directory holds, ordering by step, finishing interrupted commits
 - `read`: reading DCP state through `fullshard.safe_dcp`, one named error per failure
+- `fit`: the checkpoint's keys against the model's, optimizer's and states': refused, fresh, or kept
 - `manager`: save (sync / async), commit, rotation, load (with `auto` fallback)
 - `async_exit`: an async save pending at `destroy_process_group` or at exit is committed or reported
 - `export`: the live export (`export_hf`), the safetensors stream writer, the plain export recipe

@@ -24,7 +24,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
@@ -32,9 +31,10 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state
 from ..distributed import agreed, broadcast_from_rank0, get_rank, get_world_size, run_agreed
 from ..errors import CheckpointError, ConfigError
 from ..fsdp import reshard_all
-from ..log import logger, warn_rank0
+from ..log import log_rank0, logger, warn_rank0
 from . import async_exit, layout
 from .export import config_json, generation_config_json
+from .fit import few, fit_to_index
 from .offline import model_meta
 from .read import CheckpointReader, UnreadableCheckpoint, failure_summary, read_side_file
 from .rng import capture_rng_state, rederive_rng_state, restore_rng_state
@@ -300,18 +300,32 @@ class CheckpointManager:
                 state["optim"] = optim_state
             if states:
                 state["states"] = {name: obj.state_dict() for name, obj in states.items()}
-            state["model"] = _check_against_index(checkpoint, reader.metadata, state, strict)
-            return trainer_state, reader, state
+            fit = fit_to_index(checkpoint, reader.metadata, state, strict)
+            state["model"] = fit.model_state
+            if optimizer is not None:
+                fit.drop_fresh_params(state["optim"])
+            return trainer_state, reader, state, fit
 
         with agreed(CheckpointError, f"loading checkpoint {checkpoint}"):
-            trainer_state, reader, state = prepare()
+            trainer_state, reader, state, fit = prepare()
         with agreed(CheckpointError, f"reading checkpoint {checkpoint}"):
-            reader.read(state)
-        options = StateDictOptions(strict=strict)
-        set_model_state_dict(model, state["model"], options=options)
+            reader.read(state, partial=bool(fit.absent_states))  # what a state lacks keeps its current value
+        set_model_state_dict(model, state["model"], options=StateDictOptions(strict=strict))
         if optimizer is not None:
-            set_optimizer_state_dict(model, optimizer, state["optim"], options=options)
+            # torch refuses a parameter without saved state when strict; `fit` has told the
+            # legitimately absent (left fresh) from the missing (refused)
+            set_optimizer_state_dict(model, optimizer, state["optim"], options=StateDictOptions(strict=False))
+            if fit.fresh_params:
+                log_rank0(f"{len(fit.fresh_params)} parameter(s) had no optimizer state when {checkpoint} was saved "
+                          f"(no gradient yet), so they have none now, as in the run that saved it: "
+                          f"{few(fit.fresh_params)}")
         for name, obj in states.items():
+            if name in fit.unsaved_states:
+                warn_rank0(f"checkpoint {checkpoint} holds no {name!r} state; {name} keeps its current state")
+                continue
+            if name in fit.absent_states:
+                warn_rank0(f"checkpoint {checkpoint} lacks {few(fit.absent_states[name])}; "
+                           "those keep their current values")
             obj.load_state_dict(state["states"][name])
         run_agreed(lambda: self._load_side_files(checkpoint, trainer_state, scheduler), error_type=CheckpointError)
         extra = dict(trainer_state.get("extra_state") or {})
@@ -321,15 +335,19 @@ class CheckpointManager:
     def _load_side_files(self, checkpoint: Path, trainer_state: dict, scheduler) -> None:
         if scheduler is not None:
             file = checkpoint / layout.SCHEDULER
-            if not file.is_file():
-                raise CheckpointError(f"{file} is missing: the checkpoint was saved without a scheduler")
-            scheduler.load_state_dict(read_side_file(file))
+            if file.is_file():
+                scheduler.load_state_dict(read_side_file(file))
+            else:
+                warn_rank0(f"{file} is missing (the checkpoint was saved without a scheduler); "
+                           "the scheduler keeps its current state")
         rank, world, saved_world = get_rank(), get_world_size(), trainer_state["world_size"]
-        if saved_world == world:
-            restore_rng_state(read_side_file(layout.rng_file(checkpoint, rank)))
+        rng_file = layout.rng_file(checkpoint, rank)
+        if saved_world == world and rng_file.is_file():
+            restore_rng_state(read_side_file(rng_file))
             rng = "restored"
         else:
-            rederive_rng_state(trainer_state["base_seed"], trainer_state["step"], rank, saved_world, world)
+            reason = None if saved_world != world else f"{rng_file} is missing"
+            rederive_rng_state(trainer_state["base_seed"], trainer_state["step"], rank, saved_world, world, reason)
             rng = "re-derived"
         self.last_load_info = {"path": str(checkpoint), "step": trainer_state["step"], "saved_world_size": saved_world,
                                "world_size": world, "rng": rng}
@@ -394,48 +412,6 @@ def _write_model_files(tmp: Path, model, tokenizer) -> None:
         write_adapter_config(model, tmp / layout.ADAPTER_DIR, model.active_adapter)
     if tokenizer is not None:
         tokenizer.save_pretrained(str(tmp / layout.TOKENIZER_DIR))
-
-
-def _check_against_index(checkpoint: Path, metadata, state: dict, strict: bool) -> dict:
-    """Compare what the model, optimizer and states expect with what the checkpoint holds, by key
-    and shape, and say exactly which keys differ. Returns the model state to load (without the keys
-    the checkpoint lacks when not strict)."""
-    index = metadata.state_dict_metadata
-    model_state = state["model"]
-    saved_model_keys = {k[len("model."):] for k in index if k.startswith("model.")}
-    missing = sorted(k for k in model_state if k not in saved_model_keys)
-    unexpected = sorted(saved_model_keys - set(model_state))
-    problems = []
-    if strict and missing:
-        problems.append(f"missing from the checkpoint: {_few(missing)}")
-    if strict and unexpected:
-        problems.append(f"in the checkpoint but not in the model: {_few(unexpected)}")
-    if not strict:
-        model_state = {k: v for k, v in model_state.items() if k in saved_model_keys}
-    has_optim = any(k.startswith("optim.") for k in index)
-    if "optim" in state and not has_optim:
-        problems.append("no optimizer state in the checkpoint (saved without an optimizer): pass load_optimizer=False")
-    flat, _ = flatten_state_dict({**state, "model": model_state})
-    absent, mismatched = [], []
-    for key, value in flat.items():
-        saved = index.get(key)
-        if saved is None and (key.startswith("states.") or (key.startswith("optim.") and has_optim)):
-            absent.append(key)
-        elif isinstance(value, torch.Tensor) and saved is not None and hasattr(saved, "size"):
-            if tuple(value.shape) != tuple(saved.size):
-                mismatched.append(f"{key}: checkpoint {tuple(saved.size)} vs model {tuple(value.shape)}")
-    if absent:
-        problems.append(f"not in the checkpoint: {_few(absent)}")
-    if mismatched:
-        problems.append(f"shape mismatch: {_few(mismatched)}")
-    if problems:
-        raise CheckpointError(f"checkpoint {checkpoint} does not fit this model: " + "; ".join(problems))
-    return model_state
-
-
-def _few(items: list[str], limit: int = 8) -> str:
-    shown = ", ".join(items[:limit])
-    return shown + (f" (and {len(items) - limit} more)" if len(items) > limit else "")
 
 
 def _torch_bytes(obj) -> bytes:

@@ -51,12 +51,14 @@ class CheckpointReader:
         layout.check_storage_files(self.state_dir, self.metadata, UnreadableCheckpoint)
         self._reader = _IndexedReader(self.state_dir, self.metadata)
 
-    def read(self, state: dict) -> None:
+    def read(self, state: dict, partial: bool = False) -> None:
+        """Read `state` in place; `partial` leaves keys the checkpoint lacks as they are (for state
+        the caller has already judged optional)."""
         try:
             with warnings.catch_warnings():  # "assuming the intent is to load in a single process": per rank
                 warnings.simplefilter("ignore", UserWarning)
-                dcp.load(state, storage_reader=self._reader, planner=SafeLoadPlanner(error_type=UnreadableCheckpoint),
-                         no_dist=True)
+                planner = SafeLoadPlanner(error_type=UnreadableCheckpoint, allow_partial_load=partial)
+                dcp.load(state, storage_reader=self._reader, planner=planner, no_dist=True)
         except CheckpointException as err:
             raise UnreadableCheckpoint(f"reading checkpoint {self.checkpoint} failed: {failure_summary(err)}") from None
         except CheckpointError as err:

@@ -58,11 +58,14 @@ def derived_seed(base_seed: int, step: int, rank: int) -> int:
     return (base_seed * 1_000_003 + step * 7919 + rank) % (2**63 - 1)
 
 
-def rederive_rng_state(base_seed: int, step: int, rank: int, saved_world: int, world: int) -> int:
+def rederive_rng_state(base_seed: int, step: int, rank: int, saved_world: int, world: int,
+                       reason: str | None = None) -> int:
+    """Seed this rank from (base seed, step, rank) and say why: by default, that the checkpoint
+    was saved on another number of ranks; `reason` names another cause (no RNG file saved)."""
     seed = derived_seed(base_seed, step, rank)
     seed_everything(seed)
-    message = (f"checkpoint was saved on {saved_world} ranks and is resumed on {world}: per-rank RNG states "
-               f"cannot be resharded, so rank {rank} re-seeded python/numpy/torch RNGs with "
+    reason = reason or (f"checkpoint was saved on {saved_world} ranks and is resumed on {world}: per-rank RNG "
+                        "states cannot be resharded")
+    warn_rank0(f"{reason}, so rank {rank} re-seeded python/numpy/torch RNGs with "
                f"derived_seed(base_seed={base_seed}, step={step}, rank={rank}) = {seed}")
-    warn_rank0(message)
     return seed

@@ -2,9 +2,12 @@
 
 Text is packed as one stream cut every `seq_len` tokens (documents joined by EOS, none wasted);
 conversations are packed whole, in order, into a row until the next one does not fit, and the
-row's tail is padding with label -100 (a conversation is never split from its context). Position
-ids restart at every document and at every row start, so a packed document is positioned as if
-it were alone (and attention kernels that read document starts from position ids can mask them).
+row's tail is padding with label -100 (a conversation is never split from its context). Without
+packing, every row holds one document (text or conversation) and its padding. Position ids
+restart at every document, at the padding and at every row start, so a packed document is
+positioned as if it were alone and attention keeps documents apart by reading their starts from
+the position ids (`fullshard.packed_attention`). The first token of a document is no target: it
+would be predicted from the end of the document before it, which it never sees alone.
 """
 
 from __future__ import annotations
@@ -29,8 +32,9 @@ class Packer:
     """Turns documents (token ids, optional labels) into rows, carrying what does not fill a row
     to the next call. Its carry is part of a streaming run's data position (`state_dict`)."""
 
-    def __init__(self, seq_len: int, pad_id: int, whole_documents: bool):
-        self.seq_len, self.pad_id, self.whole = seq_len, pad_id, whole_documents
+    def __init__(self, seq_len: int, pad_id: int, whole_documents: bool, packing: bool = True):
+        self.seq_len, self.pad_id, self.packing = seq_len, pad_id, packing
+        self.whole = whole_documents or not packing
         self.ids = np.zeros(0, np.int64)
         self.labels = np.zeros(0, np.int64)
         self.starts = np.zeros(0, bool)
@@ -52,6 +56,7 @@ class Packer:
         self.documents += len(lengths)
         starts = np.zeros(len(ids), bool)
         starts[np.cumsum(lengths) - lengths] = True
+        labels = np.where(starts, IGNORE_INDEX, labels)
         if not self.whole:
             self.ids = np.concatenate([self.ids, ids])
             self.labels = np.concatenate([self.labels, labels])
@@ -59,7 +64,7 @@ class Packer:
             return self._take(len(self.ids) // self.seq_len * self.seq_len)
         rows = []
         for begin, length in zip((np.cumsum(lengths) - lengths).tolist(), lengths.tolist()):
-            if len(self.ids) + length > self.seq_len:
+            if len(self.ids) and (len(self.ids) + length > self.seq_len or not self.packing):
                 rows.append(self._pad_and_take())
             end = begin + length
             self.ids = np.concatenate([self.ids, ids[begin:end]])

@@ -27,7 +27,7 @@ from .pack import COLUMNS, Packer
 from .sources import Source, load_records, locate, resolve_source
 from .tokenize import RecordError, Tokenize, layouts
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: a document's first token is no target
 TOKENIZE_RUNS = {"count": 0}  # tokenizations done by this process (the once-per-node test counts them)
 READ_BATCH = 1000  # documents per packing batch
 
@@ -57,7 +57,7 @@ def cache_key(source: Source, tokenizer, section, exact: bool = True) -> str:
     """Tokenizer + data + packing; `exact=False` identifies the data by file names and sizes only."""
     recipe = {"version": CACHE_VERSION, "data": source.stamp(exact), "tokenizer": tokenizer_id(tokenizer),
               "format": section.format, "fields": layouts(section), "seq_len": section.seq_len,
-              "overlong": section.overlong,
+              "overlong": section.overlong, "packing": section.packing,
               "chat_template": chat_template_of(tokenizer, section.chat_template) if section.format == "chat" else None}
     return hashlib.sha256(json.dumps(recipe, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
@@ -156,7 +156,7 @@ def _write_rows(tokens, section, tokenizer, path: Path) -> dict:
     from datasets.arrow_writer import ArrowWriter
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    packer = Packer(section.seq_len, pad, whole_documents=section.format == "chat")
+    packer = Packer(section.seq_len, pad, whole_documents=section.format == "chat", packing=section.packing)
     features = Features({c: Sequence(Value("int32"), length=section.seq_len) for c in COLUMNS})
     rows = total = 0
     with ArrowWriter(path=str(path), features=features) as writer:

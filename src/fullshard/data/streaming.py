@@ -39,7 +39,7 @@ class StreamReader:
         self.start_state = self.dataset.state_dict()
         self.tokenize = Tokenize(tokenizer, section)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.packer = Packer(section.seq_len, pad, whole_documents=section.format == "chat")
+        self.packer = Packer(section.seq_len, pad, whole_documents=section.format == "chat", packing=section.packing)
         self.pending = {c: np.zeros((0, section.seq_len), np.int64) for c in COLUMNS}
         self.epoch, self.record, self._records = 0, 0, None
 

@@ -18,13 +18,14 @@ def layouts(section) -> tuple[tuple[str, ...], ...]:
 
 class Tokenize:
     """A picklable batch function: text documents end with EOS and train on every token; a chat
-    record trains on its assistant turns only, and one longer than `seq_len` is dropped or
-    truncated (its first `seq_len` tokens kept) by `overlong`. A dropped record yields no tokens."""
+    record trains on its assistant turns only. A record that must fit a row (a conversation, or
+    any record without packing) and is longer than `seq_len` is dropped or truncated (its first
+    `seq_len` tokens kept) by `overlong`. A dropped record yields no tokens."""
 
     def __init__(self, tokenizer, section):
         self.tokenizer, self.format = tokenizer, section.format
         self.field = section.text_field
-        self.seq_len, self.overlong = section.seq_len, section.overlong
+        self.seq_len, self.overlong, self.packing = section.seq_len, section.overlong, section.packing
         self.chat_fields = (section.messages_field, section.prompt_field, section.response_field)
         self.template = chat_template_of(tokenizer, section.chat_template) if section.format == "chat" else None
 
@@ -34,7 +35,8 @@ class Tokenize:
             if None in texts:  # a streamed record without the field (read data is checked when loaded)
                 raise RecordError(indices[texts.index(None)], f"has no field {self.field!r}")
             ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
-            return {"input_ids": [doc + [eos] for doc in ids]}
+            docs = [doc + [eos] for doc in ids]
+            return {"input_ids": docs if self.packing else [self._fit(doc, doc)[0] for doc in docs]}
         out = {"input_ids": [], "labels": []}
         messages, prompt, response = self.chat_fields
         for k, row in enumerate(indices):
@@ -42,12 +44,16 @@ class Tokenize:
                 turns = as_messages(row, messages=batch[messages][k])
             else:
                 turns = as_messages(row, prompt=batch[prompt][k], response=batch[response][k])
-            ids, labels = tokenize_chat(self.tokenizer, self.template, turns, row)
-            if len(ids) > self.seq_len:
-                ids, labels = ([], []) if self.overlong == "drop" else (ids[:self.seq_len], labels[:self.seq_len])
+            ids, labels = self._fit(*tokenize_chat(self.tokenizer, self.template, turns, row))
             out["input_ids"].append(ids)
             out["labels"].append(labels)
         return out
+
+    def _fit(self, ids: list[int], labels: list[int]) -> tuple[list[int], list[int]]:
+        """A record that must fit one row, by `overlong`."""
+        if len(ids) <= self.seq_len:
+            return ids, labels
+        return ([], []) if self.overlong == "drop" else (ids[:self.seq_len], labels[:self.seq_len])
 
 
 __all__ = ["FORMATS", "IGNORE_INDEX", "OVERLONG", "RecordError", "Tokenize", "layouts"]

@@ -4,7 +4,8 @@ Every rank reads only its own slice of each tensor (memory-mapped safetensors or
 chunks), into a model built on the meta device and sharded before it ever held a weight. The
 loader runs in named phases over a `Source` per format (`load.py`, `source.py`, `dcp.py`);
 buffers, ties and strictness are handled in `materialize`; key renames and MoE expert fusion
-follow transformers' own conversion tables (`convert`).
+follow transformers' own conversion tables (`convert`). A model loaded on rank 0 only is sharded and
+filled from there (`rank0`).
 """
 
 from ..errors import LoadError

@@ -95,6 +95,32 @@ def _model_class_for(config):
     )
 
 
+def tie_declared_weights(model: nn.Module) -> list[str]:
+    """Tie the weights the model's config declares tied but that were built apart on meta; returns
+    the tied names that were apart.
+
+    accelerate's `init_empty_weights` re-creates every parameter it sees registered, the tied one
+    included, so a model built under it (LLaMA-Factory's meta init) comes out untied: planned that
+    way, its head would be sharded as a second tensor that no checkpoint fills. Only ends that are
+    both on meta are tied: a loaded model untied by hand keeps the weights it holds.
+    """
+    expand = getattr(model, "get_expanded_tied_weights_keys", None)
+    if expand is None or not hasattr(model, "tie_weights"):
+        return []
+    try:
+        declared = expand(all_submodels=True)
+        tensors = {**dict(model.named_parameters(remove_duplicate=False)),
+                   **dict(model.named_buffers(remove_duplicate=False))}
+    except (AttributeError, KeyError, TypeError):  # a custom class with its own idea of ties
+        return []
+    apart = [target for target, source in declared.items()
+             if target in tensors and source in tensors and tensors[target] is not tensors[source]
+             and tensors[target].is_meta and tensors[source].is_meta]
+    if apart:
+        model.tie_weights()
+    return apart
+
+
 @dataclass
 class BufferSnapshot:
     """Every buffer's dtype and, when it was real, its value, taken before `to_empty`."""

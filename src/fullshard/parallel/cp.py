@@ -7,6 +7,10 @@ all-to-all trades back. Both are torch's functional all-to-alls (differentiable,
 gloo as on NCCL), so the same path runs in CI on CPU. torch's ring `context_parallel` needs
 SDPA kernels gloo has no collectives for; this split needs nothing but all-to-all.
 
+Packed documents stay apart: the parts carry the row's restarting position ids, each rank gathers
+the whole row's (once per forward, a small all-gather) and attends with the block-diagonal causal
+mask they give (`fullshard.packed_attention.document_causal_mask`), so the mask follows the split.
+
 The loss stays that of the whole sequence: labels are shifted before the split (the last token of
 one part predicts the first of the next), and every part is normalised by the target count of
 the whole sequence divided by cp. The mean of the cp ranks' losses is then the one-process loss
@@ -25,8 +29,9 @@ from torch.distributed.device_mesh import DeviceMesh
 import torch.distributed._functional_collectives as funcol
 
 from ..errors import ConfigError, PlanError
+from ..packed_attention import CONTEXT_PARALLEL as ATTENTION_NAME
+from ..packed_attention import document_causal_mask
 
-ATTENTION_NAME = "fullshard_ulysses"
 IGNORE_INDEX = -100
 
 
@@ -38,8 +43,10 @@ def enable_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> None:
     if not attention or not hasattr(model, "set_attn_implementation"):
         raise ConfigError(f"cp_size={cp_mesh.size()}: no transformers attention layers found in {type(model).__name__}")
     AttentionInterface.register(ATTENTION_NAME, ulysses_attention)
+    documents = RowDocuments(cp_mesh.get_group())
     for module in attention:
         module.fullshard_cp_group = cp_mesh.get_group()
+        module.fullshard_cp_documents = documents
     model.set_attn_implementation(ATTENTION_NAME)
 
 
@@ -58,8 +65,9 @@ def check_context_parallel(model: nn.Module, tp_size: int, cp_size: int) -> None
 def ulysses_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                       **kwargs) -> tuple[torch.Tensor, None]:
-    """Causal attention over the whole sequence from each rank's part: (batch, heads, part, dim) in,
-    (batch, part, heads, dim) out, as transformers' attention functions return it.
+    """Causal attention over the whole sequence from each rank's part, each packed document apart:
+    (batch, heads, part, dim) in, (batch, part, heads, dim) out, as transformers' attention
+    functions return it.
 
     Key/value heads are repeated to the query heads first, so grouped-query models need only their
     query heads (after TP) to divide by cp.
@@ -76,9 +84,32 @@ def ulysses_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     groups = module.num_key_value_groups
     key, value = (t.repeat_interleave(groups, dim=1) if groups > 1 else t for t in (key, value))
     q, k, v = (_sequence_to_heads(t, group) for t in (query, key, value))
-    out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout if module.training else 0.0,
-                                         is_causal=True, scale=scaling)
+    mask = module.fullshard_cp_documents.mask(kwargs.get("position_ids"))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout if module.training else 0.0,
+                                         is_causal=mask is None, scale=scaling)
     return _heads_to_sequence(out, group).transpose(1, 2).contiguous(), None
+
+
+class RowDocuments:
+    """The document mask of the whole rows whose parts this rank holds, built from every cp rank's
+    position ids. Every attention layer of a forward gets the same position ids tensor, so the
+    gather and the mask are made once per forward (and again per recomputation, if the tensor is new)."""
+
+    def __init__(self, group):
+        self.group, self.positions, self.last = group, None, None
+
+    @torch.compiler.disable  # a compiled block calls it as it is: the identity check is Python's
+    def mask(self, positions: torch.Tensor | None) -> torch.Tensor | None:
+        if positions is None:  # the model was given none: one document per row
+            return None
+        if positions is not self.positions:
+            self.positions, self.last = positions, document_causal_mask(self._whole_rows(positions))
+        return self.last
+
+    def _whole_rows(self, positions: torch.Tensor) -> torch.Tensor:
+        (batch, part), cp = positions.shape, self.group.size()
+        parts = funcol.all_gather_tensor(positions.contiguous(), 0, self.group)  # rank i's parts: rows i*batch..
+        return parts.view(cp, batch, part).permute(1, 0, 2).reshape(batch, cp * part)
 
 
 def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
@@ -111,16 +142,20 @@ def context_parallel_batch(batch: dict[str, torch.Tensor], cp_rank: int, cp_size
     Labels are shifted over the whole sequence first; a length that cp does not divide is padded
     at the end with ignored targets (causal attention never lets a real token see them), so parts
     are equal and the ranks may split a sequence unevenly in real tokens. `position_ids` carry the
-    global positions for the rotary embedding, and `num_items_in_batch` the target count of the
-    whole sequence over cp, so the mean over cp of the parts' losses is the whole-sequence loss.
+    row's positions (the batch's own, restarting at each packed document, or 0..n) for the rotary
+    embedding and the document mask, and `num_items_in_batch` the target count of the whole
+    sequence over cp, so the mean over cp of the parts' losses is the whole-sequence loss.
     """
     input_ids, labels = batch["input_ids"], batch.get("labels", batch["input_ids"])
+    positions = batch.get("position_ids")
+    if positions is None:
+        positions = torch.arange(input_ids.shape[1]).expand_as(input_ids)
     shift_labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
     pad = -input_ids.shape[1] % cp_size
     input_ids = F.pad(input_ids, (0, pad), value=pad_token_id)
     shift_labels = F.pad(shift_labels, (0, pad), value=IGNORE_INDEX)
+    positions = torch.cat([positions, positions[:, -1:] + 1 + torch.arange(pad)], 1)
     part = input_ids.shape[1] // cp_size
-    positions = torch.arange(input_ids.shape[1]).expand_as(input_ids)
     piece = slice(cp_rank * part, (cp_rank + 1) * part)
     labels = shift_labels[:, piece].contiguous()
     return {

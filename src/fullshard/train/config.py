@@ -62,6 +62,8 @@ class ModelSection:
     """dtype of the sharded master weights (fp32, bf16, fp16)"""
     trust_remote_code: bool = False
     """run the Python code a model repository ships (its config, model and tokenizer classes)"""
+    attn_implementation: Optional[str] = None
+    """attention kernel (sdpa, eager, flex_attention, flash_attention_2/3); unset: transformers' pick"""
 
 
 @dataclass
@@ -87,9 +89,11 @@ class DataSection:
     chat_template: Optional[str] = None
     """a Jinja chat template, or a file holding one; unset: the tokenizer's"""
     overlong: Literal["drop", "truncate"] = "drop"
-    """a conversation longer than seq_len: drop it, or keep its first seq_len tokens"""
+    """a conversation (or, unpacked, a document) longer than seq_len: drop it, or keep its first seq_len tokens"""
     seq_len: int = 128
     """tokens per packed row"""
+    packing: bool = True
+    """pack several documents or conversations into a row, each attending only to itself; false: one per row, padded"""
     eval_fraction: float = 0.02
     """share of the packed rows held out for evaluation when eval_path is unset"""
     shuffle: bool = True
@@ -176,6 +180,8 @@ class CheckpointSection:
     """complete checkpoints kept (older ones are deleted)"""
     resume: Optional[str] = "auto"
     """auto (the latest complete checkpoint in dir, if any), none (or null), or a checkpoint path"""
+    overwrite: bool = False
+    """a run that does not continue the checkpoints already in dir deletes them first (else it is refused)"""
     export: bool = True
     """write a plain Hugging Face directory to <train.output_dir>/hf at the end"""
     async_save: bool = False

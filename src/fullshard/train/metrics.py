@@ -1,5 +1,7 @@
 """Training metrics: throughput, MFU, peak memory; logged to the console (a tqdm bar and log lines),
-metrics.jsonl, TensorBoard when installed and W&B or trackio when `train.report_to` names them; the loss plot.
+metrics.jsonl, and TensorBoard, W&B or trackio when `train.report_to` names them; the loss plot.
+A resumed run's metrics.jsonl holds each step once: records past the step it resumed from (the
+steps a run trained after the checkpoint it fell back to) are dropped before it appends.
 
 MFU (model FLOPs utilisation) uses the PaLM paper's count (Chowdhery et al. 2022, appendix B):
 training a token costs `6 * N + 12 * L * H * S` FLOPs, N the parameter count (weights only:
@@ -13,6 +15,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
+import os
 import resource
 import sys
 import time
@@ -85,8 +88,8 @@ class Throughput:
         return {"tokens_per_s": rate, "mfu": mfu}
 
 
-# the trackers `train.report_to` may name -> the package each needs; TensorBoard is written whenever it is
-# installed, W&B and trackio (which copies W&B's module API: init / log / finish) only when named
+# the trackers `train.report_to` may name -> the package each needs; each is used only when named (trackio
+# copies W&B's module API: init / log / finish)
 REPORTERS = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"}
 
 
@@ -102,10 +105,12 @@ def check_report_to(names) -> None:
 
 
 class _TensorBoard:
-    def __init__(self, output_dir: Path):
+    def __init__(self, output_dir: Path, initial_step: int = 0):
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(str(output_dir / "tensorboard"))
+        # a resumed run drops what an earlier run logged past its checkpoint, as metrics.jsonl does
+        purge_step = initial_step + 1 if initial_step else None
+        self.writer = SummaryWriter(str(output_dir / "tensorboard"), purge_step=purge_step)
 
     def log(self, values: dict, step: int) -> None:
         for key, value in values.items():
@@ -129,12 +134,10 @@ class _RunTracker:
         self.module.finish()
 
 
-def open_trackers(output_dir: Path, report_to=(), config: dict | None = None) -> list:
+def open_trackers(output_dir: Path, report_to=(), config: dict | None = None, initial_step: int = 0) -> list:
     check_report_to(report_to)
-    trackers = [_RunTracker(name, output_dir, config) for name in report_to if name != "tensorboard"]
-    if "tensorboard" in report_to or importlib.util.find_spec("tensorboard") is not None:
-        trackers.append(_TensorBoard(output_dir))
-    return trackers
+    return [_TensorBoard(output_dir, initial_step) if name == "tensorboard" else _RunTracker(name, output_dir, config)
+            for name in report_to]
 
 
 class MetricsLogger:
@@ -150,8 +153,10 @@ class MetricsLogger:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # a resumed run appends to the log of the run it continues; a fresh run starts a new one
+        if initial_step:
+            keep_records_up_to(self.path, initial_step)
         self._file = self.path.open("a" if initial_step else "w")
-        self._trackers = open_trackers(Path(output_dir), report_to, config)
+        self._trackers = open_trackers(Path(output_dir), report_to, config, initial_step)
         from tqdm import tqdm
 
         self._bar = tqdm(total=total_steps, initial=initial_step, desc="train", dynamic_ncols=True, file=sys.stdout,
@@ -161,7 +166,8 @@ class MetricsLogger:
         if self._bar is not None:
             self._bar.update(n)
 
-    def log(self, record: dict, show: tuple[str, ...] = ("loss", "lr", "grad_norm", "tokens_per_s")) -> None:
+    def log(self, record: dict,
+            show: tuple[str, ...] = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_mem_gb")) -> None:
         if not self.enabled:
             return
         self._file.write(json.dumps(record) + "\n")
@@ -187,6 +193,23 @@ class MetricsLogger:
 
 def read_metrics(path: str | Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def keep_records_up_to(path: Path, step: int) -> None:
+    """Drop the records past `step` from a metrics file (atomically: a new file renamed over it);
+    a line a killed run left half-written goes too."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line).get("step", 0) <= step:
+                kept.append(line)
+        except (ValueError, AttributeError):
+            continue
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
 
 
 NO_PLOT = "no loss plot: matplotlib is not installed (pip install 'fullshard[plot]')"

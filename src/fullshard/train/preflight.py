@@ -1,29 +1,32 @@
 """Everything about a run that can be checked from its config and files, checked in the launching
 process before any rank starts, so a mistake is one line naming the key instead of N tracebacks.
 
-`check_before_launch` covers the mesh and batch against the process count, the output and
-checkpoint directories, `checkpoint.resume`, `data.path`, and the model: a built-in name, a local
-directory or a Hub id (resolved from the local cache when offline, downloaded once otherwise),
-built on the meta device from its config (no weights read) so the sharding plan is validated
-against the real module names. `build_meta_model` is the same model for `fullshard plan`.
+`check_before_launch` covers the mesh and batch against the process count, `checkpoint.resume`,
+`data.path`, and the model: a built-in name (a near miss is named as a typo), a local directory or a
+Hub id (resolved from the local cache when offline, downloaded once otherwise), built on the meta
+device from its config (no weights read) so the sharding plan is validated against the real module
+names, and its attention implementation against packing. `build_meta_model` is the same model for
+`fullshard plan`. The output paths and the run directory's rules (one live run, one run's
+checkpoints) are `rundir`'s.
 """
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 
 from ..errors import CheckpointError, ConfigError, FullshardError, PlanError
+from ..packed_attention import attention_path, use_attention
 from .config import BUILTIN_MODELS, TrainConfig
 
 
 def check_before_launch(config: TrainConfig, world_size: int) -> None:
     config.accumulation_steps(world_size)
-    for key, value in (("train.output_dir", config.train.output_dir), ("checkpoint.dir", config.checkpoint.dir)):
-        if value and Path(value).exists() and not Path(value).is_dir():
-            raise ConfigError(f"{key}={value!r} is an existing file, not a directory")
     _check_resume(config.checkpoint.resume)
     _check_data(config)
-    model = build_meta_model(config)
+    model = use_attention(build_meta_model(config), config.model.attn_implementation)
+    if config.fsdp.cp_size == 1:  # under cp the all-to-all attention replaces it
+        attention_path(model, config.data.packing)
     if config.lora.enabled:
         from ..lora import apply_lora
 
@@ -87,6 +90,10 @@ def resolve_model_dir(name: str) -> Path | None:
     path = Path(name)
     if path.is_dir():
         return path
+    close = difflib.get_close_matches(name, BUILTIN_MODELS, n=1, cutoff=0.8)
+    if close:  # a typo of a built-in name, not a Hub id to look up
+        raise ConfigError(f"model.name_or_path={name!r} is not a built-in model; did you mean {close[0]!r}? "
+                          f"The built-in models are {', '.join(BUILTIN_MODELS)}")
     if path.exists() or name.startswith(("/", ".", "~")) or name.count("/") > 1:
         raise ConfigError(f"model.name_or_path={name!r} is neither a built-in model ({', '.join(BUILTIN_MODELS)}), "
                           "a local directory nor a Hub id")
@@ -95,7 +102,8 @@ def resolve_model_dir(name: str) -> Path | None:
     try:
         return resolve_checkpoint_dir(name)
     except FullshardError as err:
-        raise ConfigError(f"model.name_or_path={name!r}: {err}") from None
+        builtins = "" if "/" in name else f" (the built-in models are {', '.join(BUILTIN_MODELS)})"
+        raise ConfigError(f"model.name_or_path={name!r}: {err}{builtins}") from None
 
 
 def build_meta_model(config: TrainConfig):

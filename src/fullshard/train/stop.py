@@ -11,8 +11,10 @@ The trainer polls once per step:
     ...                        # the usual final save
     stop.finish(step, total, checkpoint)
 
-A first SIGINT / SIGTERM only sets a flag (a signal arrives on one rank, or on the launcher,
-while the others are inside collectives: stopping there would leave them waiting). A second
+A stop asked for before the first step (while the model loads, say) ends the run there: nothing
+is trained and nothing saved. A first SIGINT / SIGTERM only sets a flag (a signal arrives on one
+rank, or on the launcher, while the others are inside collectives: stopping there would leave them
+waiting). A second
 signal, when a stop is already under way, gets the signal's default action at once: the save is
 skipped, and the checkpoint package's atomic commit keeps the half-written one from counting.
 
@@ -73,10 +75,12 @@ class StopRequest:
             self.signal = signal.SIGTERM  # from here on a signal to this rank means "now"
         return self.stopped
 
-    def finish(self, step: int, total: int, checkpoint: str | os.PathLike | None) -> None:
+    def finish(self, step: int, total: int, checkpoint: str | os.PathLike | None, before_start: bool = False) -> None:
         """Restore the signal handlers and, after a stop, say in one line where the run stopped."""
         self.restore()
-        if self.stopped and get_rank() == 0:
+        if self.stopped and before_start:
+            log_rank0(f"stopped before the first step (step {step} of {total}): nothing trained, nothing saved")
+        elif self.stopped and get_rank() == 0:
             where = f"checkpoint {checkpoint}" if checkpoint else "no checkpoint was written"
             log_rank0(f"stopped at step {step} of {total}; {where}; run the same command to resume")
 

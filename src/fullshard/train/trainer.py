@@ -17,12 +17,13 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint import CheckpointManager, export_hf
-from ..distributed import ParallelDims, barrier, get_rank, get_world_size
+from ..distributed import ParallelDims, barrier, get_rank, get_world_size, run_agreed
 from ..dtypes import DTYPES
 from ..fsdp import reshard_all
 from ..log import log_rank0, warn_rank0
 from ..lora import apply_lora, export_merged, save_adapter
 from ..optim import create_scheduler
+from ..packed_attention import attention_path, use_attention
 from ..strategy import FSDPStrategy, describe_mesh
 from .config import BUILTIN_MODELS, ConfigError, TrainConfig
 from .data import byte_tokenizer, load_data
@@ -30,6 +31,7 @@ from .chunked_loss import DEFAULT_LOSS_CHUNK_TOKENS
 from .loss import causal_lm_loss_sum, target_count
 from .metrics import (NO_PLOT, MetricsLogger, Throughput, check_report_to, model_flops_per_token, peak_device_flops,
                       peak_memory_gb, plot_loss)
+from .rundir import claim_run_directory, lock_for_this_process
 from .step import train_step
 from .stop import StopRequest
 
@@ -51,11 +53,7 @@ def build_strategy(config: TrainConfig) -> FSDPStrategy:
 
 
 class ContextSplit:
-    """This rank's part of every batch under context parallelism (the batches unchanged without it).
-
-    The all-to-all attention is causal over the whole row, so documents packed into one row see
-    each other, where without cp they are kept apart by their restarting `position_ids`: said once.
-    """
+    """This rank's part of every batch under context parallelism (the batches unchanged without it)."""
 
     def __init__(self, dims: ParallelDims, rank: int, pad_token_id: int | None):
         self.cp, self.cp_rank = dims.cp, dims.coordinates(rank)["cp"]
@@ -66,15 +64,7 @@ class ContextSplit:
             return micro_batches
         from ..parallel.cp import context_parallel_batch
 
-        if any(_has_document_starts(b) for b in micro_batches):
-            warn_rank0(f"fsdp.cp_size={self.cp}: rows holding several packed documents are attended as one "
-                       "sequence under context parallelism (without it the documents are kept apart)")
         return [context_parallel_batch(b, self.cp_rank, self.cp, self.pad_token_id) for b in micro_batches]
-
-
-def _has_document_starts(batch: dict) -> bool:
-    positions = batch.get("position_ids")
-    return positions is not None and bool((positions[:, 1:] - positions[:, :-1] != 1).any())
 
 
 def load_tokenizer(config: TrainConfig):
@@ -119,13 +109,13 @@ def _build_model(config: TrainConfig, strategy: FSDPStrategy, vocab_size: int) -
     if config.model.name_or_path not in BUILTIN_MODELS:
         from ..pretrained import from_pretrained
 
-        return from_pretrained(config.model.name_or_path, engine=strategy.engine(), dtype=dtype,
-                               lora=lora).train()
+        return from_pretrained(config.model.name_or_path, engine=strategy.engine(), dtype=dtype, lora=lora,
+                               attn_implementation=config.model.attn_implementation).train()
     from transformers import LlamaConfig, LlamaForCausalLM
 
     hf_config = LlamaConfig(vocab_size=vocab_size, max_position_embeddings=config.data.seq_len,
                             **BUILTIN_MODELS[config.model.name_or_path])
-    model = LlamaForCausalLM._from_config(hf_config, dtype=dtype)
+    model = use_attention(LlamaForCausalLM._from_config(hf_config, dtype=dtype), config.model.attn_implementation)
     if lora is not None:
         model = apply_lora(model, lora)
     return strategy.prepare_model(model, is_training=True)
@@ -169,24 +159,57 @@ class Trainer:
         saved = extra.get("data", {}).get("fingerprint")
         if saved != data.fingerprint():
             raise ConfigError(f"the checkpoint in {manager.last_load_info['path']} was trained on other data "
-                              f"(fingerprint {saved}, this data {data.fingerprint()}): point checkpoint.dir elsewhere "
-                              "or set checkpoint.resume=none")
+                              f"(fingerprint {saved}, this data {data.fingerprint()}): write to another "
+                              "train.output_dir, or set checkpoint.resume=none and checkpoint.overwrite=true to "
+                              "replace that run")
         batches.load_state_dict(extra["data"])
-        return int(extra["data"]["position"])
+        start = int(extra["data"]["position"])
+        if start > self.config.train.steps:
+            raise ConfigError(f"the checkpoint in {manager.last_load_info['path']} is at step {start}, past "
+                              f"train.steps={self.config.train.steps}: raise train.steps to continue it")
+        return start
 
     def run(self) -> dict:
-        run = self._build()
-        summary = self._train(run)
-        return self._finish(run, summary)
+        """Build, train, finish, holding the run directory's lock (`rundir`) throughout. A stop asked
+        for before the first step ends the run there: nothing trained, nothing saved."""
+        self._lock = lock_for_this_process(self.config.output_dir)
+        stop = StopRequest()  # from here a Ctrl-C is a stop
+        try:
+            run = self._build(stop)
+            if stop.requested():
+                run.logger.close()
+                stop.finish(run.start, self.config.train.steps, None, before_start=True)
+                return {"start_step": run.start, "end_step": run.start, "losses": {}, "batch_hashes": {},
+                        "stopped_before_start": True}
+            summary = self._train(run)
+            return self._finish(run, summary)
+        finally:
+            stop.restore()
+            if self._lock is not None:
+                self._lock.release()
 
-    def _build(self) -> "Run":
+    def _claim_directory(self) -> None:
+        """Rank 0 (or the launcher before it) holds the output directory and settles whose
+        checkpoints it keeps, before anything of this run is written there."""
+        def claim():
+            if self._lock is not None:
+                self._lock.acquire()
+            claim_run_directory(self.config)
+
+        run_agreed(claim, on_rank=0, error_type=ConfigError)
+
+    def _build(self, stop: StopRequest) -> "Run":
         """Everything a run needs, in order: the strategy (process group), data, model, optimizer,
         the checkpoint it resumes from, and the loggers."""
         config = self.config
         report_to = config.train.report_to
         check_report_to(report_to)  # on every rank, before any collective: a missing package fails them all
         strategy = build_strategy(config)
+        self._claim_directory()
         rank = get_rank()
+        if 0 < config.optim.warmup_steps >= config.train.steps:
+            warn_rank0(f"optim.warmup_steps={config.optim.warmup_steps} >= train.steps={config.train.steps}: the "
+                       "learning rate never reaches optim.lr")
         tokenizer = load_tokenizer(config)
         data = load_data(config.data, tokenizer)
         model = build_model(config, strategy, len(tokenizer))
@@ -211,10 +234,12 @@ class Trainer:
         log_rank0(f"{config.model.name_or_path}: {sum(p.numel() for p in model.parameters()):,} parameters, "
                   f"{describe_mesh(dims)}, {data.describe()} of {config.data.seq_len} tokens, "
                   f"steps {start}..{end} of {config.train.steps}" + (f" (resumed from step {start})" if start else ""))
+        log_rank0(attention_path(model, config.data.packing))
         split = ContextSplit(dims, rank, tokenizer.pad_token_id)
         evals = split(data.eval_batches(config.train.micro_batch_size, dp_rank, dp_size, config.train.eval_batches))
+        checkpoint = manager.last_load_info["path"] if start else None
         return Run(strategy, tokenizer, data, model, optimizer, scheduler, manager, logger, start, end, batches,
-                   evals, split)
+                   evals, split, last_saved=start, checkpoint=checkpoint, stop=stop)
 
     def _extra_state(self, run: "Run", step: int) -> dict:
         return {"data": {"position": step, "fingerprint": run.data.fingerprint(), **run.batches.state_dict()},
@@ -226,8 +251,7 @@ class Trainer:
         manager, logger, batches = run.manager, run.logger, run.batches
         throughput = Throughput(model_flops_per_token(model, config.data.seq_len), get_world_size(),
                                 peak_device_flops(config.train.peak_tflops))
-        losses, hashes, run.last_saved = {}, {}, run.start
-        stop = StopRequest()
+        losses, hashes, stop = {}, {}, run.stop
         started = time.perf_counter()
         for step in range(run.start, run.end):
             out = train_step(strategy, model, optimizer, scheduler, run.split(batches.micro_batches(step)),
@@ -245,13 +269,12 @@ class Trainer:
                 logger.log({"kind": "eval", "step": done, **eval_metrics(evaluated)},
                            show=("eval_loss", "eval_ppl"))
             if config.checkpoint.every and done % config.checkpoint.every == 0:
-                manager.save(done, model, optimizer, scheduler, states={"strategy": strategy},
-                             extra_state=self._extra_state(run, done), tokenizer=run.tokenizer)
+                run.checkpoint = manager.save(done, model, optimizer, scheduler, states={"strategy": strategy},
+                                              extra_state=self._extra_state(run, done), tokenizer=run.tokenizer)
                 run.last_saved = done
             if stop.requested():
                 run.end = done
                 break
-        run.stop = stop
         return {"start_step": run.start, "end_step": run.end, "losses": losses, "batch_hashes": hashes,
                 "train_seconds": time.perf_counter() - started}
 
@@ -267,10 +290,10 @@ class Trainer:
                 run.logger.log({"kind": "eval", "step": end, **eval_metrics(summary["eval_loss"])},
                                show=("eval_loss", "eval_ppl"))
         if run.last_saved != end:
-            manager.save(end, model, run.optimizer, run.scheduler, states={"strategy": strategy},
-                         extra_state=self._extra_state(run, end), tokenizer=run.tokenizer)
+            run.checkpoint = manager.save(end, model, run.optimizer, run.scheduler, states={"strategy": strategy},
+                                          extra_state=self._extra_state(run, end), tokenizer=run.tokenizer)
         manager.wait()
-        summary["checkpoint"] = str(manager.latest())
+        summary["checkpoint"] = str(run.checkpoint)  # this run's, whatever else the directory holds
         if finished and config.checkpoint.export and not lora.enabled:
             summary["export"] = str(export_hf(model, output_dir / "hf", tokenizer=run.tokenizer))
         if finished and config.checkpoint.export and lora.enabled and lora.merge_on_export:
@@ -307,6 +330,7 @@ class Run:
     evals: list
     split: ContextSplit
     last_saved: int = 0
+    checkpoint: object = None  # the checkpoint this run resumed from or last wrote
     stop: StopRequest | None = None
 
 

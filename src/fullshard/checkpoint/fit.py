@@ -1,0 +1,104 @@
+"""What a checkpoint offers against what the model, optimizer and states expect, before any read.
+
+Two kinds of absence, told apart so that a resume is refused only when it would be wrong:
+- required state: model weights (unless `strict=False`), a shape that differs, an optimizer
+  saved without one, a parameter whose saved optimizer state is only partly there. These are one
+  error naming the keys.
+- legitimately absent state: a parameter with no optimizer state at all, because it had no
+  gradient before the save (an MoE expert no token reached, a module not yet in the loss, one
+  frozen until now). A fresh optimizer holds no state for it either, so it is left without any
+  and its first step starts the state as the uninterrupted run's would. And optional state: a
+  Stateful the checkpoint does not carry (a strategy's counters in a plain manager checkpoint),
+  or keys of one, keep their current values, with a warning naming them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+from ..errors import CheckpointError
+
+
+@dataclass
+class Fit:
+    """The outcome of `fit_to_index`: what to load, and what stays as it is."""
+
+    model_state: dict
+    fresh_params: list[str] = field(default_factory=list)  # no optimizer state saved: none restored
+    absent_states: dict[str, list[str]] = field(default_factory=dict)  # Stateful name -> its keys not saved
+    unsaved_states: list[str] = field(default_factory=list)  # Statefuls with nothing saved: not loaded
+
+    def drop_fresh_params(self, optim_state: dict) -> None:
+        """Remove from the state to read and load the optimizer state `get_state_dict` made up for
+        parameters that had none when saved (it runs a zero-gradient step on a fresh optimizer)."""
+        for fqn in self.fresh_params:
+            optim_state["state"].pop(fqn, None)
+
+
+def fit_to_index(checkpoint: Path, metadata, state: dict, strict: bool) -> Fit:
+    """Compare `state` ({"model": ..., "optim"?: ..., "states"?: ...}) with the checkpoint's DCP
+    index by key and shape; raise one `CheckpointError` naming every required key that differs."""
+    index = metadata.state_dict_metadata
+    model_state = state["model"]
+    saved_model_keys = {k[len("model."):] for k in index if k.startswith("model.")}
+    missing = sorted(k for k in model_state if k not in saved_model_keys)
+    unexpected = sorted(saved_model_keys - set(model_state))
+    problems = []
+    if strict and missing:
+        problems.append(f"missing from the checkpoint: {few(missing)}")
+    if strict and unexpected:
+        problems.append(f"in the checkpoint but not in the model: {few(unexpected)}")
+    if not strict:
+        model_state = {k: v for k, v in model_state.items() if k in saved_model_keys}
+    has_optim = any(k.startswith("optim.") for k in index)
+    if "optim" in state and not has_optim:
+        problems.append("no optimizer state in the checkpoint (saved without an optimizer): pass load_optimizer=False")
+    flat, paths = flatten_state_dict({**state, "model": model_state})
+    absent, mismatched = [], []
+    optim_absent: dict[str, list[str]] = {}
+    states_absent: dict[str, list[str]] = {}
+    for key, value in flat.items():
+        saved = index.get(key)
+        path = paths[key]
+        if saved is None and path[:2] == ("optim", "state") and has_optim:
+            optim_absent.setdefault(path[2], []).append(key)
+        elif saved is None and path[0] == "states":
+            states_absent.setdefault(path[1], []).append(key)
+        elif saved is None and path[0] == "optim" and has_optim:
+            absent.append(key)
+        elif isinstance(value, torch.Tensor) and saved is not None and hasattr(saved, "size"):
+            if tuple(value.shape) != tuple(saved.size):
+                mismatched.append(f"{key}: checkpoint {tuple(saved.size)} vs model {tuple(value.shape)}")
+    saved_prefixes = _prefixes(index)
+    fresh = []
+    for fqn, keys in optim_absent.items():
+        if f"optim.state.{fqn}" in saved_prefixes:
+            absent += keys  # part of this parameter's state was saved: the rest must be too
+        else:
+            fresh.append(fqn)
+    if absent:
+        problems.append(f"not in the checkpoint: {few(absent)}")
+    if mismatched:
+        problems.append(f"shape mismatch: {few(mismatched)}")
+    if problems:
+        raise CheckpointError(f"checkpoint {checkpoint} does not fit this model: " + "; ".join(problems))
+    unsaved = [name for name in states_absent if f"states.{name}" not in saved_prefixes]
+    return Fit(model_state, sorted(fresh), states_absent, unsaved)
+
+
+def _prefixes(index) -> set[str]:
+    """Every dotted prefix of the saved keys: whether anything was saved under a name, in one lookup."""
+    found = set()
+    for key in index:
+        parts = key.split(".")
+        found.update(".".join(parts[:end]) for end in range(1, len(parts)))
+    return found
+
+
+def few(items: list[str], limit: int = 8) -> str:
+    shown = ", ".join(items[:limit])
+    return shown + (f" (and {len(items) - limit} more)" if len(items) > limit else "")

@@ -1,0 +1,94 @@
+"""Packed rows whose documents never see each other, through transformers' own packed-sequence support.
+
+A packed row restarts its position ids at every document (`fullshard.data.pack`), and that is all
+transformers needs: building the attention mask, it reads document boundaries from the position
+ids (`masking_utils.find_packed_sequence_indices`) and gives SDPA and eager a block-diagonal causal
+mask and FlexAttention a document BlockMask. It does so only when the forward has no cache, and
+a model whose config says `use_cache` builds an empty one in training too, so every training
+forward passes `use_cache=False`. Flash attention takes no mask: it reads document starts from the
+position ids only for a batch of one row, so a batch of several rows is handed the varlen kernel's
+`cu_seq_lens` (its rows flattened, every row start a document start), as transformers'
+`DataCollatorWithFlattening` hands them. Under context parallelism the all-to-all attention
+(`fullshard.parallel.cp`) builds the same block-diagonal mask from the whole row's position ids.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .errors import ConfigError
+
+FLASH = ("flash_attention_2", "flash_attention_3", "flash_attention_4")
+# how each attention implementation keeps the documents of a packed row apart
+PATHS = {
+    "sdpa": "SDPA with a block-diagonal causal mask that transformers builds from the position ids",
+    "eager": "eager attention with a block-diagonal causal mask that transformers builds from the position ids",
+    "flex_attention": "FlexAttention with a document BlockMask that transformers builds from the position ids",
+    **{name: f"{name} varlen kernels over each document (cu_seq_lens from the position ids)" for name in FLASH},
+}
+CONTEXT_PARALLEL = "fullshard_ulysses"  # parallel/cp.py's attention, named here so this layer needs no import of it
+CONTEXT_PARALLEL_PATH = ("the context-parallel all-to-all attention (SDPA) with a block-diagonal causal mask built "
+                         "from the whole row's position ids")
+
+
+def implementation_of(model: nn.Module) -> str:
+    """The attention implementation transformers dispatches `model`'s (text) attention layers to."""
+    config = getattr(model, "config", None)
+    config = getattr(config, "get_text_config", lambda: config)()
+    return getattr(config, "_attn_implementation", None) or "eager"
+
+
+def use_attention(model: nn.Module, name: str | None) -> nn.Module:
+    """Switch a (meta or real) transformers model to attention implementation `name`; None keeps
+    transformers' own pick. A name transformers refuses (unknown, or its package missing) is a
+    `ConfigError` naming `model.attn_implementation`."""
+    if name is None or name == implementation_of(model):
+        return model
+    try:
+        model.set_attn_implementation(name)
+    except (ValueError, ImportError) as err:
+        raise ConfigError(f"model.attn_implementation={name!r}: {err}") from None
+    return model
+
+
+def attention_path(model: nn.Module, packed: bool) -> str:
+    """One line saying how attention keeps packed documents apart; `ConfigError` for an implementation
+    fullshard cannot vouch for when rows are packed."""
+    name = implementation_of(model)
+    if not packed:
+        return f"attention: {name}; one record per row, its padding a separate document nobody attends to"
+    path = CONTEXT_PARALLEL_PATH if name == CONTEXT_PARALLEL else PATHS.get(name)
+    if path is None:
+        raise ConfigError(f"model.attn_implementation={name!r} has no known way to keep packed documents apart: "
+                          f"use one of {', '.join(PATHS)}, or data.packing=false")
+    return f"attention: {name}; packed documents kept apart by {path}"
+
+
+def packed_inputs(model: nn.Module, inputs: dict) -> dict:
+    """The keyword arguments of a training forward over packed rows: `inputs` (`input_ids`,
+    `position_ids`, ...) with no cache, so transformers reads documents from the position ids, and
+    for flash attention the varlen lengths of every document of the flattened batch."""
+    inputs = {**inputs, "use_cache": False}
+    positions = inputs.get("position_ids")
+    if positions is not None and implementation_of(model) in FLASH:
+        from transformers.modeling_flash_attention_utils import prepare_fa_kwargs_from_position_ids
+
+        (cu_q, cu_k), (max_q, max_k) = prepare_fa_kwargs_from_position_ids(positions)
+        inputs.update(cu_seq_lens_q=cu_q, cu_seq_lens_k=cu_k, max_length_q=int(max_q), max_length_k=int(max_k))
+    return inputs
+
+
+def document_causal_mask(position_ids: torch.Tensor) -> torch.Tensor | None:
+    """(batch, 1, seq, seq) booleans, True where a token may attend to another: an earlier (or the
+    same) token of its own document. None when every row is one document (plain causal attention)."""
+    from transformers.masking_utils import (and_masks, causal_mask_function, find_packed_sequence_indices,
+                                            packed_sequence_mask_function, sdpa_mask)
+
+    documents = find_packed_sequence_indices(position_ids)
+    if documents is None:
+        return None
+    batch, length = position_ids.shape
+    return sdpa_mask(batch_size=batch, q_length=length, kv_length=length, allow_is_causal_skip=False,
+                     mask_function=and_masks(causal_mask_function, packed_sequence_mask_function(documents)),
+                     device=position_ids.device)
