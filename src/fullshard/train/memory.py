@@ -154,10 +154,15 @@ def estimate_memory(model: nn.Module, plan: ShardingPlan, shard_size: int, micro
                                    chunked_loss=head is not None)
     if head is None:
         loss, saved_loss = tokens * config.vocab_size * LOSS_TRANSIENT_BYTES_PER_LOGIT, tokens * config.vocab_size * 4
-    else:  # a chunk's logits, and the head's gradient made in the forward; the hidden states' is saved
+    else:
+        # a chunk's logits; the head's gradient, made in the forward; the head unit's all-gather
+        # buffer, which FSDP frees only when the root's forward ends; and a second copy of the hidden
+        # states' gradient (the one it saves), live while the final norm's backward takes it on
+        # (bench_loss measures these)
         chunk_bytes = CHUNK_BYTES_PER_LOGIT + (compute_bytes if compute_bytes < 4 else 0)
-        head_gradient = sum(p.numel() for p in head.parameters()) * compute_bytes
-        loss = min(loss_chunk_tokens, tokens) * config.vocab_size * chunk_bytes + head_gradient
+        head_bytes = sum(p.numel() for p in head.parameters()) * compute_bytes
+        loss = (min(loss_chunk_tokens, tokens) * config.vocab_size * chunk_bytes + 2 * head_bytes
+                + tokens * config.hidden_size * compute_bytes)
         saved_loss = tokens * config.hidden_size * compute_bytes
     # a checkpointed layer's backward recomputes its activations and then holds their gradients
     # beside them: about two layers' worth in all, measured (bench_memory)
