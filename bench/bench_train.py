@@ -43,7 +43,7 @@ STEP_NOTE = (  # what the profile showed and what changed (docs, not measured by
     "grad-norm reduction per mesh) against native's one. Now the count travels while the first forward runs, "
     "the loss sum rides in the grad norm's single all_reduce, and the input embedding is not all-gathered "
     "again for backward (its backward reads no weight): one blocking all_reduce per step, as in native's "
-    'clip, and one all-gather fewer.')
+    "clip, and one all-gather fewer.")
 
 
 def _model():
