@@ -152,9 +152,9 @@ def test_streaming_reads_the_rows_of_the_packed_path(tmp_path):
     got = [torch.cat([b["input_ids"] for b in batches.micro_batches(s)]) for s in range(steps)]
     first_epoch = torch.cat(got)[:len(packed.train)]
     assert torch.equal(first_epoch, packed.train.take(range(len(packed.train)))["input_ids"])
-    evals = streamed.eval_batches(2, 0, 1, 3)
-    assert len(evals) == 3 and all(torch.equal(a["input_ids"], b["input_ids"])
-                                   for a, b in zip(evals, packed.eval_batches(2, 0, 1, 3)))
+    evals = streamed.eval_batches(2, 0, 1, 5)  # 5 rows: 2 micro-batches of 2 and one with a target-less filler
+    assert len(evals) == 3 and int((evals[-1]["labels"][1] != -100).sum()) == 0 and all(torch.equal(a["input_ids"], b["input_ids"])
+                                   for a, b in zip(evals, packed.eval_batches(2, 0, 1, 5)))
     with pytest.raises(ConfigError, match="streamed run reads steps in order"):
         batches.micro_batches(0)
 
@@ -261,6 +261,33 @@ def test_chat_labels_only_assistant_tokens(tmp_path):
     a, b = (load_data(section(tmp_path, path=str(p), format="chat", seq_len=64, eval_fraction=0), tokenizer)
             for p in (pairs, turns))
     assert all(torch.equal(x, y) for x, y in zip(a.train.take([0, 1]).values(), b.train.take([0, 1]).values()))
+
+
+def test_dropped_and_truncated_conversations_are_said_every_run(tmp_path, caplog):
+    """Over-long conversations were dropped with no word (the count only in a cache file)."""
+    import logging
+
+    from fullshard.log import logger
+
+    tokenizer = chat_tokenizer()
+    records = conversations(60)
+    path = write_jsonl(tmp_path / "chat.jsonl", records)
+    overlong = sum(len(tokenizer.apply_chat_template(r["messages"], tokenize=False)) > 64 for r in records)
+    assert overlong
+    logger.addHandler(caplog.handler)
+    try:
+        for rule, said in (("drop", "dropped"), ("truncate", "truncated")):
+            for run in ("fresh", "cached"):
+                caplog.clear()
+                with caplog.at_level(logging.WARNING, logger="fullshard"):
+                    load_data(section(tmp_path, path=str(path), format="chat", seq_len=64, overlong=rule), tokenizer)
+                assert f"{overlong} of {len(records)} conversations {said}" in caplog.text, (rule, run, caplog.text)
+                assert "data.seq_len=64" in caplog.text
+        # nothing left: one error naming the keys, not an empty run
+        with pytest.raises(ConfigError, match=r"all 60 conversations are longer than data.seq_len=8 .*data.overlong"):
+            load_data(section(tmp_path, path=str(path), format="chat", seq_len=8), tokenizer)
+    finally:
+        logger.removeHandler(caplog.handler)
 
 
 def _chat_runs(root: str, world: int) -> dict:

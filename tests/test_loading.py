@@ -21,7 +21,10 @@ from safetensors.torch import load_file
 from fullshard.testing import reported_by_every_rank, run_distributed
 from fullshard.testing.zoo import build_model, make_batch, model_class
 
-STEP_TOL = 1e-5  # one AdamW step: gradients are averaged over ranks, so the sum order differs
+# one AdamW step: gradients are averaged over ranks, so the sum order differs. A model kept in bf16
+# also reduces its gradients in bf16 (8 bits of mantissa): at world 3 the loss after the step moved
+# by 7e-5, rounding, not a wrong load (its logits before the step are still compared exactly).
+STEP_TOL = {"float32": 1e-5, "bfloat16": 5e-4}
 SNAPSHOT = "0123456789abcdef0123456789abcdef01234567"
 
 
@@ -248,7 +251,7 @@ def test_sharded_load_equals_plain_transformers(checkpoints, world_size, monkeyp
             problems += [f"{where}: {p}" for p in r["problems"]]
             if not r["logits_equal"]:
                 problems.append(f"{where}: logits differ by {r['logits_diff']:.3e}")
-            if abs(r["loss_after_step"] - r["ref_loss_after_step"]) > STEP_TOL:
+            if abs(r["loss_after_step"] - r["ref_loss_after_step"]) > STEP_TOL[r["dtype"]]:
                 problems.append(f"{where}: loss after one step {r['loss_after_step']} vs {r['ref_loss_after_step']}")
             if r["tied"] != r["tied_expected"]:
                 problems.append(f"{where}: tie is {r['tied']}, reference {r['tied_expected']}")

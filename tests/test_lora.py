@@ -66,21 +66,21 @@ def _peft_reference(base_dir):
 
 
 def _gathered_numel(fn):
-    """Run `fn` and count the elements every `full_tensor` gather in it returned."""
-    from torch.distributed.tensor import DTensor
+    """Run `fn` and count the elements every gather of a whole DTensor in it returned."""
+    from fullshard.checkpoint import export
 
-    original, counts = DTensor.full_tensor, []
+    original, counts = export.replicated, []
 
-    def counting(self, *args, **kwargs):
-        full = original(self, *args, **kwargs)
+    def counting(tensor):
+        full = original(tensor)
         counts.append(full.numel())
         return full
 
-    DTensor.full_tensor = counting
+    export.replicated = counting
     try:
         fn()
     finally:
-        DTensor.full_tensor = original
+        export.replicated = original
     return counts
 
 
@@ -129,6 +129,7 @@ def _meta_lora_checks(tmp):
     out["total_numel"] = sum(p.numel() for p in model.parameters())
     out["bf16"] = _fp32_adapters_on_bf16_base(tmp)
     out["trainer"] = _trainer_with_lora(tmp)
+    out["trainer_tp"] = _trainer_with_lora(tmp, "run_tp", "--fsdp.tp_size=2")
     out["moe"] = _moe_saves_resumes_and_exports(tmp)
     return out
 
@@ -150,17 +151,21 @@ def _fp32_adapters_on_bf16_base(tmp):
                                                                   if p.requires_grad)}
 
 
-def _trainer_with_lora(tmp):
+def _trainer_with_lora(tmp, run: str = "run", *extra):
     """`fullshard train` with a `lora:` section, on the saved base directory: what it writes."""
+    import warnings
+
     from fullshard.train import load_config, train
 
     config = load_config(None, [f"--model.name_or_path={tmp}/trainer_base", "--data.seq_len=32",
                                 "--train.micro_batch_size=2", "--train.global_batch_size=4", "--train.steps=3",
                                 "--train.log_every=1", "--optim.warmup_steps=0", "--train.eval_batches=1",
-                                "--train.plot=false", f"--train.output_dir={tmp}/run", "--lora.r=4", "--optim.lr=0.03",
-                                "--lora.target_modules=[q_proj, o_proj, up_proj]", "--lora.alpha=8"])
-    summary = train(config)
-    return {k: summary.get(k) for k in ("export", "adapter", "losses")}
+                                "--train.plot=false", f"--train.output_dir={tmp}/{run}", "--lora.r=4", "--optim.lr=0.03",
+                                "--lora.target_modules=[q_proj, o_proj, up_proj]", "--lora.alpha=8", *extra])
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        summary = train(config)
+    return {**{k: summary.get(k) for k in ("export", "adapter", "losses")}, "warnings": [str(w.message) for w in seen]}
 
 
 def _moe_saves_resumes_and_exports(tmp):
@@ -268,6 +273,11 @@ def test_trainer_lora_section_writes_adapter_and_merged_model(meta_lora_run):
     merged = AutoModelForCausalLM.from_pretrained(tmp / "run" / "hf").eval()
     changed = sorted({k.split(".")[-2] for k, v in merged.state_dict().items() if not torch.equal(v, base_state[k])})
     assert changed == ["o_proj", "q_proj", "up_proj"], "only the adapted projections differ from the frozen base"
+    # tp_plan auto under LoRA (the model's plan through PEFT's names): the same run split over tp, quietly
+    for result in results:
+        tp = result["trainer_tp"]
+        assert max(abs(tp["losses"][s] - summary["losses"][s]) for s in summary["losses"]) < 1e-5, tp["losses"]
+        assert not [w for w in tp["warnings"] if "view" in w or "is_gradient_checkpointing" in w], tp["warnings"]
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(merged(input_ids=ids).logits, adapted(input_ids=ids).logits, atol=1e-5, rtol=1e-5)

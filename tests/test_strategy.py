@@ -324,3 +324,43 @@ def test_micro_step_counter_resumes_in_optimizer_steps_on_another_window():
     """A checkpoint from another world size has another window: the step count, not the micro count, carries over."""
     micro_step, last = run_distributed(_resume_on_another_window, 1)[0]
     assert micro_step == 6 * 4 and not last
+
+
+# ---------------------------------------------------------------------------------------------- meta context
+
+
+def _from_pretrained_in_meta_context(model_dir: str, out: str):
+    """The README's natural form: transformers' own `from_pretrained` inside the meta context, then
+    `prepare_model` loads each rank's slice; the model's exports name the model's own class."""
+    from transformers import AutoModelForCausalLM
+
+    from fullshard import CheckpointManager, export_hf
+
+    strategy = make_strategy(micro=2, train=4)
+    with strategy.init_model_context(meta_init=True):
+        model = AutoModelForCausalLM.from_pretrained(model_dir)
+    on_meta = all(p.is_meta for p in model.parameters())
+    model = strategy.prepare_model(model, is_training=True)
+    export_hf(model, f"{out}/hf")
+    CheckpointManager(f"{out}/checkpoints").save(1, model)
+    return {"on_meta": on_meta, "weights": full_state(model)}
+
+
+def test_from_pretrained_in_the_meta_context_loads_and_exports_name_the_model_class(tmp_path):
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from fullshard import export_checkpoint
+
+    build_model(NAME).save_pretrained(tmp_path / "model")
+    results = run_distributed(_from_pretrained_in_meta_context, 2, str(tmp_path / "model"), str(tmp_path))
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path / "model").state_dict()
+    for r in results:
+        assert r["on_meta"]
+        assert max_diff(r["weights"], reference) == 0.0
+    export_checkpoint(tmp_path / "checkpoints", tmp_path / "offline")
+    for exported in ("hf", "offline"):
+        config = json.loads((tmp_path / exported / "config.json").read_text())
+        assert config["architectures"] == ["LlamaForCausalLM"], (exported, config["architectures"])
+        AutoModelForCausalLM.from_pretrained(tmp_path / exported)

@@ -1,15 +1,14 @@
 """The trainer: a resumed run is the uninterrupted run, the export is the trained model, the data
 is split and resumed exactly, and the memory estimate matches what a run holds."""
 
-import contextlib
 import json
 
 import pytest
 import torch
 
-from fullshard.testing import run_distributed
+from fullshard.testing import make_batch, run_distributed
 from fullshard.train import ConfigError, load_config, train
-from fullshard.train.data import StepBatches, byte_tokenizer, load_data, read_texts
+from fullshard.train.data import StepBatches, byte_tokenizer, eval_batches, load_data, read_texts
 from fullshard.train.loss import causal_lm_loss_sum, target_count
 from fullshard.train.metrics import read_metrics
 
@@ -40,6 +39,12 @@ def _trainer_runs(root: str):
     second = train(tiny_config(f"{root}/resumed", "--checkpoint.every=3", "--checkpoint.async_save=true"))
     out["whole"], out["first"], out["second"] = whole, first, second
     out["again"] = train(tiny_config(f"{root}/resumed", "--checkpoint.every=3"))  # a finished run, re-run
+    # several datasets mixed by weight: resumed, the same batches as uninterrupted
+    mix = (f"--data.path=[{root}/a.jsonl, {root}/b.jsonl]", "--data.weights=[3, 1]", "--train.steps=4",
+           "--checkpoint.every=2", "--train.plot=false", "--checkpoint.export=false")
+    out["mix_whole"] = train(tiny_config(f"{root}/mix_whole", *mix))
+    out["mix_first"] = train(tiny_config(f"{root}/mix_resumed", *mix, "--train.stop_after=2"))
+    out["mix_second"] = train(tiny_config(f"{root}/mix_resumed", *mix))
     # every fsdp setting of a TrainConfig reaches the engine the trainer builds
     from dataclasses import asdict
 
@@ -61,7 +66,7 @@ def _trainer_runs(root: str):
     # the shards a run holds, for the memory estimate: parameters, gradients, AdamW moments
     from fullshard.strategy import FSDPStrategy
     from fullshard.testing import build_model
-    from fullshard.testing.compare import data_slice
+    from fullshard.testing.compare import data_slice, full_state
     from fullshard.testing.zoo import make_batch
 
     strategy = FSDPStrategy(bf16=False, micro_train_batch_size=2, train_batch_size=4)
@@ -83,15 +88,43 @@ def _trainer_runs(root: str):
 
     optimizer.zero_grad(set_to_none=True)
     big = data_slice(make_batch("llama", batch_size=4, seq_len=64), torch.distributed.get_rank(), 2)
+    out["eval"] = _eval_by_batching(model)
+    out["eval_weights"] = full_state(model)
     out["peak"] = measured_peak_bytes(model, optimizer, lambda: train_step(strategy, model, optimizer, None, [big]),
                                       [big])
     return out
 
 
+def eval_rows():
+    """13 held-out rows (divisible by no batching below), each with its own number of ignored labels."""
+    import datasets
+
+    ids = make_batch("llama", batch_size=13, seq_len=16, seed=7)["input_ids"]
+    labels = ids.clone()
+    for row in range(13):
+        labels[row, : (row * 5) % 14] = -100
+    return datasets.Dataset.from_dict({"input_ids": ids.numpy(), "labels": labels.numpy()}).with_format("numpy")
+
+
+def _eval_by_batching(model) -> dict:
+    from fullshard.train.trainer import evaluate
+
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return {micro: evaluate(model, eval_batches(eval_rows(), micro, rank, world, 13)) for micro in (1, 2, 3, 8)}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("trainer")
+    write_sources(root)
     return root, run_distributed(_trainer_runs, 2, str(root))
+
+
+def write_sources(root):
+    """Two text sources told apart by their letters: a.jsonl writes only 'a', b.jsonl only 'b'."""
+    for letter in "ab":
+        docs = [{"text": " ".join(letter * (1 + (i * 7 + k) % 5) for k in range(3 + i % 4))} for i in range(60)]
+        (root / f"{letter}.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
 
 
 def test_resumed_run_sees_the_same_batches_and_losses(runs):
@@ -115,6 +148,47 @@ def test_resumed_run_sees_the_same_batches_and_losses(runs):
     assert (again["start_step"], again["end_step"], again["losses"]) == (6, 6, {})
     assert again["metrics"] == str(root / "resumed" / "metrics.jsonl")
     assert (root / "resumed" / "loss.png").stat().st_size > 0
+
+
+def test_mixed_datasets_resume_exactly(runs):
+    for r in runs[1]:
+        whole, first, second = r["mix_whole"], r["mix_first"], r["mix_second"]
+        assert (first["end_step"], second["start_step"]) == (2, 2)
+        assert {**first["batch_hashes"], **second["batch_hashes"]} == whole["batch_hashes"]
+        assert len(set(whole["batch_hashes"].values())) == 4
+        resumed = {**first["losses"], **second["losses"]}
+        assert max(abs(resumed[s] - whole["losses"][s]) for s in whole["losses"]) < 1e-6
+
+
+def test_mixed_datasets_follow_their_weights(tmp_path):
+    from fullshard.data.mix import MixedRows
+
+    write_sources(tmp_path)
+    tokenizer = byte_tokenizer()
+    a, b = (tokenizer.convert_tokens_to_ids(c) for c in "ab")
+    paths = f"--data.path=[{tmp_path}/a.jsonl, {tmp_path}/b.jsonl]"
+    alone = [load_data(tiny_config(tmp_path, f"--data.path={tmp_path}/{c}.jsonl").data, tokenizer) for c in "ab"]
+    for weights, share in (("[3, 1]", 0.75), ("[1, 4]", 0.2)):
+        data = load_data(tiny_config(tmp_path, paths, f"--data.weights={weights}").data, tokenizer)
+        assert isinstance(data.train, MixedRows)
+        total = len(alone[0].train) + len(alone[1].train)
+        assert len(data.train) == total  # an epoch is as long as the sources together
+        rows = data.train.take(range(total))["input_ids"]
+        from_a = (rows == a).any(1)
+        assert not ((rows == a).any(1) & (rows == b).any(1)).any()  # every row is one source's
+        assert abs(int(from_a.sum()) - share * total) <= 0.5
+        # evenly spread: every stretch of 10 rows is within one row of its share
+        stretches = from_a[: total // 10 * 10].view(-1, 10).sum(1).float()
+        assert ((stretches - 10 * share).abs() <= 1).all(), stretches
+        # the rows are the sources' own rows: a's are a.jsonl's training rows (cycled when up-sampled)
+        own = {tuple(r.tolist()) for r in alone[0].train.take(range(len(alone[0].train)))["input_ids"]}
+        assert {tuple(r.tolist()) for r in rows[from_a]} <= own
+        assert len({tuple(r.tolist()) for r in rows[from_a]}) == min(len(own), int(from_a.sum()))
+    # without weights: each row once; the held-out rows are each source's own
+    data = load_data(tiny_config(tmp_path, paths).data, tokenizer)
+    assert len(data.train) == total and len(data.eval) == len(alone[0].eval) + len(alone[1].eval)
+    mixed = data.train.take(range(total))["input_ids"].tolist()
+    assert sorted(mixed) == sorted(torch.cat([d.train.take(range(len(d.train)))["input_ids"] for d in alone]).tolist())
 
 
 def test_every_fsdp_setting_reaches_the_engine(runs):
@@ -190,14 +264,34 @@ def test_export_is_the_trained_model(runs):
     total = tokens = 0.0
     with torch.no_grad():
         for rank in range(2):  # the eval batches of both ranks, as the trainer split them
-            from fullshard.train.data import eval_batches
-
-            for batch in eval_batches(data.eval, 2, rank, 2, 2):
+            for batch in eval_batches(data.eval, 2, rank, 2, 16):  # eval_batches=2 x global_batch_size=8 rows
                 total += float(causal_lm_loss_sum(model, batch))
                 tokens += target_count(batch)
     assert abs(total / tokens - results[0]["whole"]["eval_loss"]) < 1e-5
+    # the built-in model's special tokens are its tokenizer's: generate() stops at the end of text
+    saved = {name: json.loads((hf / name).read_text()) for name in ("config.json", "generation_config.json")}
+    for name, values in saved.items():
+        assert values["bos_token_id"] == values["eos_token_id"] == tokenizer.eos_token_id == 256, (name, values)
+    assert model.generation_config.eos_token_id == tokenizer.eos_token_id
     trainer_state = json.loads((root / "whole" / "checkpoints" / "step_6" / "trainer_state.json").read_text())
     assert trainer_state["extra_state"]["data"]["position"] == 6
+
+
+def test_eval_loss_is_the_mean_over_all_eval_tokens_whatever_the_batching(runs):
+    """Same weights, same eval set: eval_loss was 2.916 at micro 8 and 2.923 at micro 2."""
+    from fullshard.testing import build_model
+    from fullshard.train.trainer import evaluate
+
+    _, results = runs
+    model = build_model("llama")
+    model.load_state_dict(results[0]["eval_weights"])
+    rows = eval_rows()
+    batch = {k: torch.from_numpy(v) for k, v in rows[:].items()}
+    with torch.no_grad():
+        reference = float(causal_lm_loss_sum(model, batch)) / target_count(batch)  # one batch of every row
+    one_process = {micro: evaluate(model, eval_batches(rows, micro, 0, 1, 13)) for micro in (2, 8)}
+    for value in [*one_process.values(), *(v for r in results for v in r["eval"].values())]:
+        assert abs(value - reference) < 1e-6, (value, reference, one_process, results[0]["eval"])
 
 
 def test_memory_estimate_matches_the_shards_a_run_holds(runs):
@@ -263,19 +357,19 @@ def test_lora_wrapping_prints_no_future_warning():
     """PEFT's read of a deprecated transformers property warned once per rank on every LoRA run."""
     import warnings
 
+    from peft import LoraConfig, get_peft_model
+
     from fullshard.lora import apply_lora
     from fullshard.testing import build_model
-    from fullshard.train.trainer import quiet_peft_wrapping
 
-    def future_warnings(quiet: bool) -> list:
+    def future_warnings(wrap) -> list:
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
-            with quiet_peft_wrapping() if quiet else contextlib.nullcontext():
-                apply_lora(build_model("llama"), {"r": 4, "lora_alpha": 8})
+            wrap(build_model("llama"), LoraConfig(r=4, lora_alpha=8))
         return [w for w in seen if issubclass(w.category, FutureWarning)]
 
-    assert future_warnings(quiet=False)  # the upstream warning exists, so the check below could fail
-    assert not future_warnings(quiet=True)
+    assert future_warnings(get_peft_model)  # the upstream warning exists, so the check below could fail
+    assert not future_warnings(apply_lora)
 
 
 def test_progress_bar_shows_loss_throughput_and_eta_on_a_terminal(tmp_path, monkeypatch):

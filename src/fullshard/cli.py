@@ -195,7 +195,31 @@ def cmd_plan(argv: list[str]) -> int:
           f"loss chunks of {config.train.loss_chunk_tokens or 'all the'} tokens, "
           f"{accumulation or 'unknown'} micro-batch(es) per step, {device_type}):")
     print(estimate.describe())
+    if dims.pp > 1:
+        print(f"\npipeline (pp {dims.pp}, {fsdp.pp_schedule}): each stage's layers and per-rank memory estimate")
+        for line, stage in describe_pipeline(model, fsdp):
+            stage_plan = build_plan(stage, fsdp.plan)
+            stage_estimate = estimate_memory(
+                stage, stage_plan, dims.dp_shard, micro, seq_len, DTYPES[precision], fsdp.activation_checkpointing,
+                config.optim.name, accumulation_steps=accumulation, device_type=device_type,
+                reduce_dtype=DTYPES[fsdp.reduce_dtype], tp_assignments=tp_assignments(stage, fsdp.tp_plan, dims.tp),
+                tp_size=dims.tp, cp_size=dims.cp)
+            print(f"{line}\n" + "\n".join(f"    {row}" for row in stage_estimate.describe().splitlines()))
     return 0
+
+
+def describe_pipeline(model, fsdp):
+    """Each pipeline stage of `model` (on meta) with its one-line description."""
+    from .parallel.pp import build_stage, decoder_parts, held_ends, stage_layers
+
+    parts = decoder_parts(model)
+    ranges = stage_layers(model, parts, fsdp.pp_size * fsdp.pp_virtual_stages, fsdp.pp_layers_per_stage)
+    for index, layers in enumerate(ranges):
+        ends = [name for name, held in held_ends(parts, index, len(ranges)).items() if held]
+        stage = build_stage(model, parts, ranges, index)
+        params = sum(p.numel() for p in stage.parameters())
+        yield (f"stage {index} (pp rank {index % fsdp.pp_size}): layers {layers.start}-{layers.stop - 1}"
+               + (f" + {', '.join(ends)}" if ends else "") + f", {params:,} parameters"), stage
 
 
 def plan_config_and_model(args):

@@ -114,13 +114,15 @@ def find_free_port() -> int:
 
 @dataclass
 class ParallelDims:
-    """The layout of the world: `dp_replicate x dp_shard x cp x tp` ranks, the fastest-linked dims last.
+    """The layout of the world: `pp x dp_replicate x dp_shard x cp x tp` ranks, the fastest-linked dims last.
 
     dp_replicate > 1 gives HSDP (parameters sharded inside a group, replicated across groups,
     gradients reduce-scattered then all-reduced). `tp` splits each layer's weights (tensor
     parallel); `cp` splits each sequence (context parallel). FSDP shards over `dp_shard x cp`
     flattened: cp ranks hold the same weights, so they may as well share the shards.
-    `dp_shard=-1` takes whatever the world leaves.
+    `dp_shard=-1` takes whatever the world leaves. `pp` (outermost: its links carry only
+    activations, once per micro-batch) cuts the model into stages, each sharded over its own
+    `dp_replicate x dp_shard x cp x tp` sub-mesh.
     """
 
     dp_replicate: int = 1
@@ -128,28 +130,29 @@ class ParallelDims:
     world_size: int = 1
     cp: int = 1
     tp: int = 1
+    pp: int = 1
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
             raise ConfigError(f"world_size must be >= 1, got {self.world_size}")
-        for name in ("dp_replicate", "cp", "tp"):
+        for name in ("dp_replicate", "cp", "tp", "pp"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        others = self.dp_replicate * self.cp * self.tp
+        others = self.dp_replicate * self.cp * self.tp * self.pp
         if self.dp_shard == -1:
             if self.world_size % others:
-                label = self._label("dp_replicate", "cp", "tp")
+                label = self._label("pp", "dp_replicate", "cp", "tp")
                 raise ConfigError(f"world size {self.world_size} is not divisible by {label}")
             self.dp_shard = self.world_size // others
         if self.dp_shard < 1:
             raise ConfigError(f"dp_shard must be >= 1 or -1 (infer), got {self.dp_shard}")
         if others * self.dp_shard != self.world_size:
-            label = self._label("dp_replicate", "dp_shard", "cp", "tp")
+            label = self._label("pp", "dp_replicate", "dp_shard", "cp", "tp")
             raise ConfigError(f"{label}, but the world size is {self.world_size}")
 
     def _label(self, *names: str) -> str:
         """"dp_replicate=3 x tp=2 = 6": the dims named (cp and tp only when used) and their product."""
-        used = [n for n in names if n not in ("cp", "tp") or getattr(self, n) > 1]
+        used = [n for n in names if n not in ("cp", "tp", "pp") or getattr(self, n) > 1]
         product = math.prod(getattr(self, n) for n in used)
         return " x ".join(f"{n}={getattr(self, n)}" for n in used) + (f" = {product}" if len(used) > 1 else "")
 
@@ -167,10 +170,12 @@ class ParallelDims:
         return self.dp_shard * self.cp
 
     def coordinates(self, rank: int) -> dict[str, int]:
-        """Where `rank` sits on each dim (row-major over dp_replicate, dp_shard, cp, tp), and its dp rank."""
+        """Where `rank` sits on each dim (row-major over pp, dp_replicate, dp_shard, cp, tp), and its dp rank."""
+        pp, rank = divmod(rank, self.world_size // self.pp)
         tp, rest = rank % self.tp, rank // self.tp
         cp, dp = rest % self.cp, rest // self.cp
-        return {"dp": dp, "dp_replicate": dp // self.dp_shard, "dp_shard": dp % self.dp_shard, "cp": cp, "tp": tp}
+        return {"dp": dp, "dp_replicate": dp // self.dp_shard, "dp_shard": dp % self.dp_shard, "cp": cp, "tp": tp,
+                "pp": pp}
 
     def build_mesh(self, device_type: str | None = None) -> DeviceMesh:
         """The mesh `fully_shard` shards over (1-D, or 2-D for HSDP)."""
@@ -179,10 +184,12 @@ class ParallelDims:
     def build_meshes(self, device_type: str | None = None) -> "Meshes":
         """The world mesh and the sub-meshes each parallelism uses.
 
-        At tp = cp = 1 the world mesh is the FSDP mesh itself, exactly as before tp and cp existed.
+        At tp = cp = pp = 1 the world mesh is the FSDP mesh itself, exactly as before tp and cp existed.
+        Slicing a dim out of the world mesh gives this rank's part of it, so under pp every
+        sub-mesh (fsdp, tp, cp) is this rank's stage's.
         """
         device_type = device_type or detect_device_type()
-        if self.tp == 1 and self.cp == 1:
+        if self.tp == 1 and self.cp == 1 and self.pp == 1:
             if self.hsdp:
                 mesh = init_device_mesh(
                     device_type, (self.dp_replicate, self.dp_shard), mesh_dim_names=("dp_replicate", "dp_shard")
@@ -190,7 +197,8 @@ class ParallelDims:
             else:
                 mesh = init_device_mesh(device_type, (self.dp_shard,), mesh_dim_names=("dp_shard",))
             return Meshes(world=mesh, fsdp=mesh)
-        sizes = {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "cp": self.cp, "tp": self.tp}
+        sizes = {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "cp": self.cp,
+                 "tp": self.tp}
         names = tuple(n for n, size in sizes.items() if size > 1 or n == "dp_shard")
         world = init_device_mesh(device_type, tuple(sizes[n] for n in names), mesh_dim_names=names)
         # the flattened mesh is kept as returned (torch deprecates slicing it back out of the root),
@@ -202,17 +210,19 @@ class ParallelDims:
             fsdp=fsdp,
             tp=world["tp"] if self.tp > 1 else None,
             cp=world["cp"] if self.cp > 1 else None,
+            pp=world["pp"] if self.pp > 1 else None,
         )
 
 
 @dataclass
 class Meshes:
-    """The world mesh and its parts: `fsdp` (what `fully_shard` shards over), `tp` and `cp` (None at size 1)."""
+    """The world mesh and its parts: `fsdp` (what `fully_shard` shards over), `tp`, `cp` and `pp` (None at size 1)."""
 
     world: DeviceMesh
     fsdp: DeviceMesh
     tp: DeviceMesh | None = None
     cp: DeviceMesh | None = None
+    pp: DeviceMesh | None = None
 
 
 def build_mesh(dp_replicate: int = 1, dp_shard: int = -1, device_type: str | None = None) -> DeviceMesh:

@@ -35,6 +35,7 @@ from .log import warn_rank0
 from .loading.materialize import tie_declared_weights
 from .loading.rank0 import LOADED, RANK0, agree_on_layout, init_from_rank0
 from .parallel.cp import check_context_parallel, enable_context_parallel
+from .parallel.pp import check_pipeline_config, prepare_pipeline
 from .parallel.tp import apply_tp_styles, plan_assignments, resolve_tp_plan
 from .plan import ShardingPlan, build_plan
 
@@ -61,6 +62,12 @@ class EngineConfig:
     cp_size: context-parallel ranks per sequence; FSDP shards over dp_shard x cp.
     timeout_s: how long a collective waits for a rank that stopped calling it before every rank
         fails (the process group's timeout), so a stalled rank ends the run instead of hanging it.
+    pp_size: pipeline stages over ranks; the mesh is pp x dp_replicate x dp_shard x cp x tp, each
+        stage sharded over its own sub-mesh (`fullshard.parallel.pp`).
+    pp_schedule: GPipe, 1F1B, Interleaved1F1B or LoopedBFS (the last two need pp_virtual_stages >= 2)
+    pp_microbatches: pipeline micro-batches per trainer micro-batch, dividing it (unset: pp_size)
+    pp_virtual_stages: stages per pp rank (stage s runs on pp rank s mod pp_size).
+    pp_layers_per_stage: decoder layers of each stage, in order; unset: balanced by parameter count.
     """
 
     mixed_precision: str = "fp32"
@@ -79,6 +86,11 @@ class EngineConfig:
     compile: bool = False
     prefetch: int = 0
     timeout_s: float = 1800.0
+    pp_size: int = 1
+    pp_schedule: str = "1F1B"
+    pp_microbatches: int | None = None
+    pp_virtual_stages: int = 1
+    pp_layers_per_stage: list[int] | None = None
 
     def __post_init__(self) -> None:
         for key in ("mixed_precision", "reduce_dtype"):
@@ -89,9 +101,14 @@ class EngineConfig:
             raise ValueError(f"reshard_after_forward must be a bool or an int >= 1, got {raf!r}")
         if not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise ConfigError(f"prefetch must be an int >= 0, got {self.prefetch!r}")
-        for key in ("tp_size", "cp_size"):
+        for key in ("tp_size", "cp_size", "pp_size", "pp_virtual_stages"):
             if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be an int >= 1, got {getattr(self, key)!r}")
+        if self.pp_microbatches is not None and (not isinstance(self.pp_microbatches, int) or self.pp_microbatches < 1):
+            raise ConfigError(f"pp_microbatches must be an int >= 1 or unset, got {self.pp_microbatches!r}")
+        if self.pp_size > 1 or self.pp_virtual_stages > 1:
+            check_pipeline_config(self.pp_size, self.pp_schedule, self.pp_microbatches, self.pp_virtual_stages,
+                                  self.pp_layers_per_stage)
 
     @classmethod
     def from_any(cls, config: "EngineConfig | dict | None", **overrides) -> "EngineConfig":
@@ -148,7 +165,8 @@ class FSDP2Engine:
         self.device = init_distributed(self.device_type, timeout_s=self.config.timeout_s)
         if device_mesh is None:
             self.dims = ParallelDims(dp_replicate=self.config.dp_replicate, dp_shard=self.config.dp_shard,
-                                     world_size=get_world_size(), cp=self.config.cp_size, tp=self.config.tp_size)
+                                     world_size=get_world_size(), cp=self.config.cp_size, tp=self.config.tp_size,
+                                     pp=self.config.pp_size)
             self.meshes = self.dims.build_meshes(self.device_type)
         else:
             self.meshes, self.dims = meshes_of(device_mesh, self.config)
@@ -182,8 +200,15 @@ class FSDP2Engine:
         """Plan, checkpoint activations if asked, and `fully_shard` every unit, then the root.
 
         Parameters keep the device they are on: real tensors are sharded in place, meta tensors
-        stay meta (to be materialised by the loader).
+        stay meta (to be materialised by the loader). Under pipeline parallelism this rank's
+        stages are cut out of the model and each is prepared so (`fullshard.parallel.pp`).
         """
+        if self.dims.pp > 1:
+            return prepare_pipeline(model, self)
+        return self.prepare_stage(model)
+
+    def prepare_stage(self, model: nn.Module) -> nn.Module:
+        """`prepare_model` for one whole model or one pipeline stage."""
         plan = build_plan(model, self.config.plan)
         self.apply_tensor_parallel(model)
         self.apply_context_parallel(model)
@@ -290,8 +315,8 @@ def meshes_of(device_mesh: DeviceMesh, config: EngineConfig) -> tuple[Meshes, Pa
     """Split a caller's mesh: a dim named "tp" is tensor parallel, the others (one, or two for HSDP)
     are FSDP's, as in seed 003's ("fsdp", "tp") mesh. A tp dim of size 1 still applies the plan."""
     names = device_mesh.mesh_dim_names or ()
-    if config.cp_size > 1:
-        raise ConfigError("cp_size > 1 needs the engine to build its own mesh; do not pass device_mesh")
+    if config.cp_size > 1 or config.pp_size > 1:
+        raise ConfigError("cp_size > 1 or pp_size > 1 needs the engine to build its own mesh; do not pass device_mesh")
     if "tp" not in names:
         if config.tp_size > 1:
             raise ConfigError(f"tp_size={config.tp_size} but the given device_mesh has no 'tp' dim (dims: {names})")

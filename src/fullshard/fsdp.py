@@ -19,6 +19,12 @@ def is_on_meta(model: nn.Module) -> bool:
     return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
 
 
+def model_class_name(model: nn.Module) -> str:
+    """The class the user built (`LlamaForCausalLM`), not the `FSDPLlamaForCausalLM` that
+    `fully_shard` swaps in: what an exported config must name for `from_pretrained`."""
+    return next(cls for cls in type(model).__mro__ if not issubclass(cls, FSDPModule)).__name__
+
+
 def reshard_all(model: nn.Module) -> None:
     """Put every FSDP unit back in its sharded state.
 

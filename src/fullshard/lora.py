@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,6 +105,15 @@ def _adapters_kept_off_meta(recorded: dict[int, dict[str, torch.Tensor]]):
         BaseTunerLayer._move_adapter_to_device_of_base_layer = original
 
 
+@contextlib.contextmanager
+def _quiet_peft_wrapping():
+    """PEFT reads transformers' deprecated `is_gradient_checkpointing` when it wraps a model, which
+    printed the same FutureWarning once per rank on every LoRA run; it is about PEFT, not the user."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
+
+
 def apply_lora(model: nn.Module, config, adapter_name: str = "default", **peft_kwargs):
     """`peft.get_peft_model(model, config)` that also works when the base model is on meta.
 
@@ -116,7 +126,7 @@ def apply_lora(model: nn.Module, config, adapter_name: str = "default", **peft_k
 
     config = lora_config(config)
     recorded: dict[int, dict[str, torch.Tensor]] = {}
-    with _adapters_kept_off_meta(recorded):
+    with _adapters_kept_off_meta(recorded), _quiet_peft_wrapping():
         peft_model = get_peft_model(model, config, adapter_name=adapter_name, **peft_kwargs)
     with torch.no_grad():
         for layer in peft_model.modules():

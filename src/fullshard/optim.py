@@ -131,32 +131,87 @@ def _grads(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     return [p.grad for p in params if p.grad is not None]
 
 
-def global_grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
-    """The norm of all gradients together, as one plain tensor equal on every rank (a collective)."""
-    return grad_norm_and_sum(params, norm_type)[0]
+def global_grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0, across=None) -> torch.Tensor:
+    """The norm of all gradients together, as one plain tensor equal on every rank.
+
+    Gradients are grouped by mesh and placement; each group's norm is reduced over the mesh dims
+    its gradients are split on (both dims of FSDP x TP, the shard dim of HSDP), and the groups'
+    norms are then combined like one vector. `clip_grad_norm_` alone fails on a mix of meshes
+    and returns a DTensor the caller must remember to reduce.
+    `across` is a process group whose ranks hold different parameters (the stages of a
+    pipeline): their norms are combined the same way, so every stage clips by the whole model's.
+    """
+    norm_type = float(norm_type)
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for grad in _grads(params):
+        groups.setdefault(_placement_key(grad)[:3], []).append(grad)
+    norms = []
+    for grads in groups.values():
+        pieces = [t for t in map(local_tensor, grads) if t.numel()]  # an uneven split leaves some ranks none
+        norm = (torch.nn.utils.get_total_norm(pieces, norm_type=norm_type) if pieces
+                else torch.zeros((), device=local_tensor(grads[0]).device))
+        if isinstance(grads[0], DTensor):
+            norm = _combine_over_mesh(norm.float(), grads[0], norm_type)
+        norms.append(norm.float())
+    if not norms:
+        norms = [torch.tensor(0.0)]
+    device = norms[0].device
+    total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), ord=norm_type)
+    if across is None:
+        return total
+    if math.isinf(norm_type):
+        dist.all_reduce(total, op=dist.ReduceOp.MAX, group=across)
+        return total
+    total = total.double() ** norm_type
+    dist.all_reduce(total, group=across)
+    return (total ** (1.0 / norm_type)).float()
 
 
-def grad_norm_and_sum(params: Iterable[torch.Tensor], norm_type: float = 2.0,
-                      values: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The global norm of all gradients, and `values` summed over every rank, in one all_reduce.
+def _combine_over_mesh(norm: torch.Tensor, like: DTensor, norm_type: float) -> torch.Tensor:
+    """The norm of a group split over mesh dims, from each rank's norm of its own pieces: one
+    reduction per split dim. DTensor's own reduction of a norm split over two dims runs the same
+    collectives, and warns once per rank that it cannot merge them. Gradients are split or
+    replicated (FSDP reduce-scatters them), never pending partial sums."""
+    infinite = math.isinf(norm_type)
+    value = norm if infinite else norm ** norm_type
+    for dim, placement in enumerate(like.placements):
+        if not placement.is_replicate():  # Shard, and FSDP x TP's _StridedShard
+            dist.all_reduce(value, op=dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM,
+                            group=like.device_mesh.get_group(dim))
+    return value if infinite else value ** (1.0 / norm_type)
+
+
+def scale_grads_(params: Iterable[torch.Tensor], factor: float) -> None:
+    """Multiply every gradient in place; each rank touches only its own shards (no communication)."""
+    by_key: dict[tuple, list[torch.Tensor]] = {}
+    for grad in _grads(params):
+        local = local_tensor(grad)
+        by_key.setdefault((local.device, local.dtype), []).append(local)
+    for grads in by_key.values():
+        torch._foreach_mul_(grads, factor)
+
+
+def grad_norm_and_sum(params: Iterable[torch.Tensor], norm_type: float = 2.0, values: torch.Tensor | None = None,
+                      across=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`global_grad_norm`, and `values` summed over every rank, in one all_reduce.
 
     Each rank adds up |g|^p over its local pieces, each piece divided by the number of ranks that
     hold that same piece (a Replicate dim of its mesh, a tp rank repeating a replicated weight, a
     plain tensor on every rank), so the sum over the world counts every element once; `values`
     (a step's loss sum, say) ride in the same buffer, so a step pays one small collective, not one
-    per mesh plus one per logged number. A gradient that is a partial sum (Partial placement), a
-    mesh that does not span the world, or the inf-norm take the per-mesh DTensor reduction
-    (`_grad_norm_by_mesh`) and a collective of their own for `values`.
+    per mesh plus one per logged number. Pipeline stages (`across`), a partial-sum gradient, a mesh
+    that does not span the world, or the inf-norm take `global_grad_norm` and a collective of their
+    own for `values`.
     """
     norm_type = float(norm_type)
-    grads = _grads(params)
+    params = list(params)
     world = dist.get_world_size() if dist.is_initialized() else 1
-    powers = _local_norm_powers(grads, norm_type, world) if math.isfinite(norm_type) else None
+    fusable = across is None and math.isfinite(norm_type)
+    powers = _local_norm_powers(_grads(params), norm_type, world) if fusable else None
     if powers is None:
-        return _grad_norm_by_mesh(grads, norm_type), None if values is None else _sum_over_world(values)
-    device = powers.device
+        return global_grad_norm(params, norm_type, across), None if values is None else _sum_over_world(values)
     buffer = torch.cat([powers.reshape(1).double(), torch.zeros(0) if values is None
-                        else values.detach().reshape(-1).to(device, torch.float64)])
+                        else values.detach().reshape(-1).to(powers.device, torch.float64)])
     buffer = _sum_over_world(buffer)
     norm = buffer[0].pow(1.0 / norm_type).float()
     return norm, None if values is None else buffer[1:].to(values.device, values.dtype).reshape(values.shape)
@@ -187,55 +242,28 @@ def _local_norm_powers(grads: list[torch.Tensor], norm_type: float, world: int) 
     total = None
     for (copies, _, dtype), tensors in by_copies.items():
         norms = torch._foreach_norm(tensors, norm_type, dtype=torch.promote_types(dtype, torch.float32))
-        norms = torch.stack(norms).to(torch.float64)
-        share = norms.pow(norm_type).sum() / copies
+        share = torch.stack(norms).to(torch.float64).pow(norm_type).sum() / copies
         total = share if total is None else total + share.to(total.device)
     return total if total is not None else torch.zeros((), dtype=torch.float64)
 
 
-def _grad_norm_by_mesh(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
-    """Gradients grouped by mesh and placement; each group's norm is a DTensor whose `full_tensor()`
-    reduces the per-shard pieces over that group's mesh (both dims of an HSDP mesh), and the
-    groups' norms are then combined like one vector. `clip_grad_norm_` alone fails on a mix of
-    meshes and returns a DTensor the caller must remember to reduce."""
-    groups: dict[tuple, list[torch.Tensor]] = {}
-    for grad in grads:
-        groups.setdefault(_placement_key(grad)[:3], []).append(grad)
-    norms = []
-    for group in groups.values():
-        norm = torch.nn.utils.get_total_norm(group, norm_type=norm_type)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        norms.append(norm.float())
-    if not norms:
-        return torch.tensor(0.0)
-    device = norms[0].device
-    return torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), ord=norm_type)
-
-
-def scale_grads_(params: Iterable[torch.Tensor], factor: float) -> None:
-    """Multiply every gradient in place; each rank touches only its own shards (no communication)."""
-    by_key: dict[tuple, list[torch.Tensor]] = {}
-    for grad in _grads(params):
-        local = local_tensor(grad)
-        by_key.setdefault((local.device, local.dtype), []).append(local)
-    for grads in by_key.values():
-        torch._foreach_mul_(grads, factor)
-
-
-def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> float:
+def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0, across=None,
+                   uncounted: Iterable[torch.Tensor] = ()) -> float:
     """Clip to `max_norm` by the global norm and return that norm (before clipping).
 
     `max_norm <= 0` means no clipping: the norm is still measured (it is logged), gradients are
     left exactly as they are. A non-finite norm leaves gradients alone too; the caller skips the step.
+    `across` is passed to `global_grad_norm`; `uncounted` parameters are clipped but left out of
+    the norm (the second copy of a weight two pipeline stages hold).
     """
-    return _clip(list(params), max_norm, norm_type)[0]
+    return _clip(list(params), max_norm, norm_type, across=across, uncounted=uncounted)[0]
 
 
-def _clip(params: list[torch.Tensor], max_norm: float, norm_type: float = 2.0,
-          values: torch.Tensor | None = None) -> tuple[float, torch.Tensor | None]:
+def _clip(params: list[torch.Tensor], max_norm: float, norm_type: float = 2.0, values: torch.Tensor | None = None,
+          across=None, uncounted: Iterable[torch.Tensor] = ()) -> tuple[float, torch.Tensor | None]:
     """`clip_grad_norm`, and `values` summed over every rank in the norm's collective."""
-    norm, sums = grad_norm_and_sum(params, norm_type, values)
+    skip = {id(p) for p in uncounted}
+    norm, sums = grad_norm_and_sum([p for p in params if id(p) not in skip], norm_type, values, across)
     norm = float(norm)
     if max_norm > 0 and math.isfinite(norm):
         coef = max_norm / (norm + 1e-6)
@@ -315,6 +343,8 @@ def clip_and_step(
     max_norm: float = 0.0,
     scheduler=None,
     scaler: ShardedGradScaler | None = None,
+    across=None,
+    uncounted: Iterable[torch.Tensor] = (),
     values: torch.Tensor | None = None,
 ) -> StepResult:
     """Unscale (fp16), clip by the global norm, step, and zero the gradients.
@@ -326,7 +356,7 @@ def clip_and_step(
     params = optimizer_params(optimizer)
     if scaler is not None:
         scaler.unscale_(params)
-    norm, sums = _clip(params, max_norm, values=values)
+    norm, sums = _clip(params, max_norm, values=values, across=across, uncounted=uncounted)
     skipped = not math.isfinite(norm)
     if not skipped:
         optimizer.step()

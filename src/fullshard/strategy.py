@@ -49,6 +49,8 @@ def batch_arithmetic(train_batch_size: int, micro_batch_size: int, dp_size: int,
 def describe_mesh(dims: ParallelDims) -> str:
     """One line for logs and `fullshard plan`: each mesh dim, and what the data and FSDP split over."""
     sizes = f"dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard} x cp {dims.cp} x tp {dims.tp}"
+    if dims.pp > 1:
+        sizes = f"pp {dims.pp} x {sizes}"
     return (f"mesh {sizes} = {dims.world_size} rank(s): data split {dims.dp_size} way(s), sharded over "
             f"{dims.fsdp_shard_size} rank(s)" + (f" x {dims.dp_replicate} replica(s)" if dims.hsdp else ""))
 
@@ -121,7 +123,7 @@ class FSDPStrategy:
         self.device = init_distributed(timeout_s=self.config.timeout_s if seconds is None else seconds)
         try:
             self.dims = ParallelDims(self.config.dp_replicate, self.config.dp_shard, get_world_size(),
-                                     cp=self.config.cp_size, tp=self.config.tp_size)
+                                     cp=self.config.cp_size, tp=self.config.tp_size, pp=self.config.pp_size)
         except ValueError as err:
             raise ConfigError(str(err)) from None
         self.accumulated_gradient = batch_arithmetic(self.train_batch_size, self.micro_train_batch_size,
@@ -215,15 +217,15 @@ class FSDPStrategy:
         loss.backward()
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, model: nn.Module, scheduler=None,
-                       name: str = "model", values: torch.Tensor | None = None, **kwargs) -> optim.StepResult | None:
+                       name: str = "model", **kwargs) -> optim.StepResult | None:
         """Count a micro-batch; at the end of the window clip, step (or skip on a non-finite norm
         on any rank) and zero the gradients. Returns the step's result, or None mid-window.
-        `values` are summed over every rank in the grad norm's collective (`StepResult.sums`)."""
+        `kwargs` reach `optim.clip_and_step` (a pipeline's `across` and `uncounted`; `values` to sum)."""
         last = self.is_last_micro_step()
         self._micro_step += 1
         if not last:
             return None
-        result = optim.clip_and_step(optimizer, self.max_norm, scheduler, self.scaler, values)
+        result = optim.clip_and_step(optimizer, self.max_norm, scheduler, self.scaler, **kwargs)
         self.last_step = result
         self.skipped_steps += int(result.skipped)
         if result.skipped:

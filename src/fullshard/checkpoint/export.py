@@ -28,8 +28,8 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from ..distributed import all_ranks_agree_ok, broadcast_from_rank0, get_rank, get_world_size, run_agreed
 from ..dtypes import SAFETENSORS_NAMES, dtype_name, resolve_dtype
 from ..errors import CheckpointError
-from ..fsdp import reshard_all
-from ..tensors import tensor_aliases
+from ..fsdp import model_class_name, reshard_all
+from ..tensors import is_pipeline_stage, replicated, tensor_aliases
 from . import layout
 
 WEIGHTS_NAME = "model.safetensors"
@@ -245,7 +245,7 @@ def gather_full(tensor: torch.Tensor | GatheredTensor) -> torch.Tensor:
     mesh_device = tensor.device_mesh.device_type
     if tensor.device.type != mesh_device:  # CPU-offloaded shards of an accelerator mesh
         tensor = tensor.to(mesh_device)
-    return tensor.full_tensor().detach()
+    return replicated(tensor).detach()
 
 
 def own_rows(tensor) -> tuple[int, torch.Tensor | None] | None:
@@ -315,6 +315,26 @@ class RegionWriter:
         return self.error
 
 
+def every_stage_entries(entries: list[Entry]) -> list[Entry]:
+    """The entries of every pipeline stage (a collective), each name once, in the same order on
+    every rank (layers by number), so every rank plans the same files."""
+    import torch.distributed as dist
+
+    gathered: list = [None] * get_world_size()
+    dist.all_gather_object(gathered, entries)
+    merged = {e.name: e for rank_entries in gathered for e in rank_entries}
+    order = lambda name: [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in name.split(".")]  # noqa: E731
+    return [merged[name] for name in sorted(merged, key=order)]
+
+
+def first_holder(tensor: torch.Tensor) -> bool:
+    """Whether this rank writes a gathered tensor of its stage: the first rank of its mesh (a plain
+    tensor is written by every rank holding it, the same bytes to the same place)."""
+    if not isinstance(tensor, DTensor):
+        return True
+    return all(c == 0 for c in tensor.device_mesh.get_coordinate())
+
+
 def create_files(headers: dict[Path, tuple[bytes, int]]) -> None:
     """Each output file with its header and at its final size (the data still a hole), so that
     any rank can write any range of it."""
@@ -343,6 +363,9 @@ def export_hf(model: torch.nn.Module, output_dir: str | os.PathLike, tokenizer=N
     state = model.state_dict() if tensors is None else tensors
     aliases = alias_names(model)
     entries = [Entry(k, tuple(t.shape), written_dtype(t.dtype, out_dtype)) for k, t in state.items() if k not in aliases]
+    staged = is_pipeline_stage(model)
+    if staged:
+        entries = every_stage_entries(entries)
     files = plan_files(entries, max_bytes)
     staging = Path(broadcast_from_rank0(str(staging_dir(output_dir)) if get_rank() == 0 else None))
     rank, world = get_rank(), get_world_size()
@@ -353,7 +376,9 @@ def export_hf(model: torch.nn.Module, output_dir: str | os.PathLike, tokenizer=N
     try:
         for number, (path, group, _, offsets) in enumerate(layouts):
             for entry, offset in zip(group, offsets):
-                tensor = state[entry.name]
+                tensor = state.get(entry.name)
+                if tensor is None:  # held by another pipeline stage, which writes it
+                    continue
                 rows = own_rows(tensor)
                 if rows is not None:  # every rank writes its own rows: no gather at all
                     first, local = rows
@@ -364,12 +389,12 @@ def export_hf(model: torch.nn.Module, output_dir: str | os.PathLike, tokenizer=N
                 # any other layout is gathered whole on every rank (a collective), and the rank the
                 # file is dealt to writes it; a rank whose writing failed keeps gathering, so none hangs
                 full = gather_full(tensor)
-                if number % world == rank:
+                if (first_holder(tensor) if staged else number % world == rank):
                     writer.write(path, offset, full.to("cpu", entry.dtype))
                 del full
         error = writer.finish()
         all_ranks_agree_ok(not error, error, CheckpointError)
-        run_agreed(lambda: finish_directory(staging, output_dir, files, export_config(config, type(model).__name__, out_dtype),
+        run_agreed(lambda: finish_directory(staging, output_dir, files, export_config(config, model_class_name(model), out_dtype),
                                              generation_config_json(model), tokenizer), on_rank=0, error_type=CheckpointError)
     except BaseException:
         writer.finish(sync=False)

@@ -21,6 +21,7 @@ import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
 from ..errors import CheckpointError
+from ..tensors import held_elsewhere
 
 
 @dataclass
@@ -39,14 +40,15 @@ class Fit:
             optim_state["state"].pop(fqn, None)
 
 
-def fit_to_index(checkpoint: Path, metadata, state: dict, strict: bool) -> Fit:
+def fit_to_index(checkpoint: Path, metadata, state: dict, strict: bool, model=None) -> Fit:
     """Compare `state` ({"model": ..., "optim"?: ..., "states"?: ...}) with the checkpoint's DCP
-    index by key and shape; raise one `CheckpointError` naming every required key that differs."""
+    index by key and shape; raise one `CheckpointError` naming every required key that differs.
+    Weights another pipeline stage of `model` holds are in the checkpoint and expected there."""
     index = metadata.state_dict_metadata
     model_state = state["model"]
     saved_model_keys = {k[len("model."):] for k in index if k.startswith("model.")}
     missing = sorted(k for k in model_state if k not in saved_model_keys)
-    unexpected = sorted(saved_model_keys - set(model_state))
+    unexpected = sorted(k for k in saved_model_keys - set(model_state) if not held_elsewhere(model, k))
     problems = []
     if strict and missing:
         problems.append(f"missing from the checkpoint: {few(missing)}")

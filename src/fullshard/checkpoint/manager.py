@@ -32,6 +32,7 @@ from ..distributed import agreed, broadcast_from_rank0, get_rank, get_world_size
 from ..errors import CheckpointError, ConfigError
 from ..fsdp import reshard_all
 from ..log import log_rank0, logger, warn_rank0
+from ..tensors import is_pipeline_stage
 from . import async_exit, layout
 from .export import config_json, generation_config_json
 from .fit import few, fit_to_index
@@ -186,7 +187,8 @@ class CheckpointManager:
         state dict DCP writes."""
         layout.write_file(layout.rng_file(tmp, get_rank()), _torch_bytes(capture_rng_state()))
         reshard_all(model)
-        model_state, optim_state = get_state_dict(model, optimizer if optimizer is not None else [])
+        model_state, optim_state = get_state_dict(model, optimizer if optimizer is not None else [],
+                                                  options=_options(model))
         if get_rank() == 0:
             trainer_state = {"format": layout.FORMAT_VERSION, "step": step, "world_size": get_world_size(),
                              "base_seed": torch.initial_seed(), "has_optimizer": optimizer is not None,
@@ -294,13 +296,19 @@ class CheckpointManager:
                 raise CheckpointError(f"checkpoint {checkpoint} has format {trainer_state.get('format')}; this fullshard "
                                       f"reads format {layout.FORMAT_VERSION} (export it with the fullshard that wrote it)")
             reader = CheckpointReader(checkpoint)
-            model_state, optim_state = get_state_dict(model, optimizer if optimizer is not None else [])
+            options = _options(model, reader.metadata)
+            if optimizer is not None and is_pipeline_stage(model) and not options.flatten_optimizer_state_dict:
+                raise CheckpointError(f"checkpoint {checkpoint} keeps its optimizer groups by index (saved without "
+                                      "pipeline stages), which a pipeline stage's groups do not match: load its "
+                                      "weights alone (load_optimizer=False) or resume it without pp")
+            model_state, optim_state = get_state_dict(model, optimizer if optimizer is not None else [],
+                                                      options=options)
             state = {"model": model_state}
             if optimizer is not None:
                 state["optim"] = optim_state
             if states:
                 state["states"] = {name: obj.state_dict() for name, obj in states.items()}
-            fit = fit_to_index(checkpoint, reader.metadata, state, strict)
+            fit = fit_to_index(checkpoint, reader.metadata, state, strict, model)
             state["model"] = fit.model_state
             if optimizer is not None:
                 fit.drop_fresh_params(state["optim"])
@@ -310,11 +318,12 @@ class CheckpointManager:
             trainer_state, reader, state, fit = prepare()
         with agreed(CheckpointError, f"reading checkpoint {checkpoint}"):
             reader.read(state, partial=bool(fit.absent_states))  # what a state lacks keeps its current value
-        set_model_state_dict(model, state["model"], options=StateDictOptions(strict=strict))
+        set_model_state_dict(model, state["model"], options=_options(model, reader.metadata, strict=strict))
         if optimizer is not None:
             # torch refuses a parameter without saved state when strict; `fit` has told the
             # legitimately absent (left fresh) from the missing (refused)
-            set_optimizer_state_dict(model, optimizer, state["optim"], options=StateDictOptions(strict=False))
+            set_optimizer_state_dict(model, optimizer, state["optim"], options=_options(model, reader.metadata,
+                                                                                          strict=False))
             if fit.fresh_params:
                 log_rank0(f"{len(fit.fresh_params)} parameter(s) had no optimizer state when {checkpoint} was saved "
                           f"(no gradient yet), so they have none now, as in the run that saved it: "
@@ -351,6 +360,18 @@ class CheckpointManager:
             rng = "re-derived"
         self.last_load_info = {"path": str(checkpoint), "step": trainer_state["step"], "saved_world_size": saved_world,
                                "world_size": world, "rng": rng}
+
+
+def _options(model, metadata=None, **kwargs) -> StateDictOptions:
+    """The optimizer state keyed by parameter name throughout (groups too) where a pipeline stage
+    saves it, since each stage's groups hold other parameters, or where the checkpoint being read
+    was saved so; by group index otherwise (the format every other checkpoint has)."""
+    if metadata is not None:
+        flat = any(k.startswith("optim.param_groups.") and not k.split(".")[2].isdigit()
+                   for k in metadata.state_dict_metadata)
+    else:
+        flat = is_pipeline_stage(model)
+    return StateDictOptions(flatten_optimizer_state_dict=flat, **kwargs)
 
 
 def _planner():

@@ -18,6 +18,7 @@ import torch
 
 from ..dtypes import dtype_name, resolve_dtype
 from ..errors import CheckpointError
+from ..fsdp import model_class_name
 from . import layout
 from .export import (DEFAULT_SHARD_SIZE, Entry, SafetensorsStream, export_config, export_recipe, finish_directory,
                      parse_size, plan_files, source_dtype, staging_dir, written_dtype)
@@ -33,7 +34,7 @@ def model_meta(model: torch.nn.Module, state_keys) -> dict:
         recipe = merge_recipe(model, state_keys) if base is not model else export_recipe(model, state_keys)
     except CheckpointError as err:  # training goes on; only the export is refused, by name
         recipe = {"refused": str(err)}
-    return {"format": layout.FORMAT_VERSION, "class_name": type(base).__name__,
+    return {"format": layout.FORMAT_VERSION, "class_name": model_class_name(base),
             "dtype": dtype_name(source_dtype(base)), "export": recipe}
 
 

@@ -48,3 +48,11 @@ def byte_tokenizer():
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>", bos_token="<|endoftext|>",
                                         pad_token="<|endoftext|>", unk_token="<|endoftext|>")
     return tokenizer
+
+
+def special_token_ids(tokenizer) -> dict:
+    """The special-token ids a model config (and so its generation config) must share with its
+    tokenizer: a config's defaults (LlamaConfig's bos 1, eos 2) would let `generate()` run past
+    the tokenizer's end of text."""
+    return {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id}

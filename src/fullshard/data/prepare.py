@@ -22,12 +22,13 @@ import torch.distributed as dist
 
 from ..distributed import get_local_rank
 from ..errors import ConfigError
+from ..log import warn_rank0
 from .chat import chat_template_of
 from .pack import COLUMNS, Packer
 from .sources import Source, load_records, locate, resolve_source
 from .tokenize import RecordError, Tokenize, layouts
 
-CACHE_VERSION = 2  # 2: a document's first token is no target
+CACHE_VERSION = 3  # 2: a document's first token is no target; 3: info.json counts truncated records
 TOKENIZE_RUNS = {"count": 0}  # tokenizations done by this process (the once-per-node test counts them)
 READ_BATCH = 1000  # documents per packing batch
 
@@ -85,12 +86,32 @@ def prepare(section, tokenizer, path: str | None, cache_dir: Path) -> Prepared:
 
     on_node_first_rank(build_once, f"preparing data.path={path!r}")
     info = json.loads((target / "info.json").read_text())
+    report_overlong(info, section, source.path)
     if info["rows"] < 2:
         raise ConfigError(f"{source.path} holds {info['tokens']} tokens in {info['documents']} documents "
                           f"({info['dropped']} dropped as longer than data.seq_len), fewer than two sequences "
                           f"of data.seq_len={section.seq_len}")
     dataset = datasets.Dataset.from_file(str(target / "packed.arrow")).with_format("numpy")
     return Prepared(dataset, info, key)
+
+
+def report_overlong(info: dict, section, path: str) -> None:
+    """Say how many records (conversations, or documents without packing) did not fit
+    data.seq_len and what became of them, on every run (the counts are kept with the cache);
+    refuse data of which nothing would be left."""
+    dropped, truncated = info["dropped"], info.get("truncated", 0)
+    total = info["documents"] + dropped
+    records = "conversations" if section.format == "chat" else "documents"
+    rule = f"longer than data.seq_len={section.seq_len}"
+    if dropped and not info["documents"]:
+        raise ConfigError(f"{path}: all {dropped} {records} are {rule} and data.overlong=drop drops them; "
+                          "raise data.seq_len or set data.overlong=truncate")
+    if dropped:
+        warn_rank0(f"{path}: {dropped} of {total} {records} dropped as {rule} (data.overlong=drop; "
+                   "data.overlong=truncate keeps their first tokens)", once=False)
+    if truncated:
+        warn_rank0(f"{path}: {truncated} of {total} {records} truncated to their first {section.seq_len} "
+                   f"tokens as {rule} (data.overlong=truncate)", once=False)
 
 
 def on_node_first_rank(fn, context: str):
@@ -158,22 +179,25 @@ def _write_rows(tokens, section, tokenizer, path: Path) -> dict:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     packer = Packer(section.seq_len, pad, whole_documents=section.format == "chat", packing=section.packing)
     features = Features({c: Sequence(Value("int32"), length=section.seq_len) for c in COLUMNS})
-    rows = total = 0
+    rows = total = truncated = 0
     with ArrowWriter(path=str(path), features=features) as writer:
         for batch in tokens.with_format("arrow").iter(batch_size=READ_BATCH):
             ids, lengths = _flat(batch, "input_ids")
             labels = _flat(batch, "labels")[0] if "labels" in batch.column_names else None
+            if "truncated" in batch.column_names:
+                truncated += batch.column("truncated").combine_chunks().true_count
             total += len(ids)
             rows += _write(writer, packer.add_flat(ids, lengths, labels), section.seq_len)
         rows += _write(writer, packer.finish(), section.seq_len)
         writer.finalize()
-    return {"rows": rows, "tokens": total, "documents": packer.documents, "dropped": packer.dropped}
+    return {"rows": rows, "tokens": total, "documents": packer.documents, "dropped": packer.dropped,
+            "truncated": int(truncated)}
 
 
 def _flat(batch, column: str):
     """An Arrow list column as (all values, per-row lengths), without Python objects."""
     values = batch.column(column).combine_chunks()
-    return values.flatten().to_numpy(), values.value_lengths().to_numpy()
+    return values.flatten().to_numpy(zero_copy_only=False), values.value_lengths().to_numpy()
 
 
 def _write(writer, part: dict, seq_len: int) -> int:

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError
+from .chat import IGNORE_INDEX
 
 
 class Rows:
@@ -104,13 +105,23 @@ class StepBatches:
         pass
 
 
-def eval_batches(sequences, micro_batch_size: int, dp_rank: int, dp_size: int, limit: int) -> list[dict]:
-    """This rank's share of the first `limit` eval micro-batches (every rank the same count)."""
+def eval_batches(sequences, micro_batch_size: int, dp_rank: int, dp_size: int, num_rows: int) -> list[dict]:
+    """This rank's share of the first `num_rows` eval rows, in micro-batches, every rank the same count.
+
+    The rows evaluated depend on `num_rows` alone, never on the micro-batch or the world size, so
+    the eval loss (summed over every rank, divided by all target tokens) does not either. Slots of
+    the last round that no row fills hold a row with no targets: every rank runs the same forwards
+    (FSDP's collectives), and a filler adds nothing to the loss or the token count.
+    """
     rows = as_rows(sequences)
-    micro_batch_size = min(micro_batch_size, len(rows) // dp_size)  # a small eval set still gets used
-    if micro_batch_size == 0:
+    num_rows = min(num_rows, len(rows))
+    if num_rows == 0:
         return []
     per_round = micro_batch_size * dp_size
-    rounds = min(limit, len(rows) // per_round)
-    start = lambda r: r * per_round + dp_rank * micro_batch_size  # noqa: E731
-    return [rows.take(range(start(r), start(r) + micro_batch_size)) for r in range(rounds)]
+    batches = []
+    for start in range(dp_rank * micro_batch_size, -(-num_rows // per_round) * per_round, per_round):
+        real = list(range(start, min(start + micro_batch_size, num_rows)))
+        batch = rows.take(real + [0] * (micro_batch_size - len(real)))
+        batch["labels"][len(real):] = IGNORE_INDEX
+        batches.append(batch)
+    return batches

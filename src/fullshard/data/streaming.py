@@ -183,14 +183,14 @@ class StreamData:
                      seed: int = 0, shuffle: bool = False) -> StreamBatches:
         return StreamBatches(self._reader(self.section.path), global_batch_size, micro_batch_size, dp_rank, dp_size)
 
-    def eval_batches(self, micro_batch_size: int, dp_rank: int, dp_size: int, limit: int) -> list[dict]:
-        """The first `limit` rounds of eval rows of `data.eval_path` (streamed); none without one."""
+    def eval_batches(self, micro_batch_size: int, dp_rank: int, dp_size: int, num_rows: int) -> list[dict]:
+        """The first `num_rows` eval rows of `data.eval_path` (streamed); none without one."""
         if not self.section.eval_path:
             return []
-        count = limit * micro_batch_size * dp_size
+        count = num_rows
         sharer = StreamBatches(self._reader(self.section.eval_path), count, micro_batch_size, dp_rank, dp_size)
         rows = sharer.share(lambda: sharer.reader.next_rows(count, partial=True))
         import datasets
 
         table = datasets.Dataset.from_dict({c: v.astype(np.int32) for c, v in rows.items()}).with_format("numpy")
-        return eval_batches(Rows(table), micro_batch_size, dp_rank, dp_size, limit)
+        return eval_batches(Rows(table), micro_batch_size, dp_rank, dp_size, count)

@@ -36,18 +36,25 @@ class Tokenize:
                 raise RecordError(indices[texts.index(None)], f"has no field {self.field!r}")
             ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
             docs = [doc + [eos] for doc in ids]
-            return {"input_ids": docs if self.packing else [self._fit(doc, doc)[0] for doc in docs]}
-        out = {"input_ids": [], "labels": []}
+            if self.packing:
+                return {"input_ids": docs}
+            return {"input_ids": [self._fit(doc, doc)[0] for doc in docs], "truncated": list(map(self._truncates, docs))}
+        out = {"input_ids": [], "labels": [], "truncated": []}
         messages, prompt, response = self.chat_fields
         for k, row in enumerate(indices):
             if messages in batch:
                 turns = as_messages(row, messages=batch[messages][k])
             else:
                 turns = as_messages(row, prompt=batch[prompt][k], response=batch[response][k])
-            ids, labels = self._fit(*tokenize_chat(self.tokenizer, self.template, turns, row))
+            ids, labels = tokenize_chat(self.tokenizer, self.template, turns, row)
+            out["truncated"].append(self._truncates(ids))
+            ids, labels = self._fit(ids, labels)
             out["input_ids"].append(ids)
             out["labels"].append(labels)
         return out
+
+    def _truncates(self, ids: list[int]) -> bool:
+        return len(ids) > self.seq_len and self.overlong == "truncate"
 
     def _fit(self, ids: list[int], labels: list[int]) -> tuple[list[int], list[int]]:
         """A record that must fit one row, by `overlong`."""

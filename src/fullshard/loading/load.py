@@ -22,7 +22,7 @@ from torch import nn
 from ..distributed import agreed, current_device, get_rank, get_world_size
 from ..dtypes import dtype_name, resolve_dtype
 from ..errors import LoadError
-from ..tensors import local_tensor, named_state_tensors, tensor_aliases, tied_groups
+from ..tensors import held_elsewhere, local_tensor, named_state_tensors, tensor_aliases, tied_groups
 from .dcp import DCPSource
 from .materialize import BufferSnapshot, broken_ties, find_unfilled, materialize, snapshot_buffers
 from .resolve import resolve_checkpoint_dir
@@ -107,7 +107,7 @@ def plan_reads(model: nn.Module, view: ModelView, source: Source, dtype: torch.d
             report.buffers_from_init += group  # a real persistent buffer the checkpoint lacks
         else:
             report.missing.append(group[0])
-    report.unexpected = plan.unexpected
+    report.unexpected = [k for k in plan.unexpected if not held_elsewhere(view.keys_model, k)]
     report.mismatched = sorted(f"{k}: checkpoint {list(shape)}, model {list(view.names[k].shape)}"
                                for k, shape in plan.shapes.items() if tuple(shape) != tuple(view.names[k].shape))
     problems = [_listing(title, names) for title, names in (

@@ -37,10 +37,7 @@ def meta_init():
     def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         original(module, name, param)
         if param is not None and not param.is_meta:
-            param_cls = type(param)
-            kwargs = {k: v for k, v in param.__dict__.items()}
-            kwargs["requires_grad"] = param.requires_grad
-            meta = param_cls(param.to("meta"), **kwargs)
+            meta = on_meta(param)
             meta._is_hf_initialized = True  # transformers' init functions skip it: no init compute on meta
             module._parameters[name] = meta
             created.append(meta)
@@ -52,6 +49,17 @@ def meta_init():
         nn.Module.register_parameter = original
         for param in created:  # a later `_init_weights` (strict=False, missing keys) must not skip them
             param.__dict__.pop("_is_hf_initialized", None)
+
+
+def on_meta(param: nn.Parameter) -> nn.Parameter:
+    """`param` moved to meta, of its own class and with its attributes. A subclass (bitsandbytes'
+    `Params4bit`) takes its public attributes as constructor arguments; private ones, such as the
+    `_is_hf_initialized` transformers sets while loading, are copied after."""
+    cls, attributes = type(param), dict(param.__dict__)
+    public = {} if cls is nn.Parameter else {k: v for k, v in attributes.items() if not k.startswith("_")}
+    meta = cls(param.to("meta"), requires_grad=param.requires_grad, **public)
+    meta.__dict__.update(attributes)
+    return meta
 
 
 def init_empty_model(config, model_class=None, dtype: torch.dtype | None = None, trust_remote_code: bool = False):

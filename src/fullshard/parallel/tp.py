@@ -74,12 +74,13 @@ def resolve_tp_plan(model: nn.Module, tp_plan: str | dict | None) -> dict[str, s
         return dict(tp_plan)
     if tp_plan != "auto":
         raise PlanError(f"tp_plan must be 'auto' or a dict of module glob -> style, got {tp_plan!r}")
-    base = getattr(getattr(model, "config", None), "base_model_tp_plan", None)
+    inner, wrapper_prefix = _unwrapped(model)
+    base = getattr(getattr(inner, "config", None), "base_model_tp_plan", None)
     if not base:
-        raise PlanError(f"{type(model).__name__} has no transformers TP plan (config.base_model_tp_plan); "
+        raise PlanError(f"{type(inner).__name__} has no transformers TP plan (config.base_model_tp_plan); "
                         "pass tp_plan as a dict of module glob -> style")
-    prefix = getattr(model, "base_model_prefix", "")
-    prefix = f"{prefix}." if prefix and hasattr(model, prefix) else ""
+    prefix = getattr(inner, "base_model_prefix", "")
+    prefix = wrapper_prefix + (f"{prefix}." if prefix and hasattr(inner, prefix) else "")
     plan = {prefix + pattern: style for pattern, style in base.items()}
     dropped = [p for p, s in plan.items() if s not in TP_STYLES]
     names = [n for n, _ in model.named_modules() if n]
@@ -96,6 +97,16 @@ def resolve_tp_plan(model: nn.Module, tp_plan: str | dict | None) -> dict[str, s
     return kept
 
 
+def _unwrapped(model: nn.Module) -> tuple[nn.Module, str]:
+    """The transformers model under a PEFT wrapper and the prefix of its module names
+    (`base_model.model.`); the model itself and "" when it is not wrapped."""
+    get_base = getattr(model, "get_base_model", None)
+    inner = get_base() if callable(get_base) else model
+    if inner is model:
+        return model, ""
+    return inner, next(f"{name}." for name, module in model.named_modules() if module is inner)
+
+
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, tp_plan: str | dict | None) -> dict[str, str]:
     """Validate the plan against the model and apply it on `tp_mesh`; returns module name -> style."""
     assignments = plan_assignments(model, resolve_tp_plan(model, tp_plan), tp_mesh.size())
@@ -107,6 +118,17 @@ def apply_tp_styles(model: nn.Module, tp_mesh: DeviceMesh, assignments: dict[str
     """`parallelize_module` with each module's style (a collective over tp: every rank must call it)."""
     if assignments:
         parallelize_module(model, tp_mesh, {name: TP_STYLES[style][0]() for name, style in assignments.items()})
+    modules = dict(model.named_modules())
+    for name in assignments:
+        if any(f".{factor}." in name for factor in LORA_SPLIT.values()):
+            modules[name].register_forward_hook(_own_output)
+
+
+def _own_output(module: nn.Module, inputs, output):
+    """A split LoRA factor's output as a tensor of its own: TP hands back a view of its DTensor
+    result, and FSDP, which makes the adapters their own unit, warns on every rank about any view a
+    unit returns (PEFT adds the output out of place, so the view was harmless). One elementwise copy."""
+    return output.clone()
 
 
 def plan_assignments(model: nn.Module, plan: dict[str, str], tp_size: int) -> dict[str, str]:
@@ -125,14 +147,40 @@ def plan_assignments(model: nn.Module, plan: dict[str, str], tp_size: int) -> di
         if not matches:
             raise PlanError(f"tp_plan entry {pattern!r}: pattern matches no module of {type(model).__name__}")
         for name in matches:
-            if name in assignments:
-                raise PlanError(f"tp_plan entry {pattern!r}: module {name!r} already has style {assignments[name]!r}")
-            _check_split(pattern, style, name, modules[name], tp_size)
-            assignments[name] = style
+            for part, part_style in _through_lora(pattern, style, name, modules[name]).items():
+                if part in assignments:
+                    raise PlanError(f"tp_plan entry {pattern!r}: module {part!r} already has style {assignments[part]!r}")
+                _check_split(pattern, part_style, part, modules[part], tp_size)
+                assignments[part] = part_style
     if assignments:
         _check_heads(model, tp_size)
         _check_ties(model, assignments)
     return assignments
+
+
+# a LoRA layer y = W x + B(A x): the adapter factor that shares W's split dim is split with it, the
+# other stays whole on every tp rank. colwise: B's outputs split like W's, A sees the whole input
+# (its gradient arrives summed over tp through B's input). rowwise: A's inputs split like W's,
+# the sum over tp comes before B, which sees the whole (replicated) product.
+LORA_SPLIT = {"colwise": "lora_B", "rowwise": "lora_A"}
+
+
+def _through_lora(pattern: str, style: str, name: str, module: nn.Module) -> dict[str, str]:
+    """Module name -> style for one plan match: the module itself, or, for a layer PEFT wrapped,
+    its base layer and the adapter factor split with it."""
+    if not hasattr(module, "base_layer") or not hasattr(module, "lora_A"):
+        return {name: style}
+    if style not in LORA_SPLIT:
+        raise PlanError(f"tp_plan entry {pattern!r}: {name!r} carries LoRA adapters, which split only with "
+                        f"colwise or rowwise, not {style!r}; leave it out of lora.target_modules or of the tp plan")
+    split = {f"{name}.base_layer": style}
+    for adapter in getattr(module, LORA_SPLIT[style]):
+        dropout = getattr(module.lora_dropout[adapter], "p", 0.0) if adapter in module.lora_dropout else 0.0
+        if style == "colwise" and dropout:
+            raise PlanError(f"tp_plan entry {pattern!r}: LoRA dropout {dropout} on {name!r} would drop other "
+                            "inputs on each tp rank, so the tp copies of its lora_A drift apart; set lora.dropout=0")
+        split[f"{name}.{LORA_SPLIT[style]}.{adapter}"] = style
+    return split
 
 
 def _matches(names: list[str], pattern: str) -> list[str]:

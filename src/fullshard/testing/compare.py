@@ -6,15 +6,15 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from ..distributed import get_rank, get_world_size
 from ..optim import global_grad_norm
+from ..tensors import replicated
 from .zoo import build_model, make_batch
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    return replicated(t)
 
 
 def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:

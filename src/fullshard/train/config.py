@@ -26,7 +26,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional, Union
 
 import yaml
 from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
@@ -70,8 +70,10 @@ class ModelSection:
 class DataSection:
     """What to train on (path unset: the built-in generated corpus), as text or as chat."""
 
-    path: Optional[str] = None
-    """a data file (.txt .md .jsonl .json .parquet .arrow), a directory of them, a saved or cached Hub dataset"""
+    path: Optional[Union[str, list[str]]] = None
+    """a data file (.txt .md .jsonl .json .parquet .arrow), a directory of them, a saved or cached Hub dataset; a list of them: mixed"""
+    weights: Optional[list[PositiveFloat]] = None
+    """with a list data.path: each source's share of the rows (unset: each row once)"""
     eval_path: Optional[str] = None
     """held-out data, read like path; unset: the last eval_fraction of path's rows (streaming: no eval)"""
     split: str = "train"
@@ -129,7 +131,7 @@ class TrainSection:
     eval_every: NonNegativeInt = 0
     """steps between evaluations; 0 evaluates at the end only"""
     eval_batches: NonNegativeInt = 4
-    """micro-batches per rank in one evaluation"""
+    """one evaluation's size in global batches: the first eval_batches x global_batch_size held-out rows, whatever the micro-batch and world size"""
     output_dir: str = "runs/demo"
     """where metrics, checkpoints, the exported model, the loss plot and logs/ go"""
     nproc: Optional[PositiveInt] = None
@@ -267,10 +269,11 @@ class TrainConfig:
         """The mesh of `world_size` processes; a `ConfigError` naming the fsdp.* keys and the numbers
         when their product does not match (cp and tp named when used)."""
         fsdp = self.fsdp
-        keys = {"dp_replicate": fsdp.dp_replicate, "dp_shard": fsdp.dp_shard, "cp_size": fsdp.cp_size,
-                "tp_size": fsdp.tp_size}
+        keys = {"pp_size": fsdp.pp_size, "dp_replicate": fsdp.dp_replicate, "dp_shard": fsdp.dp_shard,
+                "cp_size": fsdp.cp_size, "tp_size": fsdp.tp_size}
         try:
-            return ParallelDims(fsdp.dp_replicate, fsdp.dp_shard, world_size, cp=fsdp.cp_size, tp=fsdp.tp_size)
+            return ParallelDims(fsdp.dp_replicate, fsdp.dp_shard, world_size, cp=fsdp.cp_size, tp=fsdp.tp_size,
+                                pp=fsdp.pp_size)
         except ConfigError:
             mesh = " x ".join(f"fsdp.{k}={v}" for k, v in keys.items() if k.startswith("dp") or v > 1)
             fixed = math.prod(v for v in keys.values() if v != -1)
@@ -284,8 +287,17 @@ class TrainConfig:
         from ..strategy import batch_arithmetic
 
         dims = self.parallel_dims(world_size)
-        return batch_arithmetic(self.train.global_batch_size, self.train.micro_batch_size, dims.dp_size,
-                                names=("train.global_batch_size", "train.micro_batch_size"))
+        steps = batch_arithmetic(self.train.global_batch_size, self.train.micro_batch_size, dims.dp_size,
+                                 names=("train.global_batch_size", "train.micro_batch_size"))
+        if dims.pp > 1:
+            from ..parallel.pp import microbatches_of
+
+            pieces = microbatches_of(dims.pp, self.fsdp.pp_microbatches)
+            if self.train.micro_batch_size % pieces:
+                raise ConfigError(f"train.micro_batch_size={self.train.micro_batch_size} does not split into "
+                                  f"fsdp.pp_microbatches={pieces} pipeline micro-batches"
+                                  + ("" if self.fsdp.pp_microbatches else " (unset: one per pp rank)"))
+        return steps
 
 
 # ---------------------------------------------------------------------------------------------- reading
@@ -409,6 +421,8 @@ def _expand_paths(config: TrainConfig) -> None:
         value = getattr(target, key, None)
         if isinstance(value, str) and value:
             setattr(target, key, os.path.expandvars(os.path.expanduser(value)))
+        elif isinstance(value, list):  # data.path of a mixture
+            setattr(target, key, [os.path.expandvars(os.path.expanduser(v)) for v in value])
     if config.checkpoint.resume is None:
         config.checkpoint.resume = "none"
 
@@ -433,6 +447,7 @@ def _check_values(config: TrainConfig) -> None:
          "must be >= 1, or -1 (what the world leaves)"),
         ("fsdp.tp_size", config.fsdp.tp_size, config.fsdp.tp_size >= 1, "must be >= 1"),
         ("fsdp.cp_size", config.fsdp.cp_size, config.fsdp.cp_size >= 1, "must be >= 1"),
+        ("fsdp.pp_size", config.fsdp.pp_size, config.fsdp.pp_size >= 1, "must be >= 1"),
         ("fsdp.timeout_s", config.fsdp.timeout_s, config.fsdp.timeout_s > 0, "must be > 0 seconds"),
     ]
     for key, value, ok, rule in checks:
@@ -441,6 +456,9 @@ def _check_values(config: TrainConfig) -> None:
     from .metrics import check_report_to
 
     check_report_to(config.train.report_to)
+    from ..data.mix import check_mixture
+
+    check_mixture(config.data)
 
 
 # ---------------------------------------------------------------------------------------------- help

@@ -12,10 +12,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..data.builtin import builtin_corpus, byte_tokenizer
-from ..data.prepare import Prepared, default_cache_dir, prepare
+from ..data.mix import MixedRows, mixture_paths
+from ..data.prepare import default_cache_dir, prepare
 from ..data.rows import Rows, StepBatches, eval_batches
 from ..data.sources import load_records, resolve_source
 from ..data.tokenize import layouts
+from ..log import log_rank0
 from .config import DataSection
 
 __all__ = ["PackedData", "StepBatches", "builtin_corpus", "byte_tokenizer", "eval_batches", "load_data", "read_texts"]
@@ -43,8 +45,8 @@ class PackedData:
                      seed: int, shuffle: bool) -> StepBatches:
         return StepBatches(self.train, global_batch_size, micro_batch_size, dp_rank, dp_size, seed, shuffle)
 
-    def eval_batches(self, micro_batch_size: int, dp_rank: int, dp_size: int, limit: int) -> list[dict]:
-        return eval_batches(self.eval, micro_batch_size, dp_rank, dp_size, limit)
+    def eval_batches(self, micro_batch_size: int, dp_rank: int, dp_size: int, num_rows: int) -> list[dict]:
+        return eval_batches(self.eval, micro_batch_size, dp_rank, dp_size, num_rows)
 
 
 def cache_dir_of(section: DataSection) -> Path:
@@ -58,16 +60,23 @@ def load_data(section: DataSection, tokenizer):
 
         return StreamData(section, tokenizer, cache_dir_of(section))
     cache_dir = cache_dir_of(section)
-    main: Prepared = prepare(section, tokenizer, section.path, cache_dir)
-    rows = Rows(main.dataset)
+    paths = mixture_paths(section)
+    parts = [Rows(prepare(section, tokenizer, path, cache_dir).dataset) for path in paths or [section.path]]
     if section.eval_path:
-        held_out = prepare(section, tokenizer, section.eval_path, cache_dir)
-        return PackedData(rows, Rows(held_out.dataset))
-    num_eval = round(len(rows) * section.eval_fraction)
-    if section.eval_fraction > 0:
-        num_eval = max(1, num_eval)
-    train, held = rows.split(len(rows) - num_eval)
-    return PackedData(train, held)
+        trains, held_out = parts, Rows(prepare(section, tokenizer, section.eval_path, cache_dir).dataset)
+    else:  # each source's own last eval_fraction
+        trains, evals = zip(*(rows.split(len(rows) - held_out_count(len(rows), section.eval_fraction)) for rows in parts))
+        held_out = evals[0] if paths is None else MixedRows(list(evals))
+    if paths is None:
+        return PackedData(trains[0], held_out)
+    train = MixedRows(list(trains), section.weights)
+    log_rank0(f"data mixture: {train.describe(paths)}")
+    return PackedData(train, held_out)
+
+
+def held_out_count(rows: int, fraction: float) -> int:
+    """Rows held out for evaluation: the fraction, at least one when it is not 0."""
+    return max(1, round(rows * fraction)) if fraction > 0 else 0
 
 
 def read_texts(section: DataSection) -> list[str]:

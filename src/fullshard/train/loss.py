@@ -48,6 +48,11 @@ def sum_over_ranks(value: torch.Tensor, repeats: int = 1) -> torch.Tensor:
     return value // repeats if not value.is_floating_point() else value / repeats
 
 
+def global_target_count(micro_batches: list[dict], repeats: int = 1) -> int:
+    """Target tokens of one optimizer step across all micro-batches and all data ranks (a collective)."""
+    return PendingTargetCount(micro_batches, repeats).wait()
+
+
 class PendingTargetCount:
     """Target tokens of one optimizer step across all micro-batches and all data ranks, summed by an
     all_reduce started at once and waited for only when the count is needed (before the first
@@ -66,25 +71,32 @@ class PendingTargetCount:
         return int(self.value) // self.repeats
 
 
-def position_targets(batch: dict) -> torch.Tensor:
-    """One target per position, [batch, seq]: `_targets`, with IGNORE_INDEX for the last position
-    when the labels are shifted here (so logits are compared whole, never sliced and copied)."""
-    targets = _targets(batch)
-    return targets if "shift_labels" in batch else F.pad(targets, (0, 1), value=IGNORE_INDEX)
-
-
 def causal_lm_loss_sum(model: torch.nn.Module, batch: dict, chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS) -> torch.Tensor:
     """Sum of the next-token cross-entropy over the batch's target tokens, in fp32; the logits of
     `chunk_tokens` tokens at a time where the model allows (0: all at once)."""
     inputs = packed_inputs(model, {k: v for k, v in batch.items() if k not in NOT_MODEL_INPUTS})
-    targets = position_targets(batch)
+    targets = aligned_targets(batch)
     if chunk_tokens > 0:
         loss = chunked_loss_sum(model, inputs, targets, chunk_tokens)
         if loss is not None:
             return loss
-    logits = model(**inputs).logits.float()
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1).to(logits.device),
+    return token_loss_sum(model(**inputs).logits, targets)  # whole: unsliced logits, no copy
+
+
+def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Sum of the cross-entropy of each position's logits against its target (already aligned), in fp32."""
+    logits = logits.float()
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.to(logits.device).reshape(-1),
                            ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def aligned_targets(batch: dict) -> torch.Tensor:
+    """The next-token target of every position, as long as the inputs (the last position of unshifted
+    labels gets none): what a pipeline's last stage and the loss compare logits with, unshifted, so
+    logits are never sliced and copied."""
+    if "shift_labels" in batch:
+        return batch["shift_labels"]
+    return F.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE_INDEX)
 
 
 def normalized_loss(loss_sum: torch.Tensor, global_tokens: int, dp_size: int) -> torch.Tensor:

@@ -41,7 +41,8 @@ def check_before_launch(config: TrainConfig, world_size: int) -> None:
 
 
 def _check_parallel(model, fsdp) -> None:
-    """The TP plan against the model's modules and heads, and CP's head split, as the engine will check them."""
+    """The TP plan against the model's modules and heads, CP's head split and the pipeline cut, as the
+    engine will check them."""
     from ..parallel.cp import check_context_parallel
     from ..parallel.tp import plan_assignments, resolve_tp_plan
 
@@ -52,14 +53,24 @@ def _check_parallel(model, fsdp) -> None:
             raise PlanError(f"fsdp.tp_plan: {err}") from None
     if fsdp.cp_size > 1:
         check_context_parallel(model, fsdp.tp_size, fsdp.cp_size)
+    if fsdp.pp_size > 1:
+        from ..parallel.pp import decoder_parts, stage_layers
+
+        try:
+            stage_layers(model, decoder_parts(model), fsdp.pp_size * fsdp.pp_virtual_stages, fsdp.pp_layers_per_stage)
+        except (ConfigError, PlanError) as err:
+            raise type(err)(f"fsdp.pp_size={fsdp.pp_size}: {err}") from None
 
 
 def _check_data(config: TrainConfig) -> None:
     """A local data path must exist and hold data files; a name that is not a local path is a Hub
     dataset, which the ranks read from the local `datasets` cache (and name if it is not there)."""
-    path = config.data.path
-    if not path:
-        return
+    paths = config.data.path if isinstance(config.data.path, list) else [config.data.path]
+    for path in filter(None, paths):
+        _check_data_path(config, path)
+
+
+def _check_data_path(config: TrainConfig, path: str) -> None:
     if not Path(path).exists():
         if path.startswith(("/", ".", "~")) or Path(path).suffix:
             raise ConfigError(f"data.path={path!r} does not exist")

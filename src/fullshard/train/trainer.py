@@ -7,16 +7,15 @@ and refuses other data), evaluation, metrics and the loss plot.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
-import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from ..checkpoint import CheckpointManager, export_hf
+from ..data.builtin import special_token_ids
 from ..distributed import ParallelDims, barrier, get_rank, get_world_size, run_agreed
 from ..dtypes import DTYPES
 from ..fsdp import reshard_all
@@ -31,6 +30,7 @@ from .chunked_loss import DEFAULT_LOSS_CHUNK_TOKENS
 from .loss import causal_lm_loss_sum, target_count
 from .metrics import (NO_PLOT, MetricsLogger, Throughput, check_report_to, model_flops_per_token, peak_device_flops,
                       peak_memory_gb, plot_loss)
+from .pp_step import pipeline_evaluate, pipeline_of, pipeline_train_step
 from .rundir import claim_run_directory, lock_for_this_process
 from .step import train_step
 from .stop import StopRequest
@@ -86,23 +86,9 @@ def load_tokenizer(config: TrainConfig):
     return tokenizer
 
 
-@contextlib.contextmanager
-def quiet_peft_wrapping():
-    """PEFT reads transformers' deprecated `is_gradient_checkpointing` when it wraps a model, which
-    prints the same FutureWarning once per rank on every LoRA run; it is about PEFT, not the user."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
-        yield
-
-
-def build_model(config: TrainConfig, strategy: FSDPStrategy, vocab_size: int) -> torch.nn.Module:
+def build_model(config: TrainConfig, strategy: FSDPStrategy, tokenizer) -> torch.nn.Module:
     """A sharded model: a built-in config with seeded random weights, or a local HF directory
     loaded slice by slice into the shards."""
-    with quiet_peft_wrapping():
-        return _build_model(config, strategy, vocab_size)
-
-
-def _build_model(config: TrainConfig, strategy: FSDPStrategy, vocab_size: int) -> torch.nn.Module:
     dtype = DTYPES[config.model.dtype]
     lora = config.lora.peft_fields() if config.lora.enabled else None
     torch.manual_seed(config.train.seed)  # the random weights of a built-in model, and the adapters' init
@@ -113,8 +99,9 @@ def _build_model(config: TrainConfig, strategy: FSDPStrategy, vocab_size: int) -
                                attn_implementation=config.model.attn_implementation).train()
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    hf_config = LlamaConfig(vocab_size=vocab_size, max_position_embeddings=config.data.seq_len,
-                            **BUILTIN_MODELS[config.model.name_or_path])
+    # its special tokens are the tokenizer's, so generate() stops at the tokenizer's end of text
+    hf_config = LlamaConfig(vocab_size=len(tokenizer), max_position_embeddings=config.data.seq_len,
+                            **special_token_ids(tokenizer), **BUILTIN_MODELS[config.model.name_or_path])
     model = use_attention(LlamaForCausalLM._from_config(hf_config, dtype=dtype), config.model.attn_implementation)
     if lora is not None:
         model = apply_lora(model, lora)
@@ -126,6 +113,8 @@ def evaluate(model: torch.nn.Module, batches: list[dict], loss_chunk_tokens: int
     """Mean loss per target token over this rank's eval batches and every other rank's."""
     if not batches:
         return None
+    if pipeline_of(model) is not None:
+        return pipeline_evaluate(model, batches)
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64)  # tp ranks repeat their data rank's sums: they cancel in the ratio
     for batch in batches:
@@ -212,7 +201,7 @@ class Trainer:
                        "learning rate never reaches optim.lr")
         tokenizer = load_tokenizer(config)
         data = load_data(config.data, tokenizer)
-        model = build_model(config, strategy, len(tokenizer))
+        model = build_model(config, strategy, tokenizer)
         optimizer = strategy.create_optimizer(
             model, lr=config.optim.lr, weight_decay=config.optim.weight_decay, name=config.optim.name,
             betas=tuple(config.optim.betas), eps=config.optim.eps, decay_embeddings=config.optim.decay_embeddings)
@@ -236,7 +225,8 @@ class Trainer:
                   f"steps {start}..{end} of {config.train.steps}" + (f" (resumed from step {start})" if start else ""))
         log_rank0(attention_path(model, config.data.packing))
         split = ContextSplit(dims, rank, tokenizer.pad_token_id)
-        evals = split(data.eval_batches(config.train.micro_batch_size, dp_rank, dp_size, config.train.eval_batches))
+        eval_rows = config.train.eval_batches * config.train.global_batch_size  # the same rows on any batching
+        evals = split(data.eval_batches(config.train.micro_batch_size, dp_rank, dp_size, eval_rows))
         checkpoint = manager.last_load_info["path"] if start else None
         return Run(strategy, tokenizer, data, model, optimizer, scheduler, manager, logger, start, end, batches,
                    evals, split, last_saved=start, checkpoint=checkpoint, stop=stop)
@@ -254,8 +244,11 @@ class Trainer:
         losses, hashes, stop = {}, {}, run.stop
         started = time.perf_counter()
         for step in range(run.start, run.end):
-            out = train_step(strategy, model, optimizer, scheduler, run.split(batches.micro_batches(step)),
-                             config.train.loss_chunk_tokens)
+            micro_batches = run.split(batches.micro_batches(step))
+            if pipeline_of(model) is not None:
+                out = pipeline_train_step(strategy, model, optimizer, scheduler, micro_batches)
+            else:
+                out = train_step(strategy, model, optimizer, scheduler, micro_batches, config.train.loss_chunk_tokens)
             throughput.add(out.tokens)
             losses[step], hashes[step] = out.loss, batches.step_hash(step)
             done = step + 1

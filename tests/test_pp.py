@@ -1,0 +1,280 @@
+"""Pipeline parallelism (`fullshard.parallel.pp`, `fullshard.train.pp_step`) against one process: dp x pp,
+pp x tp, virtual stages, tied embeddings, checkpoints across pp sizes, the export, and bad input.
+Every 4-rank check runs in one process group."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fullshard import optim
+from fullshard.errors import CheckpointError, ConfigError, PlanError
+from fullshard.parallel import pp
+from fullshard.parallel.cp import context_parallel_batch
+from fullshard.strategy import FSDPStrategy
+from fullshard.testing import build_model, make_batch, reported_by_every_rank, run_distributed
+from fullshard.testing.compare import data_slice, full_tensor
+from fullshard.train.loss import aligned_targets, causal_lm_loss_sum, target_count, token_loss_sum
+
+TOL = 1e-5
+GLOBAL, MICRO, SEQ, STEPS = 8, 2, 16, 5
+LAYOUTS = {  # name -> (model, model overrides, engine config)
+    "llama_dp2_pp2_gpipe": ("llama", {}, {"pp_size": 2, "pp_schedule": "GPipe"}),
+    "llama_dp2_pp2_1f1b": ("llama", {}, {"pp_size": 2, "pp_schedule": "1F1B"}),
+    "qwen3_dp2_pp2_gpipe": ("qwen3", {}, {"pp_size": 2, "pp_schedule": "GPipe"}),
+    "qwen3_dp2_pp2_1f1b": ("qwen3", {}, {"pp_size": 2, "pp_schedule": "1F1B"}),
+    "qwen3_pp2_interleaved": ("qwen3", {"num_hidden_layers": 4},
+                              {"pp_size": 2, "pp_schedule": "Interleaved1F1B", "pp_virtual_stages": 2}),
+    "llama_pp2_tp2": ("llama", {}, {"pp_size": 2, "tp_size": 2}),
+    "qwen3_pp4_gpipe": ("qwen3", {"num_hidden_layers": 4},
+                        {"pp_size": 4, "pp_schedule": "GPipe", "pp_microbatches": 2}),
+    "qwen3_pp2_cp2": ("qwen3", {}, {"pp_size": 2, "cp_size": 2, "pp_schedule": "GPipe"}),
+}
+
+
+def _strategy(config: dict) -> FSDPStrategy:
+    strategy = FSDPStrategy(seed=0, max_norm=0.5, micro_train_batch_size=MICRO, train_batch_size=GLOBAL,
+                            config={"mixed_precision": "fp32", **config})
+    strategy.setup_distributed()
+    return strategy
+
+
+def _step(strategy, model, optimizer, name: str, step: int) -> float:
+    """One optimizer step of this rank's share of the global batch of `step`."""
+    from fullshard.train.pp_step import pipeline_train_step
+    from fullshard.train.step import train_step
+
+    dims = strategy.parallel_dims
+    mine = data_slice(make_batch(name, batch_size=GLOBAL, seq_len=SEQ, seed=100 + step),
+                      dims.coordinates(dist.get_rank())["dp"], dims.dp_size)
+    micro = [data_slice(mine, i, len(mine["input_ids"]) // MICRO) for i in range(len(mine["input_ids"]) // MICRO)]
+    if dims.cp > 1:
+        cp_rank = dims.coordinates(dist.get_rank())["cp"]
+        micro = [context_parallel_batch(batch, cp_rank, dims.cp) for batch in micro]
+    step_fn = pipeline_train_step if pp.pipeline_of(model) is not None else train_step
+    return step_fn(strategy, model, optimizer, None, micro)
+
+
+def _reference_step(model, optimizer, name: str, step: int) -> tuple[float, float]:
+    batch = make_batch(name, batch_size=GLOBAL, seq_len=SEQ, seed=100 + step)
+    loss = causal_lm_loss_sum(model, batch) / target_count(batch)
+    loss.backward()
+    return float(loss.detach()), optim.clip_and_step(optimizer, 0.5).grad_norm
+
+
+def _weights(model) -> dict[str, torch.Tensor]:
+    return {n: full_tensor(p.detach()).clone() for n, p in model.named_parameters(remove_duplicate=False)}
+
+
+def _parity(name: str, overrides: dict, config: dict) -> dict:
+    """5 clipped AdamW steps sharded and pipelined, and whole in this process."""
+    strategy = _strategy(config)
+    model = strategy.prepare_model(build_model(name, **overrides), is_training=True)
+    opt = strategy.create_optimizer(model, lr=1e-3, weight_decay=0.01, eps=1e-6)
+    reference = build_model(name, **overrides)
+    ref_opt = optim.create_optimizer(reference, lr=1e-3, weight_decay=0.01, eps=1e-6)
+    out = {"loss": [], "ref_loss": [], "norm": [], "ref_norm": []}
+    for step in range(STEPS):
+        result = _step(strategy, model, opt, name, step)
+        out["loss"].append(result.loss)
+        out["norm"].append(result.result.grad_norm)
+        loss, norm = _reference_step(reference, ref_opt, name, step)
+        out["ref_loss"].append(loss)
+        out["ref_norm"].append(norm)
+    ref = dict(reference.named_parameters(remove_duplicate=False))
+    out["weight_diff"] = max((w - ref[n].detach()).abs().max().item() for n, w in _weights(model).items())
+    return out
+
+
+def _checkpoints(tmp: str) -> dict:
+    """A pp 2 checkpoint resumes at pp 2 and at pp 1 like the run that wrote it, weights by their
+    full-model names; a pp 1 checkpoint's weights load at pp 2 (its optimizer groups, kept by index,
+    are refused by name); eval through the pipeline (a batch padded to its micro-batches) equals the
+    whole model's; the export loads in transformers with the same logits."""
+    from transformers import AutoModelForCausalLM
+
+    from fullshard.checkpoint import CheckpointManager, export_hf
+    from fullshard.train.pp_step import pipeline_evaluate
+
+    name, out = "qwen3", {}
+    runs = {}
+    for label, config in (("pp", {"pp_size": 2}), ("pp_resumed", {"pp_size": 2}), ("dp", {})):
+        strategy = _strategy(config)
+        model = strategy.prepare_model(build_model(name, seed=len(runs)), is_training=True)
+        runs[label] = (strategy, model, strategy.create_optimizer(model, lr=1e-3, weight_decay=0.01, eps=1e-6))
+    strategy, model, opt = runs["pp"]
+    for step in range(2):
+        _step(strategy, model, opt, name, step)
+    CheckpointManager(f"{tmp}/from_pp", async_save=False).save(2, model, opt)
+    saved = _gather_stages(model)
+    expected = _step(strategy, model, opt, name, 2).loss
+    r_strategy, r_model, r_opt = runs["pp_resumed"]
+    CheckpointManager(f"{tmp}/from_pp", async_save=False).load(r_model, r_opt)
+    out["pp_resume"] = (_step(r_strategy, r_model, r_opt, name, 2).loss, expected)
+    d_strategy, d_model, d_opt = runs["dp"]
+    CheckpointManager(f"{tmp}/from_pp", async_save=False).load(d_model, d_opt)
+    out["pp_to_dp_weights"] = max((w - saved[n]).abs().max().item() for n, w in _weights(d_model).items())
+    out["pp_to_dp"] = (_step(d_strategy, d_model, d_opt, name, 2).loss, expected)
+    CheckpointManager(f"{tmp}/from_dp", async_save=False).save(3, d_model, d_opt)
+    saved = _weights(d_model)
+    expected = _step(d_strategy, d_model, d_opt, name, 3).loss
+    try:
+        CheckpointManager(f"{tmp}/from_dp", async_save=False).load(r_model, r_opt)
+    except CheckpointError as err:
+        out["dp_to_pp_optimizer_error"] = str(err)
+    CheckpointManager(f"{tmp}/from_dp", async_save=False).load(r_model, r_opt, load_optimizer=False)
+    out["dp_to_pp_weights"] = max((w - saved[n]).abs().max().item() for n, w in _gather_stages(r_model).items())
+
+    exported = _gather_stages(r_model)
+    export_hf(r_model, f"{tmp}/hf")
+    batch = make_batch(name, batch_size=3, seq_len=SEQ, seed=7)  # 3 rows: padded to the 2 micro-batches
+    reference = build_model(name)
+    reference.load_state_dict(exported)
+    with torch.no_grad():
+        out["eval"] = (pipeline_evaluate(r_model, [batch]),
+                       float(causal_lm_loss_sum(reference, batch) / target_count(batch)))
+    if dist.get_rank() == 0:
+        loaded = AutoModelForCausalLM.from_pretrained(f"{tmp}/hf", dtype=torch.float32)
+        with torch.no_grad():
+            out["export_logits_diff"] = (loaded(**batch).logits - reference(**batch).logits).abs().max().item()
+    return out
+
+
+def _gather_stages(model) -> dict[str, torch.Tensor]:
+    """Every stage's weights, whole, on every rank (a collective over the world)."""
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, _weights(model))
+    return {n: w for weights in gathered for n, w in weights.items()}
+
+
+def _load_pretrained(tmp: str) -> dict:
+    """A transformers directory loaded into pipeline stages: each rank reads only its stage's slices."""
+    import fullshard
+    from fullshard import FSDP2Engine
+
+    reference = build_model("qwen3", num_hidden_layers=4)
+    if dist.get_rank() == 0:
+        reference.save_pretrained(f"{tmp}/pretrained")
+    dist.barrier()
+    model = fullshard.from_pretrained(f"{tmp}/pretrained", engine=FSDP2Engine({"pp_size": 2}))
+    ref = dict(reference.named_parameters(remove_duplicate=False))
+    report = model.fullshard_load_report
+    return {"diff": max((w - ref[n]).abs().max().item() for n, w in _weights(model).items()),
+            "share_read": report.bytes_read / report.checkpoint_bytes}
+
+
+def _errors() -> dict:
+    """Bad input: one named error, raised on every rank."""
+    found = {}
+    for label, (name, config) in {"too_many_stages": ("llama", {"pp_size": 4}),
+                                  "unsplittable": ("gpt2", {"pp_size": 2})}.items():
+        try:
+            _strategy(config).prepare_model(build_model(name), is_training=True)
+        except (ConfigError, PlanError) as err:
+            found[label] = (type(err).__name__, str(err))
+    return found
+
+
+def _world_4_checks(tmp: str) -> dict:
+    results = {"parity": {label: _parity(*layout) for label, layout in LAYOUTS.items()}}
+    results["checkpoints"] = _checkpoints(tmp)
+    results["pretrained"] = _load_pretrained(tmp)
+    results["errors"] = _errors()
+    return results
+
+
+@pytest.fixture(scope="module")
+def world_4(tmp_path_factory):
+    return run_distributed(_world_4_checks, 4, str(tmp_path_factory.mktemp("pp")), timeout=900)
+
+
+def test_pipeline_matches_single_process(world_4):
+    bad = []
+    for rank, result in enumerate(world_4):
+        for label, r in result["parity"].items():
+            loss = max(abs(a - b) for a, b in zip(r["loss"], r["ref_loss"]))
+            norm = max(abs(a - b) for a, b in zip(r["norm"], r["ref_norm"]))
+            if max(loss, norm, r["weight_diff"]) > TOL:
+                bad.append(f"rank {rank} {label}: loss {loss:.1e} norm {norm:.1e} weight {r['weight_diff']:.1e}")
+    assert not bad, "\n".join(bad)
+
+
+def test_pipeline_checkpoints_carry_full_model_names_and_export(world_4):
+    for rank, result in enumerate(world_4):
+        checks = result["checkpoints"]
+        for key in ("pp_resume", "pp_to_dp"):  # the step after the resume is the uninterrupted one
+            resumed, uninterrupted = checks[key]
+            assert abs(resumed - uninterrupted) < TOL, (rank, key, checks[key])
+        assert checks["pp_to_dp_weights"] == 0 and checks["dp_to_pp_weights"] == 0, (rank, checks)
+        assert "load_optimizer=False" in checks["dp_to_pp_optimizer_error"], checks  # named, not a KeyError
+        pipelined, whole = checks["eval"]
+        assert abs(pipelined - whole) < TOL, (rank, checks["eval"])
+    assert world_4[0]["checkpoints"]["export_logits_diff"] < TOL
+
+
+def test_pipeline_stages_load_only_their_own_slices(world_4):
+    for result in world_4:
+        assert result["pretrained"]["diff"] == 0
+        # a stage's half of the layers over 2 dp ranks, plus the tied embedding both ends hold
+        assert result["pretrained"]["share_read"] < 0.35, result["pretrained"]
+
+
+def test_pipeline_bad_input_is_one_error_on_every_rank(world_4):
+    for result in world_4:
+        kind, message = result["errors"]["too_many_stages"]
+        assert kind == "ConfigError" and "4 pipeline stages" in message and "2 decoder layers" in message, message
+        assert reported_by_every_rank(message, 4), message
+        kind, message = result["errors"]["unsplittable"]
+        assert kind == "PlanError" and "cannot split GPT2LMHeadModel" in message, message
+        assert reported_by_every_rank(message, 4), message
+
+
+def test_stages_chained_in_one_process_equal_the_model():
+    """The cut alone (no pipelining, no sharding): the stages run one after another give the model's
+    loss and every parameter's gradient, for an untied and a tied model."""
+    for name in ("llama", "qwen3"):
+        reference, model = build_model(name, num_hidden_layers=3), build_model(name, num_hidden_layers=3)
+        parts = pp.decoder_parts(model)
+        ranges = pp.stage_layers(model, parts, 3)
+        stages = [pp.build_stage(model, parts, ranges, i) for i in range(3)]
+        batch = make_batch(name, batch_size=2, seq_len=SEQ)
+        (causal_lm_loss_sum(reference, batch)).backward()
+        hidden = batch["input_ids"]
+        for stage in stages:
+            hidden = stage(hidden)
+        token_loss_sum(hidden, aligned_targets(batch)).backward()
+        grads = {}
+        for stage in stages:
+            for n, p in stage.named_parameters(remove_duplicate=False):
+                grads[n] = grads.get(n, 0) + p.grad  # a tied weight: both ends add up
+        ref = dict(reference.named_parameters(remove_duplicate=False))
+        assert set(grads) == set(ref)
+        assert max((grads[n] - ref[n].grad).abs().max().item() for n in ref) < 1e-6, name
+
+
+def test_balanced_split_and_config_errors():
+    model = build_model("llama", num_hidden_layers=5)
+    parts = pp.decoder_parts(model)
+    assert [len(r) for r in pp.stage_layers(model, parts, 2, [1, 4])] == [1, 4]
+    ranges = pp.stage_layers(model, parts, 2)
+    assert ranges[0].start == 0 and ranges[-1].stop == 5 and all(len(r) >= 1 for r in ranges)
+    with pytest.raises(ConfigError, match="fewer than the 2 pipeline stages"):
+        pp.check_pipeline_config(2, "1F1B", 1, 1, None)
+    with pytest.raises(ConfigError, match="pp_virtual_stages"):
+        pp.check_pipeline_config(2, "Interleaved1F1B", None, 1, None)
+
+
+def test_preflight_names_pipeline_mistakes_before_launch(tmp_path):
+    from fullshard.train.config import load_config
+    from fullshard.train.preflight import check_before_launch
+
+    def config(**fsdp):
+        overrides = [f"--fsdp.{k}={v}" for k, v in fsdp.items()]
+        return load_config(overrides=overrides + ["--model.name_or_path=micro-llama", "--train.micro_batch_size=2",
+                                                  "--train.global_batch_size=4", f"--train.output_dir={tmp_path}"])
+
+    with pytest.raises(ConfigError, match=r"fsdp.pp_size=4: 4 pipeline stages .* has 2 decoder layers"):
+        check_before_launch(config(pp_size=4, pp_microbatches=2, pp_schedule="GPipe"), 4)
+    with pytest.raises(ConfigError, match=r"train.micro_batch_size=2 does not split into fsdp.pp_microbatches=3"):
+        check_before_launch(config(pp_size=2, pp_microbatches=3, pp_schedule="GPipe"), 2)
+    with pytest.raises(ConfigError, match="fewer than the 2 pipeline stages"):
+        config(pp_size=2, pp_microbatches=1)
