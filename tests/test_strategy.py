@@ -203,7 +203,7 @@ def test_options_are_an_engine_config_and_a_few_named_ones():
     config = EngineConfig(mixed_precision="fp16", reduce_dtype="bf16", reshard_after_forward=False, offload_params=True,
                           pin_memory=False, activation_checkpointing=True, plan={"mode": "auto"}, dp_replicate=2,
                           dp_shard=1, dcp_path="/some/dcp", timeout_s=7.0, compile=True, prefetch=1, tp_size=2,
-                          tp_plan={"model.layers.*.mlp.up_proj": "colwise"}, cp_size=2)
+                          tp_plan={"model.layers.*.mlp.up_proj": "colwise"}, cp_size=2, ep_size=2)
     changed = {f.name for f in fields(EngineConfig) if getattr(config, f.name) != f.default}
     assert changed == {f.name for f in fields(EngineConfig)}  # the check below could fail on any field
     strategy = FSDPStrategy(config=config, accumulation_policy="defer_sync", adam_offload=True)

@@ -16,10 +16,10 @@ from fullshard.train.metrics import read_metrics
 FSDP_SET = {"mixed_precision": "bf16", "reduce_dtype": "bf16", "reshard_after_forward": False, "offload_params": True,
             "pin_memory": False, "activation_checkpointing": True, "plan": {"mode": "auto"}, "dp_replicate": 2,
             "dp_shard": 1, "dcp_path": "/nowhere/dcp", "timeout_s": 77.0, "compile": True, "prefetch": 2,
-            "tp_plan": {"model.layers.*.mlp.up_proj": "colwise"}, "tp_size": 2, "cp_size": 2}
+            "tp_plan": {"model.layers.*.mlp.up_proj": "colwise"}, "tp_size": 2, "cp_size": 2, "ep_size": 2}
 # the mesh these ask for has 8 ranks: the 2-rank engine is built with them at 1, and the strategy's
 # config (what every engine it builds is made from) is checked whole; test_train_parallel builds tp/cp engines
-NEEDS_MORE_RANKS = {"tp_size": 1, "cp_size": 1}
+NEEDS_MORE_RANKS = {"tp_size": 1, "cp_size": 1, "ep_size": 1}
 
 TINY = ["--model.name_or_path=micro-llama", "--data.seq_len=32", "--train.micro_batch_size=2",
         "--train.global_batch_size=8", "--train.log_every=1", "--optim.warmup_steps=2", "--train.steps=6",

@@ -123,6 +123,11 @@ class ParallelDims:
     `dp_shard=-1` takes whatever the world leaves. `pp` (outermost: its links carry only
     activations, once per micro-batch) cuts the model into stages, each sharded over its own
     `dp_replicate x dp_shard x cp x tp` sub-mesh.
+
+    `ep` splits the FSDP ranks a second way for MoE experts only: each group of `ep` neighbouring
+    ranks holds every expert once (each rank `num_experts / ep` whole experts), and FSDP shards
+    those over the `efsdp = dp_shard x cp / ep` ranks holding the same experts. Dense parameters
+    keep the layout they have without ep.
     """
 
     dp_replicate: int = 1
@@ -131,6 +136,7 @@ class ParallelDims:
     cp: int = 1
     tp: int = 1
     pp: int = 1
+    ep: int = 1
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -149,6 +155,20 @@ class ParallelDims:
         if others * self.dp_shard != self.world_size:
             label = self._label("pp", "dp_replicate", "dp_shard", "cp", "tp")
             raise ConfigError(f"{label}, but the world size is {self.world_size}")
+        self._check_ep()
+
+    def _check_ep(self) -> None:
+        if not isinstance(self.ep, int) or self.ep < 1:
+            raise ConfigError(f"ep_size must be an int >= 1, got {self.ep!r}")
+        if self.ep == 1:
+            return
+        if self.fsdp_shard_size % self.ep:
+            raise ConfigError(f"ep_size={self.ep} does not divide the data-parallel shard size "
+                              f"{self._label('dp_shard', 'cp')} (experts are split inside the FSDP ranks)")
+        others = [f"{n}={getattr(self, n)}" for n in ("pp", "dp_replicate", "cp", "tp") if getattr(self, n) > 1]
+        if others:
+            raise ConfigError(f"ep_size={self.ep} does not compose with {', '.join(others)} yet; "
+                              "use ep with dp_shard alone")
 
     def _label(self, *names: str) -> str:
         """"dp_replicate=3 x tp=2 = 6": the dims named (cp and tp only when used) and their product."""
@@ -168,6 +188,11 @@ class ParallelDims:
     @property
     def fsdp_shard_size(self) -> int:
         return self.dp_shard * self.cp
+
+    @property
+    def efsdp(self) -> int:
+        """How many ranks hold the same experts (FSDP shards the experts over them)."""
+        return self.fsdp_shard_size // self.ep
 
     def coordinates(self, rank: int) -> dict[str, int]:
         """Where `rank` sits on each dim (row-major over pp, dp_replicate, dp_shard, cp, tp), and its dp rank."""
@@ -189,6 +214,12 @@ class ParallelDims:
         sub-mesh (fsdp, tp, cp) is this rank's stage's.
         """
         device_type = device_type or detect_device_type()
+        if self.ep > 1:
+            # ep is the fast dim: rank = efsdp_rank * ep + ep_rank, so the flattened FSDP mesh lists
+            # the ranks in the same order as without ep and dense shards do not move
+            world = init_device_mesh(device_type, (self.efsdp, self.ep), mesh_dim_names=("efsdp", "ep"))
+            fsdp = world["efsdp", "ep"]._flatten("dp_shard")
+            return Meshes(world=world, fsdp=fsdp, ep=world["ep"], efsdp=world["efsdp"])
         if self.tp == 1 and self.cp == 1 and self.pp == 1:
             if self.hsdp:
                 mesh = init_device_mesh(
@@ -216,13 +247,16 @@ class ParallelDims:
 
 @dataclass
 class Meshes:
-    """The world mesh and its parts: `fsdp` (what `fully_shard` shards over), `tp`, `cp` and `pp` (None at size 1)."""
+    """The world mesh and its parts: `fsdp` (what `fully_shard` shards over), `tp`, `cp` and `pp` (None at size 1),
+    `ep` (the ranks that split the experts) and `efsdp` (the ranks that shard the same experts), None without ep."""
 
     world: DeviceMesh
     fsdp: DeviceMesh
     tp: DeviceMesh | None = None
     cp: DeviceMesh | None = None
     pp: DeviceMesh | None = None
+    ep: DeviceMesh | None = None
+    efsdp: DeviceMesh | None = None
 
 
 def build_mesh(dp_replicate: int = 1, dp_shard: int = -1, device_type: str | None = None) -> DeviceMesh:

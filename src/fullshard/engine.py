@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, fields, is_dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
@@ -35,6 +36,7 @@ from .log import warn_rank0
 from .loading.materialize import tie_declared_weights
 from .loading.rank0 import LOADED, RANK0, agree_on_layout, init_from_rank0
 from .parallel.cp import check_context_parallel, enable_context_parallel
+from .parallel.ep import apply_expert_parallel, check_expert_parallel, global_router_loss
 from .parallel.pp import check_pipeline_config, prepare_pipeline
 from .parallel.tp import apply_tp_styles, plan_assignments, resolve_tp_plan
 from .plan import ShardingPlan, build_plan
@@ -60,6 +62,8 @@ class EngineConfig:
     tp_size: tensor-parallel ranks per layer; the mesh is dp_replicate x dp_shard x cp x tp.
     tp_plan: "auto" (the model's transformers TP plan) or a dict of module glob -> style name.
     cp_size: context-parallel ranks per sequence; FSDP shards over dp_shard x cp.
+    ep_size: expert-parallel ranks per MoE layer: each holds num_experts / ep_size whole experts,
+        sharded further over the dp_shard x cp / ep_size ranks holding the same ones (`parallel/ep.py`).
     timeout_s: how long a collective waits for a rank that stopped calling it before every rank
         fails (the process group's timeout), so a stalled rank ends the run instead of hanging it.
     pp_size: pipeline stages over ranks; the mesh is pp x dp_replicate x dp_shard x cp x tp, each
@@ -82,6 +86,7 @@ class EngineConfig:
     tp_size: int = 1
     tp_plan: Any = "auto"
     cp_size: int = 1
+    ep_size: int = 1
     dcp_path: str | None = None
     compile: bool = False
     prefetch: int = 0
@@ -101,7 +106,7 @@ class EngineConfig:
             raise ValueError(f"reshard_after_forward must be a bool or an int >= 1, got {raf!r}")
         if not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise ConfigError(f"prefetch must be an int >= 0, got {self.prefetch!r}")
-        for key in ("tp_size", "cp_size", "pp_size", "pp_virtual_stages"):
+        for key in ("tp_size", "cp_size", "ep_size", "pp_size", "pp_virtual_stages"):
             if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be an int >= 1, got {getattr(self, key)!r}")
         if self.pp_microbatches is not None and (not isinstance(self.pp_microbatches, int) or self.pp_microbatches < 1):
@@ -166,7 +171,7 @@ class FSDP2Engine:
         if device_mesh is None:
             self.dims = ParallelDims(dp_replicate=self.config.dp_replicate, dp_shard=self.config.dp_shard,
                                      world_size=get_world_size(), cp=self.config.cp_size, tp=self.config.tp_size,
-                                     pp=self.config.pp_size)
+                                     pp=self.config.pp_size, ep=self.config.ep_size)
             self.meshes = self.dims.build_meshes(self.device_type)
         else:
             self.meshes, self.dims = meshes_of(device_mesh, self.config)
@@ -212,6 +217,7 @@ class FSDP2Engine:
         plan = build_plan(model, self.config.plan)
         self.apply_tensor_parallel(model)
         self.apply_context_parallel(model)
+        self.apply_expert_parallel(model)
         if self.config.activation_checkpointing:
             apply_activation_checkpointing(model)
         if self.config.compile:  # after checkpointing, before sharding: torchtitan's order
@@ -265,6 +271,33 @@ class FSDP2Engine:
             check_context_parallel(model, self.dims.tp, self.dims.cp)
         enable_context_parallel(model, self.meshes.cp)
 
+    def apply_expert_parallel(self, model: nn.Module) -> None:
+        """Split every MoE experts module over the ep mesh and make each its own FSDP unit over the
+        efsdp ranks (a no-op without ep). What cannot be split is one agreed `PlanError` first.
+        With or without ep, a MoE's load-balancing loss becomes that of the whole batch (tp ranks
+        share their tokens, pp ranks hold other stages: so only without either)."""
+        if get_world_size() > 1 and self.dims.tp == 1 and self.dims.pp == 1:
+            global_router_loss(model, dist.group.WORLD)
+        if self.meshes.ep is None:
+            return
+        with agreed(PlanError, "expert parallel"):
+            experts = check_expert_parallel(model, self.dims.ep)
+            if self.config.compile:
+                raise PlanError(f"ep_size={self.dims.ep} does not compose with compile yet (the dispatch reads "
+                                "split sizes on the host); set compile=False")
+        apply_expert_parallel(model, experts, self.meshes.ep, shard=self._shard_experts)
+
+    def _shard_experts(self, module: nn.Module) -> None:
+        raf = self._reshard(None)
+        fully_shard(module, mesh=self.meshes.efsdp, reshard_after_forward=raf if isinstance(raf, bool) else True,
+                    mp_policy=self.get_mp_policy(), offload_policy=self.get_offload_policy())
+        # an expert's gradient already sums its ep group's tokens: divide by every data-parallel rank,
+        # as the dense gradients are, not by efsdp alone. Over several ranks as a sum then a division
+        # (gloo has no pre-multiplied sum); over one, FSDP divides by the factor itself (forcing the
+        # sum there would divide twice)
+        module.set_gradient_divide_factor(float(self.dims.fsdp_shard_size))
+        module.set_force_sum_reduction_for_comms(self.dims.efsdp > 1)
+
     def _placement(self, param: nn.Parameter) -> Shard | None:
         """Shard dim 0 unless it is shorter than the shard group (e.g. 8 experts over 16 ranks,
         which would leave half the ranks holding nothing); then the longest dim that is not.
@@ -315,8 +348,9 @@ def meshes_of(device_mesh: DeviceMesh, config: EngineConfig) -> tuple[Meshes, Pa
     """Split a caller's mesh: a dim named "tp" is tensor parallel, the others (one, or two for HSDP)
     are FSDP's, as in seed 003's ("fsdp", "tp") mesh. A tp dim of size 1 still applies the plan."""
     names = device_mesh.mesh_dim_names or ()
-    if config.cp_size > 1 or config.pp_size > 1:
-        raise ConfigError("cp_size > 1 or pp_size > 1 needs the engine to build its own mesh; do not pass device_mesh")
+    for key in ("cp_size", "pp_size", "ep_size"):
+        if getattr(config, key) > 1:
+            raise ConfigError(f"{key} > 1 needs the engine to build its own mesh; do not pass device_mesh")
     if "tp" not in names:
         if config.tp_size > 1:
             raise ConfigError(f"tp_size={config.tp_size} but the given device_mesh has no 'tp' dim (dims: {names})")

@@ -52,7 +52,8 @@ def describe_mesh(dims: ParallelDims) -> str:
     if dims.pp > 1:
         sizes = f"pp {dims.pp} x {sizes}"
     return (f"mesh {sizes} = {dims.world_size} rank(s): data split {dims.dp_size} way(s), sharded over "
-            f"{dims.fsdp_shard_size} rank(s)" + (f" x {dims.dp_replicate} replica(s)" if dims.hsdp else ""))
+            f"{dims.fsdp_shard_size} rank(s)" + (f" x {dims.dp_replicate} replica(s)" if dims.hsdp else "")
+            + (f"; experts split over ep {dims.ep}, each sharded over efsdp {dims.efsdp}" if dims.ep > 1 else ""))
 
 
 def resolve_precision(bf16: bool | None, fp16: bool, configured: str | None) -> str:
@@ -123,7 +124,8 @@ class FSDPStrategy:
         self.device = init_distributed(timeout_s=self.config.timeout_s if seconds is None else seconds)
         try:
             self.dims = ParallelDims(self.config.dp_replicate, self.config.dp_shard, get_world_size(),
-                                     cp=self.config.cp_size, tp=self.config.tp_size, pp=self.config.pp_size)
+                                     cp=self.config.cp_size, tp=self.config.tp_size, pp=self.config.pp_size,
+                                     ep=self.config.ep_size)
         except ValueError as err:
             raise ConfigError(str(err)) from None
         self.accumulated_gradient = batch_arithmetic(self.train_batch_size, self.micro_train_batch_size,

@@ -23,6 +23,7 @@ from typing import Callable
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ..distributed import all_ranks_agree_ok, broadcast_from_rank0, get_rank, get_world_size, run_agreed
@@ -250,13 +251,14 @@ def gather_full(tensor: torch.Tensor | GatheredTensor) -> torch.Tensor:
 
 def own_rows(tensor) -> tuple[int, torch.Tensor | None] | None:
     """For a DTensor split only by rows (FSDP's Shard(0), possibly replicated over other mesh
-    dims): the first row this rank holds and, if this rank is the replica that writes them, the
-    rows. Such rows are one contiguous byte range of the written tensor, so every rank can write
-    its own straight into the file with no gather. None for any other layout."""
+    dims, or MoE experts split over ep and FSDP inside each rank's experts): the first row this
+    rank holds and, if this rank is the replica that writes them, the rows. Such rows are one
+    contiguous byte range of the written tensor, so every rank can write its own straight into the
+    file with no gather. None for any other layout."""
     if not isinstance(tensor, DTensor):
         return None
     placements = tensor.placements
-    if not all(p == Replicate() or (type(p) is Shard and p.dim == 0) for p in placements):
+    if not all(p == Replicate() or (type(p) is Shard and p.dim == 0) for p in placements) and not _expert_rows(tensor):
         return None
     coordinate = tensor.device_mesh.get_coordinate()
     if coordinate is None:  # this rank is not in the tensor's mesh
@@ -264,6 +266,14 @@ def own_rows(tensor) -> tuple[int, torch.Tensor | None] | None:
     _, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, placements)
     writes = all(c == 0 for c, p in zip(coordinate, placements) if p == Replicate())
     return (offset[0] if offset else 0), (tensor.to_local() if writes else None)
+
+
+def _expert_rows(tensor: DTensor) -> bool:
+    """Experts under ep: Shard(0) over the ep ranks, FSDP's strided Shard(0) over the efsdp ranks
+    inside each rank's experts, which leaves every rank one contiguous run of rows."""
+    names = tensor.device_mesh.mesh_dim_names or ()
+    return names == ("efsdp", "ep") and all(isinstance(p, (Shard, _StridedShard)) and p.dim == 0
+                                            for p in tensor.placements)
 
 
 class RegionWriter:

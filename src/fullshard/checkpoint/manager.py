@@ -308,18 +308,23 @@ class CheckpointManager:
                 state["optim"] = optim_state
             if states:
                 state["states"] = {name: obj.state_dict() for name, obj in states.items()}
+            groups = state["optim"]["param_groups"] if optimizer is not None else []
+            if optimizer is not None:  # read every saved group, however many this optimizer has
+                count = _saved_group_count(reader.metadata.state_dict_metadata)
+                state["optim"]["param_groups"] = [dict(groups[min(i, len(groups) - 1)]) for i in range(count)]
             fit = fit_to_index(checkpoint, reader.metadata, state, strict, model)
             state["model"] = fit.model_state
             if optimizer is not None:
                 fit.drop_fresh_params(state["optim"])
-            return trainer_state, reader, state, fit
+            return trainer_state, reader, state, fit, groups
 
         with agreed(CheckpointError, f"loading checkpoint {checkpoint}"):
-            trainer_state, reader, state, fit = prepare()
+            trainer_state, reader, state, fit, groups = prepare()
         with agreed(CheckpointError, f"reading checkpoint {checkpoint}"):
             reader.read(state, partial=bool(fit.absent_states))  # what a state lacks keeps its current value
         set_model_state_dict(model, state["model"], options=_options(model, reader.metadata, strict=strict))
         if optimizer is not None:
+            state["optim"]["param_groups"] = regroup(state["optim"]["param_groups"], groups)
             # torch refuses a parameter without saved state when strict; `fit` has told the
             # legitimately absent (left fresh) from the missing (refused)
             set_optimizer_state_dict(model, optimizer, state["optim"], options=_options(model, reader.metadata,
@@ -345,7 +350,14 @@ class CheckpointManager:
         if scheduler is not None:
             file = checkpoint / layout.SCHEDULER
             if file.is_file():
-                scheduler.load_state_dict(read_side_file(file))
+                saved = read_side_file(file)
+                own = scheduler.state_dict()
+                per_group = {k: v for k, v in own.items() if isinstance(v, list)}
+                if any(len(saved.get(k, [])) != len(v) for k, v in per_group.items()):
+                    # saved with the parameters grouped otherwise (see `regroup`): the per-group lists
+                    # stay this run's, built from the same settings; the position in the schedule is restored
+                    saved = {**saved, **per_group}
+                scheduler.load_state_dict(saved)
             else:
                 warn_rank0(f"{file} is missing (the checkpoint was saved without a scheduler); "
                            "the scheduler keeps its current state")
@@ -433,6 +445,21 @@ def _write_model_files(tmp: Path, model, tokenizer) -> None:
         write_adapter_config(model, tmp / layout.ADAPTER_DIR, model.active_adapter)
     if tokenizer is not None:
         tokenizer.save_pretrained(str(tmp / layout.TOKENIZER_DIR))
+
+
+def _saved_group_count(index) -> int:
+    groups = {key.split(".")[2] for key in index if key.startswith("optim.param_groups.")}
+    return len(groups)
+
+
+def regroup(saved: list[dict], current: list[dict]) -> list[dict]:
+    """The optimizer's own parameter groups, each with the settings of the saved group that held its
+    first parameter (its own where none did). Groups follow the parameters' mesh and placement, so
+    a run saved under another layout (MoE experts on their own mesh under expert parallelism)
+    groups the same parameters differently, and the saved groups cannot be loaded as they are."""
+    owner = {name: group for group in saved for name in group.get("params", [])}
+    return [{**owner.get(group["params"][0], group), "params": group["params"]} if group["params"] else group
+            for group in current]
 
 
 def _torch_bytes(obj) -> bytes:

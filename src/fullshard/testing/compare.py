@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from ..distributed import get_rank, get_world_size
-from ..optim import global_grad_norm
+from ..optim import clip_grad_norm, global_grad_norm
 from ..tensors import replicated
 from .zoo import build_model, make_batch
 
@@ -41,7 +41,7 @@ def train_against_reference(
     split: Callable[[dict], dict] | None = None,
     check_tie: bool = True, model_kwargs: dict | None = None,
     prepare: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
-    inspect: Callable[[torch.nn.Module], object] | None = None,
+    inspect: Callable[[torch.nn.Module], object] | None = None, max_norm: float = 0.0,
 ) -> dict:
     """Train `name` sharded (each dp rank a slice of the batch) and whole in this process.
 
@@ -49,7 +49,7 @@ def train_against_reference(
     train (a PEFT wrapper, a hooked router), for the reference and before sharding alike;
     `inspect(sharded_model)` runs after training and its result is returned as "inspect"; `split`
     cuts this rank's part from the whole batch (default: its dp slice; context parallelism also
-    splits the sequence).
+    splits the sequence); `max_norm > 0` clips both by their global grad norm before each step.
     Returns the per-step losses and grad norms of both and the largest weight difference.
     """
     dp_rank = get_rank() if dp_rank is None else dp_rank
@@ -69,14 +69,14 @@ def train_against_reference(
         batch = make_batch(name, batch_size=batch_size, seq_len=seq_len, seed=100)
         ref_loss = reference(**batch).loss
         ref_loss.backward()
-        out["ref_norm"].append(float(grad_norm(reference.parameters())))
+        out["ref_norm"].append(clip_grad_norm(reference.parameters(), max_norm))
         ref_opt.step()
         ref_opt.zero_grad()
         out["ref_loss"].append(float(ref_loss.detach()))
 
         loss = model(**split(batch)).loss
         loss.backward()
-        out["norm"].append(float(grad_norm(model.parameters())))
+        out["norm"].append(clip_grad_norm(model.parameters(), max_norm))
         opt.step()
         opt.zero_grad()
         global_loss = loss.detach().clone()

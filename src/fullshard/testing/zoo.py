@@ -41,14 +41,38 @@ ZOO: dict[str, tuple[str, str, dict]] = {
 TIED = {name for name, (_, _, kw) in ZOO.items() if kw.get("tie_word_embeddings")}
 MOE = {"mixtral", "qwen3_moe"}
 
+# Every MoE causal-LM family expert parallelism is checked on: 8 experts (so ep 2 and ep 4 both split
+# them), top-2, every layer sparse. Kept out of ZOO, whose every entry the dense parity tests run.
+_MOE_COMMON = dict(COMMON, tie_word_embeddings=False, num_experts_per_tok=2)
+MOE_ZOO: dict[str, tuple[str, str, dict]] = {
+    "ep_mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(_MOE_COMMON, num_local_experts=8)),
+    "ep_qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(_MOE_COMMON, num_experts=8, moe_intermediate_size=16,
+                                                                   shared_expert_intermediate_size=32, mlp_only_layers=[])),
+    "ep_qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(_MOE_COMMON, head_dim=8, num_experts=8,
+                                                                   moe_intermediate_size=16, mlp_only_layers=[])),
+    "ep_olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(_MOE_COMMON, num_experts=8, pad_token_id=0, eos_token_id=2)),
+    "ep_deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        _MOE_COMMON, n_routed_experts=8, n_shared_experts=1, moe_intermediate_size=16, first_k_dense_replace=0,
+        n_group=2, topk_group=1, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8,
+        v_head_dim=8, num_key_value_heads=4)),
+    "ep_gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(_MOE_COMMON, num_local_experts=8, head_dim=8,
+                                                             sliding_window=8)),
+    "ep_phimoe": ("PhimoeConfig", "PhimoeForCausalLM", dict(_MOE_COMMON, num_local_experts=8, router_jitter_noise=0.0,
+                                                            input_jitter_noise=0.0)),
+}
+
+
+def _entry(name: str) -> tuple[str, str, dict]:
+    return ZOO[name] if name in ZOO else MOE_ZOO[name]
+
 
 def tiny_config(name: str, **overrides):
-    config_cls, _, kwargs = ZOO[name]
+    config_cls, _, kwargs = _entry(name)
     return getattr(transformers, config_cls)(**{**kwargs, **overrides})
 
 
 def model_class(name: str):
-    return getattr(transformers, ZOO[name][1])
+    return getattr(transformers, _entry(name)[1])
 
 
 def build_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides) -> torch.nn.Module:

@@ -272,7 +272,7 @@ class TrainConfig:
         keys = {"pp_size": fsdp.pp_size, "dp_replicate": fsdp.dp_replicate, "dp_shard": fsdp.dp_shard,
                 "cp_size": fsdp.cp_size, "tp_size": fsdp.tp_size}
         try:
-            return ParallelDims(fsdp.dp_replicate, fsdp.dp_shard, world_size, cp=fsdp.cp_size, tp=fsdp.tp_size,
+            dims = ParallelDims(fsdp.dp_replicate, fsdp.dp_shard, world_size, cp=fsdp.cp_size, tp=fsdp.tp_size,
                                 pp=fsdp.pp_size)
         except ConfigError:
             mesh = " x ".join(f"fsdp.{k}={v}" for k, v in keys.items() if k.startswith("dp") or v > 1)
@@ -280,6 +280,12 @@ class TrainConfig:
             why = (f"{world_size} is not divisible by {fixed}" if fsdp.dp_shard == -1
                    else f"their product is {fixed}")
             raise ConfigError(f"{mesh} does not match the {world_size} processes ({why})") from None
+        if fsdp.ep_size == 1:
+            return dims
+        try:
+            return dataclasses.replace(dims, ep=fsdp.ep_size)
+        except ConfigError as err:
+            raise ConfigError(f"fsdp.{err}") from None
 
     def accumulation_steps(self, world_size: int) -> int:
         """Micro-batches per rank per step, over the data-parallel ranks of the mesh (cp and tp ranks
@@ -447,6 +453,7 @@ def _check_values(config: TrainConfig) -> None:
          "must be >= 1, or -1 (what the world leaves)"),
         ("fsdp.tp_size", config.fsdp.tp_size, config.fsdp.tp_size >= 1, "must be >= 1"),
         ("fsdp.cp_size", config.fsdp.cp_size, config.fsdp.cp_size >= 1, "must be >= 1"),
+        ("fsdp.ep_size", config.fsdp.ep_size, config.fsdp.ep_size >= 1, "must be >= 1"),
         ("fsdp.pp_size", config.fsdp.pp_size, config.fsdp.pp_size >= 1, "must be >= 1"),
         ("fsdp.timeout_s", config.fsdp.timeout_s, config.fsdp.timeout_s > 0, "must be > 0 seconds"),
     ]

@@ -41,8 +41,8 @@ def check_before_launch(config: TrainConfig, world_size: int) -> None:
 
 
 def _check_parallel(model, fsdp) -> None:
-    """The TP plan against the model's modules and heads, CP's head split and the pipeline cut, as the
-    engine will check them."""
+    """The TP plan against the model's modules and heads, CP's head split, the pipeline cut and EP's
+    experts, as the engine will check them."""
     from ..parallel.cp import check_context_parallel
     from ..parallel.tp import plan_assignments, resolve_tp_plan
 
@@ -60,6 +60,13 @@ def _check_parallel(model, fsdp) -> None:
             stage_layers(model, decoder_parts(model), fsdp.pp_size * fsdp.pp_virtual_stages, fsdp.pp_layers_per_stage)
         except (ConfigError, PlanError) as err:
             raise type(err)(f"fsdp.pp_size={fsdp.pp_size}: {err}") from None
+    if fsdp.ep_size > 1:
+        from ..parallel.ep import check_expert_parallel
+
+        try:
+            check_expert_parallel(model, fsdp.ep_size)
+        except PlanError as err:
+            raise PlanError(f"fsdp.{err}") from None
 
 
 def _check_data(config: TrainConfig) -> None:

@@ -1,0 +1,283 @@
+"""Expert parallelism against one process on the whole batch: every MoE family transformers builds small,
+ep 2 (experts further sharded over 2 efsdp ranks) and ep 4, AdamW with global clipping, experts that get
+no token, each rank's share of the experts, and bad input refused on every rank. One 4-rank group."""
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from fullshard import FSDP2Engine
+from fullshard.errors import ConfigError, PlanError
+from fullshard.lora import apply_lora
+from fullshard.parallel.ep import find_experts, owned_experts
+from fullshard.testing import build_model, reported_by_every_rank, run_distributed
+from fullshard.testing.compare import train_against_reference
+from fullshard.testing.zoo import MOE_ZOO
+
+TOL = 1e-5
+MAX_NORM = 0.1  # below every first grad norm here (0.16 with LoRA, 1 to 2 in full), so clipping acts on every step
+FAMILIES = sorted(MOE_ZOO)
+EP4_FAMILIES = ["ep_mixtral", "ep_gpt_oss", "ep_deepseek_v3"]  # fused with and without biases, shared experts
+
+
+def route_to_expert_0_and_1(model):
+    """Every router picks only experts 0 and 1: at ep 4 three ranks of four receive no token."""
+    for module in model.modules():
+        if type(module).__name__.endswith("TopKRouter"):
+            module.register_forward_hook(lambda mod, args, out: (out[0], out[1], out[2].clamp(max=1)))
+    return model
+
+
+def _expert_shares(model) -> dict[str, tuple[int, int, range]]:
+    """Each experts tensor's (elements this rank holds, elements of the whole tensor, experts its rows are)."""
+    names = {f"{e.name}.{p}" for e in find_experts(model) for p in e.params}
+    shares = {}
+    for name, param in model.named_parameters():
+        if name in names and isinstance(param, DTensor):
+            shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+            shares[name] = (param.to_local().numel(), param.numel(), range(offset[0], offset[0] + shape[0]))
+    return shares
+
+
+def _train(engine, name, **kwargs):
+    return train_against_reference(name, engine.prepare_model, max_norm=MAX_NORM, inspect=_expert_shares, **kwargs)
+
+
+def _refused(make) -> str | None:
+    try:
+        make()
+    except (ConfigError, PlanError) as error:
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def _checkpoint_checks(root: str) -> dict:
+    """Load a per-expert HF checkpoint at ep 2 (only this rank's experts read), train, save (DCP) and
+    export; resume the save at ep 1, export it offline in this one process, load the exports in
+    transformers."""
+    import transformers
+
+    from fullshard import from_pretrained
+    from fullshard.checkpoint import CheckpointManager, export_checkpoint, export_hf
+    from fullshard.checkpoint.export import own_rows
+    from fullshard.testing import make_batch
+    from fullshard.testing.compare import data_slice, full_state
+
+    root, name, rank, out = Path(root), "ep_mixtral", dist.get_rank(), {}
+    if rank == 0:
+        build_model(name, seed=3).save_pretrained(root / "hf")  # transformers writes experts one per key
+    dist.barrier()
+    reference = transformers.MixtralForCausalLM.from_pretrained(root / "hf")
+    model = from_pretrained(str(root / "hf"), engine=FSDP2Engine({"ep_size": 2}))
+    out["loaded_equal"] = _equal(full_state(model), dict(reference.named_parameters()))
+    experts = {f"{e.name}.{p}" for e in find_experts(model) for p in e.params}
+    allowance = 0
+    for key, tensor in model.state_dict().items():
+        size = tensor.numel() * tensor.element_size()
+        allowance += size // (2 if key in experts else 4) + size // tensor.shape[0]
+    out["bytes_read"], out["allowance"] = model.fullshard_load_report.bytes_read, allowance
+
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
+    batch = make_batch(name, seed=5)
+
+    def step(m, opt):
+        loss = m(**data_slice(batch, rank, 4)).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        return float(total) / 4
+
+    step(model, optimizer)
+    CheckpointManager(root / "ckpt").save(1, model, optimizer=optimizer)
+    export_hf(model, root / "export")
+    out["experts_gathered"] = sorted(k for k, t in model.state_dict().items() if k in experts and own_rows(t) is None)
+    resumed = FSDP2Engine({}).prepare_model(build_model(name, seed=9))
+    resumed_optimizer = torch.optim.AdamW(resumed.parameters(), lr=1e-3, eps=1e-6)
+    CheckpointManager(root / "ckpt").load(resumed, optimizer=resumed_optimizer)
+    trained = full_state(model)
+    out["resumed_equal"] = _equal(full_state(resumed), trained)
+    out["next_losses"] = (step(model, optimizer), step(resumed, resumed_optimizer))
+    out["next_weight_diff"] = max((full_state(model)[k] - v).abs().max().item() for k, v in full_state(resumed).items())
+    if rank == 0:
+        export_checkpoint(root / "ckpt", root / "offline")  # one process, no group: the stored tensors are global
+        offline = transformers.MixtralForCausalLM.from_pretrained(root / "offline")
+        out["offline_equal"] = _equal(trained, dict(offline.named_parameters()))
+        exported = transformers.MixtralForCausalLM.from_pretrained(root / "export")
+        out["export_equal"] = _equal(trained, dict(exported.named_parameters()))
+    return out
+
+
+def _trainer_runs(root: str) -> dict:
+    """The trainer on a local tiny Mixtral: 4 steps at ep 1, and 2 steps at ep 2 resumed for 2 at ep 1."""
+    from fullshard.data.builtin import byte_tokenizer
+    from fullshard.train import load_config, train
+
+    root = Path(root)
+    if dist.get_rank() == 0:
+        build_model("ep_mixtral", vocab_size=257, max_position_embeddings=32).save_pretrained(root / "moe")
+        byte_tokenizer().save_pretrained(root / "moe")
+        (root / "doc.txt").write_text("".join(f"w{(i * 7919) % 613} " for i in range(2000)))
+    dist.barrier()
+
+    def config(run: str, *extra):
+        return load_config(None, [f"--model.name_or_path={root}/moe", f"--data.path={root}/doc.txt", "--data.seq_len=32",
+                                  "--train.micro_batch_size=2", "--train.global_batch_size=8", "--train.steps=4",
+                                  "--train.log_every=1", "--train.plot=false", "--train.max_norm=0.5",
+                                  "--checkpoint.every=2", f"--train.output_dir={root}/{run}", *extra])
+
+    return {"ep1": train(config("ep1")), "ep2": train(config("ep2", "--fsdp.ep_size=2", "--train.stop_after=2")),
+            "resumed": train(config("ep2"))}
+
+
+def _equal(state: dict, reference: dict) -> list[str]:
+    """The names whose tensors differ (or are missing on one side)."""
+    return sorted(k for k in state.keys() | reference.keys()
+                  if k not in state or k not in reference or not torch.equal(state[k], reference[k].detach()))
+
+
+def _world_4_checks(root: str):
+    results = {}
+    for ep, families in ((2, FAMILIES), (4, EP4_FAMILIES)):
+        engine = FSDP2Engine({"mixed_precision": "fp32", "ep_size": ep})
+        for name in families:
+            results[(ep, name)] = _train(engine, name)
+        results[(ep, "idle_experts")] = _train(engine, "ep_qwen3_moe", prepare=route_to_expert_0_and_1, steps=2)
+    engine = FSDP2Engine({"mixed_precision": "fp32", "ep_size": 2})
+    results[(2, "router_aux_loss")] = _train(engine, "ep_mixtral", steps=3,
+                                             model_kwargs=dict(output_router_logits=True, router_aux_loss_coef=0.1))
+    results[(2, "lora_on_attention")] = _train(engine, "ep_qwen3_moe", steps=2, check_tie=False, prepare=lambda m: apply_lora(
+        m, {"r": 4, "target_modules": ["q_proj", "v_proj"]}))
+    checkpointing = FSDP2Engine({"mixed_precision": "fp32", "ep_size": 2, "activation_checkpointing": True})
+    results[(2, "activation_checkpointing")] = _train(checkpointing, "ep_qwen3_moe", steps=2)
+    errors = {
+        "ep_not_dividing": _refused(lambda: FSDP2Engine({"ep_size": 3})),
+        "experts_not_dividing": _refused(
+            lambda: FSDP2Engine({"ep_size": 4}).prepare_model(build_model("ep_mixtral", num_local_experts=6))),
+        "dense_model": _refused(lambda: FSDP2Engine({"ep_size": 2}).prepare_model(build_model("llama"))),
+        "with_tp": _refused(lambda: FSDP2Engine({"ep_size": 2, "tp_size": 2})),
+        "with_compile": _refused(
+            lambda: FSDP2Engine({"ep_size": 2, "compile": True}).prepare_model(build_model("ep_mixtral"))),
+    }
+    return {"parity": results, "errors": errors, "checkpoint": _checkpoint_checks(root),
+            "trainer": _trainer_runs(root)}
+
+
+@pytest.fixture(scope="module")
+def world_4(tmp_path_factory):
+    return run_distributed(_world_4_checks, 4, str(tmp_path_factory.mktemp("ep")))
+
+
+def test_ep_matches_single_process_for_every_moe_family(world_4):
+    bad = []
+    for rank, result in enumerate(world_4):
+        for key, r in result["parity"].items():
+            loss = max(abs(a - b) for a, b in zip(r["loss"], r["ref_loss"]))
+            norm = max(abs(a - b) for a, b in zip(r["norm"], r["ref_norm"]))
+            if max(loss, norm, r["max_weight_diff"]) > TOL or r["missing"]:
+                bad.append(f"rank {rank} {key}: loss {loss:.1e} norm {norm:.1e} weight {r['max_weight_diff']:.1e} "
+                           f"({r['worst_weight']}) missing {r['missing']}")
+            if not r["ref_norm"][0] > MAX_NORM:
+                bad.append(f"{key}: first grad norm {r['ref_norm'][0]:.2f} is not clipped by {MAX_NORM}")
+    assert not bad, "\n".join(bad)
+
+
+def test_each_rank_holds_its_experts_share(world_4):
+    """ep 2 on 4 ranks: a quarter of each experts tensor (the 4 experts of its ep rank, halved again by
+    efsdp 2); ep 4: its 2 whole experts of 8. The rows held lie inside the experts its ep rank owns."""
+    for rank, result in enumerate(world_4):
+        for (ep, name), r in result["parity"].items():
+            shares = r["inspect"]
+            assert shares, (ep, name)
+            owned = owned_experts(8, ep, rank % ep)
+            for param, (local, whole, rows) in shares.items():
+                assert local * 4 == whole, (ep, name, param, local, whole)
+                assert len(rows) == 8 // 4 and rows.start in owned and rows[-1] in owned, (ep, name, param, rows)
+
+
+def test_bad_ep_input_refused_on_every_rank(world_4):
+    expected = {
+        "ep_not_dividing": "ConfigError: ep_size=3 does not divide the data-parallel shard size dp_shard=4",
+        "experts_not_dividing": "num_experts=6, not divisible by ep_size",
+        "dense_model": "ep_size=2 but LlamaForCausalLM has no MoE experts to split",
+        "with_tp": "ConfigError: ep_size=2 does not compose with tp=2 yet",
+        "with_compile": "ep_size=2 does not compose with compile yet",
+    }
+    for result in world_4:
+        for key, text in expected.items():
+            message = result["errors"][key]
+            assert message is not None and text in message, (key, message)
+            if key not in ("ep_not_dividing", "with_tp"):  # those raised by every rank alone, before any collective
+                assert reported_by_every_rank(message, 4), message
+
+
+def test_ep_loads_saves_resumes_and_exports_global_experts(world_4):
+    """Per-expert HF weights load into fused experts at ep 2 reading about this rank's share; the DCP
+    save resumes at ep 1 bit for bit and continues like the run that saved it; both the live export
+    (no rank gathering all experts) and the offline one (one process) load in transformers unchanged."""
+    for rank, result in enumerate(world_4):
+        r = result["checkpoint"]
+        assert r["loaded_equal"] == [], r["loaded_equal"]
+        assert r["bytes_read"] <= r["allowance"], (rank, r["bytes_read"], r["allowance"])
+        assert r["experts_gathered"] == [], r["experts_gathered"]  # each rank wrote its own experts' rows
+        assert r["resumed_equal"] == [], r["resumed_equal"]
+        assert abs(r["next_losses"][0] - r["next_losses"][1]) < TOL and r["next_weight_diff"] < TOL, r
+    assert world_4[0]["checkpoint"]["offline_equal"] == [] and world_4[0]["checkpoint"]["export_equal"] == []
+
+
+def test_trainer_at_ep_2_trains_the_ep_1_losses_and_resumes_without_ep(world_4):
+    for r in world_4:
+        whole, first, second = r["trainer"]["ep1"], r["trainer"]["ep2"], r["trainer"]["resumed"]
+        assert (first["start_step"], first["end_step"], second["start_step"], second["end_step"]) == (0, 2, 2, 4)
+        losses = {**first["losses"], **second["losses"]}
+        assert sorted(losses) == sorted(whole["losses"]) == [0, 1, 2, 3]
+        assert max(abs(losses[s] - whole["losses"][s]) for s in losses) < TOL, (losses, whole["losses"])
+        assert whole["losses"][3] < whole["losses"][0]
+
+
+def test_plan_shows_owners_and_memory_estimate_gathers_only_own_experts():
+    from fullshard.parallel.ep import expert_owners
+    from fullshard.plan import build_plan
+    from fullshard.train.memory import estimate_memory
+
+    model = build_model("ep_qwen3_moe")
+    lines = expert_owners(model, 2)
+    assert "experts 0-3 of 8" in lines[0] and "experts 4-7 of 8" in lines[1], lines
+    plan = build_plan(model, "auto")
+    whole, split = (estimate_memory(model, plan, 4, 1, 16, device_type="cpu", ep_size=ep) for ep in (1, 2))
+    layer = {n: p.numel() * 4 for n, p in model.named_parameters() if n.startswith("model.layers.0.")}
+    experts = sum(size for n, size in layer.items() if ".mlp.experts." in n)
+    assert whole.largest_unit == sum(layer.values())
+    assert split.largest_unit == max(sum(layer.values()) - experts, experts // 2)
+    assert split.parameters == whole.parameters  # an expert's shard is 1/4 of it either way
+
+
+def test_per_expert_module_list_moe_refused_by_name():
+    from torch import nn
+
+    from fullshard.parallel.ep import check_expert_parallel
+
+    class RemoteCodeMoE(nn.Module):  # a block that loops over its experts itself, as remote-code MoEs do
+        def __init__(self):
+            super().__init__()
+            self.gate = nn.Linear(8, 4)
+            self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+    model = nn.Sequential(RemoteCodeMoE())
+    with pytest.raises(PlanError, match=r"keeps its experts one module each \('0.experts'\)"):
+        check_expert_parallel(model, 2)
+
+
+def test_lora_on_expert_tensors_refused_by_name():
+    from fullshard.parallel.ep import check_expert_parallel
+
+    model = apply_lora(build_model("ep_qwen3_moe"), {"r": 2, "target_modules": [],
+                                                     "target_parameters": ["mlp.experts.gate_up_proj"]})
+    with pytest.raises(PlanError, match="layers.0.mlp.experts.base_layer carries LoRA adapters"):
+        check_expert_parallel(model, 2)
