@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.bench_moe import CONFIG, MICRO, SEQ, _model_dir  # noqa: E402
+from bench.bench_moe import _model_dir, train_step  # noqa: E402
 from fullshard.testing import run_distributed  # noqa: E402
 
 
@@ -26,24 +26,16 @@ def _track(path: str, ep: int) -> None:
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
     from fullshard import FSDP2Engine, from_pretrained
-    from fullshard.optim import clip_grad_norm
 
     model = from_pretrained(path, engine=FSDP2Engine({"mixed_precision": "fp32", "ep_size": ep}))
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     generator = torch.Generator().manual_seed(dist.get_rank())
 
-    def step() -> None:
-        ids = torch.randint(0, CONFIG["vocab_size"], (MICRO, SEQ), generator=generator)
-        model(input_ids=ids, labels=ids).loss.backward()
-        clip_grad_norm(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    step()  # the optimizer state exists before the tracked step, as in training
+    train_step(model, optimizer, generator)  # the optimizer state exists before the tracked step, as in training
     tracker = FSDPMemTracker(model, optimizer)
     with tracker:
-        step()
+        train_step(model, optimizer, generator)
     if dist.get_rank() == 0:
         tracker.display_snapshot("peak", units="MiB", tabulate=False)
         tracker.display_modulewise_snapshots(depth=6, units="MiB", tabulate=False)
