@@ -25,12 +25,14 @@ SIZES = {  # name -> LlamaConfig kwargs
     "M (6 x 256, vocab 8k)": dict(hidden_size=256, intermediate_size=704, num_hidden_layers=6, vocab_size=8192),
     "L (8 x 512, vocab 16k)": dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, vocab_size=16384),
 }
-# (size, compute dtype, activation checkpointing, micro-batches per step)
-CASES = [(name, "fp32", False, 1) for name in SIZES] + [
-    ("M (6 x 256, vocab 8k)", "bf16", True, 1), ("M (6 x 256, vocab 8k)", "fp32", False, 2)]
+# (size, compute dtype, activation checkpointing, micro-batches per step, train.loss_chunk_tokens)
+CASES = [(name, "fp32", False, 1, 0) for name in SIZES] + [
+    ("M (6 x 256, vocab 8k)", "bf16", True, 1, 0), ("M (6 x 256, vocab 8k)", "fp32", False, 2, 0)] + [
+    (name, "fp32", False, 1, 64) for name in SIZES] + [
+    ("M (6 x 256, vocab 8k)", "bf16", True, 1, 64), ("L (8 x 512, vocab 16k)", "fp32", False, 1, 1024)]
 
 
-def _case(size: str, precision: str, checkpointing: bool, accumulation: int) -> dict:
+def _case(size: str, precision: str, checkpointing: bool, accumulation: int, chunk: int) -> dict:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -47,7 +49,7 @@ def _case(size: str, precision: str, checkpointing: bool, accumulation: int) -> 
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     estimate = estimate_memory(model, auto_plan(model), WORLD, MICRO, SEQ, DTYPES[precision], checkpointing,
-                               accumulation_steps=accumulation, device_type="cpu")
+                               accumulation_steps=accumulation, device_type="cpu", loss_chunk_tokens=chunk)
     model = strategy.prepare_model(model, is_training=True)
     optimizer = strategy.create_optimizer(model, lr=1e-4)
 
@@ -56,9 +58,10 @@ def _case(size: str, precision: str, checkpointing: bool, accumulation: int) -> 
         ids = [torch.randint(0, config.vocab_size, (MICRO, SEQ), generator=generator) for _ in range(accumulation)]
         return [{"input_ids": i, "labels": i} for i in ids]
 
-    train_step(strategy, model, optimizer, None, batches(0))  # warm-up: the optimizer state now exists
+    train_step(strategy, model, optimizer, None, batches(0), chunk)  # warm-up: the optimizer state now exists
     step = batches(1)
-    peak = measured_peak_bytes(model, optimizer, lambda: train_step(strategy, model, optimizer, None, step), step)
+    peak = measured_peak_bytes(model, optimizer, lambda: train_step(strategy, model, optimizer, None, step, chunk),
+                               step)
     return {"estimate": estimate.total, "peak": peak, "params": sum(p.numel() for p in model.parameters())}
 
 
@@ -70,22 +73,23 @@ def main() -> int:
     per_rank = run_distributed(_all_cases, WORLD)
     rows, below, loose = [], [], []
     for index, case in enumerate(CASES):
-        size, precision, checkpointing, accumulation = case
+        size, precision, checkpointing, accumulation, chunk = case
         peak = max(r[index]["peak"] for r in per_rank)
         estimate = per_rank[0][index]["estimate"]
         ratio = estimate / peak
         (below if ratio < 1.0 else loose if ratio > 1.10 else []).append((case, ratio))
         rows.append([size, f"{per_rank[0][index]['params'] / 1e6:.1f}M", precision, "yes" if checkpointing else "no",
-                     accumulation, f"{peak / 2**20:,.2f}", f"{estimate / 2**20:,.2f}", f"{ratio:.4f}"])
+                     accumulation, chunk or "off", f"{peak / 2**20:,.2f}", f"{estimate / 2**20:,.2f}", f"{ratio:.4f}"])
         print(rows[-1], flush=True)
     body = (f"`fullshard plan`'s per-rank memory estimate against the measured per-rank peak of live tensor bytes "
             f"(torch's FSDPMemTracker over one training step after a warm-up step: forward, token-normalised loss, "
             f"backward, clip, AdamW), world size {WORLD} on CPU (gloo), micro batch {MICRO} x {SEQ} tokens, auto plan, "
-            "untied Llama. The estimate must be at least the peak (ratio >= 1) and aims at no more than 10% above it. "
+            "untied Llama; 'loss chunk' is `train.loss_chunk_tokens` (off: the loss from whole logits; 1024, the "
+            "default, is one chunk of these 256 tokens). The estimate must be at least the peak (ratio >= 1) and aims at no more than 10% above it. "
             "On CPU no allocator rounding applies; on a GPU the estimate adds the caching allocator's 512-byte "
             "blocks. No GPU was lent to the session that wrote this table, so the GPU row the issue asks for is "
             "still to be measured (`fullshard plan` against `torch.cuda.max_memory_allocated`).\n\n")
-    body += markdown_table(["model", "parameters", "compute", "act. ckpt", "micro-batches", "peak MiB",
+    body += markdown_table(["model", "parameters", "compute", "act. ckpt", "micro-batches", "loss chunk", "peak MiB",
                             "estimate MiB", "estimate / peak"], rows)
     write_section("memory", body)
     for case, ratio in loose:

@@ -76,10 +76,19 @@ def _model_dir(root: str) -> str:
     return str(path)
 
 
+def train_step(model, optimizer, generator: torch.Generator) -> None:
+    """One step on a random batch: forward, backward, global clip, AdamW."""
+    from fullshard.optim import clip_grad_norm
+
+    ids = torch.randint(0, CONFIG["vocab_size"], (MICRO, SEQ), generator=generator)
+    model(input_ids=ids, labels=ids).loss.backward()
+    clip_grad_norm(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
 def _run(kind: str, ep: int, path: str) -> dict:
     import torch.distributed as dist
-
-    from fullshard.optim import clip_grad_norm
 
     if kind == "fullshard":
         from fullshard import FSDP2Engine, from_pretrained
@@ -95,21 +104,14 @@ def _run(kind: str, ep: int, path: str) -> dict:
     sent = SentBytes()
     generator = torch.Generator().manual_seed(dist.get_rank())
 
-    def step() -> None:
-        ids = torch.randint(0, CONFIG["vocab_size"], (MICRO, SEQ), generator=generator)
-        model(input_ids=ids, labels=ids).loss.backward()
-        clip_grad_norm(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
     rss_before = _rss_mib()
     for _ in range(WARMUP):
-        step()
+        train_step(model, optimizer, generator)
     dist.barrier()
     start, peak = time.perf_counter(), rss_before
     with sent.mode:
         for _ in range(STEPS):
-            step()
+            train_step(model, optimizer, generator)
             peak = max(peak, _rss_mib())
     dist.barrier()
     elapsed = time.perf_counter() - start

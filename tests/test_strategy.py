@@ -18,6 +18,9 @@ from fullshard.train.loss import IGNORE_INDEX
 from fullshard.train.step import train_step
 
 TOL = 1e-6
+# weights after 3 AdamW steps at lr 1e-2: Adam turns last-bit differences of tiny gradients (sums in
+# another order) into lr-sized steps; the house rule for fp32 is 1e-5
+WEIGHT_TOL = 1e-5
 NAME = "llama"
 
 
@@ -171,7 +174,8 @@ def test_strategy_distributed():
         for policy in ("reduce_scatter_every", "defer_sync"):
             for layout in ("fsdp", "hsdp"):
                 diffs = r[f"accum/{policy}/{layout}"]
-                assert max(diffs.values()) < TOL, (rank, policy, layout, diffs)
+                assert diffs["loss"] < TOL and diffs["norm"] < TOL, (rank, policy, layout, diffs)
+                assert diffs["weights"] < WEIGHT_TOL, (rank, policy, layout, diffs)
         # the FSDP run with token-normalised loss and global clipping is the single-process run
         assert max(abs(a - b) for a, b in zip(r["fsdp_losses"], reference["loss"])) < 1e-5
         assert max(abs(a - b) for a, b in zip(r["fsdp_norms"], reference["norm"])) < 1e-5

@@ -259,8 +259,10 @@ def test_plan_errors_named_on_every_rank(world_4, case):
 def test_parallel_dims_tp_cp_layout():
     dims = ParallelDims(dp_replicate=2, world_size=16, cp=2, tp=2)
     assert (dims.dp_shard, dims.dp_size, dims.fsdp_shard_size) == (2, 4, 4)
-    # row-major over (dp_replicate, dp_shard, cp, tp): tp neighbours are adjacent ranks
-    assert dims.coordinates(0b1011) == {"dp": 2, "dp_replicate": 1, "dp_shard": 0, "cp": 1, "tp": 1}
+    # row-major over (pp, dp_replicate, dp_shard, cp, tp): tp neighbours are adjacent ranks
+    assert dims.coordinates(0b1011) == {"dp": 2, "dp_replicate": 1, "dp_shard": 0, "cp": 1, "tp": 1, "pp": 0}
+    staged = ParallelDims(dp_replicate=2, world_size=32, cp=2, tp=2, pp=2)
+    assert staged.coordinates(16 + 0b1011) == {**dims.coordinates(0b1011), "pp": 1}
     with pytest.raises(ConfigError, match="dp_replicate=1 x dp_shard=3 x tp=2 = 6, but the world size is 4"):
         ParallelDims(dp_shard=3, world_size=4, tp=2)
     with pytest.raises(ConfigError, match="world size 6 is not divisible by dp_replicate=1 x cp=2 x tp=2 = 4"):

@@ -184,7 +184,8 @@ def cmd_plan(argv: list[str]) -> int:
     estimate = estimate_memory(model, plan, dims.dp_shard, micro, seq_len, DTYPES[precision],
                                fsdp.activation_checkpointing, config.optim.name, accumulation_steps=accumulation,
                                device_type=device_type, reduce_dtype=DTYPES[fsdp.reduce_dtype],
-                               tp_assignments=assignments, tp_size=dims.tp, cp_size=dims.cp, ep_size=dims.ep)
+                               tp_assignments=assignments, tp_size=dims.tp, cp_size=dims.cp, ep_size=dims.ep,
+                               loss_chunk_tokens=config.train.loss_chunk_tokens)
     print(f"{type(model).__name__}: {sum(p.numel() for p in model.parameters()):,} parameters, {describe_mesh(dims)}\n")
     print(plan.describe(model, dims.fsdp_shard_size))
     if dims.tp > 1:
@@ -195,6 +196,7 @@ def cmd_plan(argv: list[str]) -> int:
               f"gathering only the experts its rank owns):\n" + "\n".join(expert_owners(model, dims.ep)))
     print(f"\nper-rank memory estimate (micro batch {micro} x {seq_len} tokens over cp {dims.cp}, compute {precision}, "
           f"activation checkpointing {fsdp.activation_checkpointing}, {config.optim.name}, "
+          f"loss chunks of {config.train.loss_chunk_tokens or 'all the'} tokens, "
           f"{accumulation or 'unknown'} micro-batch(es) per step, {device_type}):")
     print(estimate.describe())
     if dims.pp > 1:

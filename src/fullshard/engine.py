@@ -30,7 +30,7 @@ from .distributed import (
     shard_mesh,
 )
 from .errors import ConfigError, PlanError
-from .fsdp import apply_activation_checkpointing
+from .fsdp import apply_activation_checkpointing, needs_weight_in_backward
 from .loading import materialize_and_load
 from .log import warn_rank0
 from .loading.materialize import tie_declared_weights
@@ -233,6 +233,8 @@ class FSDP2Engine:
                 mp_policy=self.get_mp_policy(unit.mixed_precision),
                 offload_policy=self.get_offload_policy(unit.cpu_offload),
             )
+            if not any(needs_weight_in_backward(module) for module in targets):
+                targets[0].set_unshard_in_backward(False)
         fully_shard(
             model,
             mesh=self.mesh,

@@ -36,6 +36,15 @@ def reshard_all(model: nn.Module) -> None:
             module.reshard()
 
 
+def needs_weight_in_backward(module: nn.Module) -> bool:
+    """False for a plain `nn.Embedding`: its backward reads only the indices and the incoming
+    gradient, so a unit made of embeddings alone need not be all-gathered again for backward
+    (`FSDPModule.set_unshard_in_backward(False)`: one all-gather of the table less per step)."""
+    plain_embedding = isinstance(module, nn.Embedding) and type(module).forward is nn.Embedding.forward
+    split = getattr(module, "_distribute_module_applied", False)  # a TP style's DTensor dispatch: left as is
+    return not (plain_embedding and module.max_norm is None and not module.sparse and not split)
+
+
 def apply_activation_checkpointing(model: nn.Module) -> None:
     """Recompute each outermost block in backward (non-reentrant checkpointing).
 

@@ -191,6 +191,62 @@ def scale_grads_(params: Iterable[torch.Tensor], factor: float) -> None:
         torch._foreach_mul_(grads, factor)
 
 
+def grad_norm_and_sum(params: Iterable[torch.Tensor], norm_type: float = 2.0, values: torch.Tensor | None = None,
+                      across=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`global_grad_norm`, and `values` summed over every rank, in one all_reduce.
+
+    Each rank adds up |g|^p over its local pieces, each piece divided by the number of ranks that
+    hold that same piece (a Replicate dim of its mesh, a tp rank repeating a replicated weight, a
+    plain tensor on every rank), so the sum over the world counts every element once; `values`
+    (a step's loss sum, say) ride in the same buffer, so a step pays one small collective, not one
+    per mesh plus one per logged number. Pipeline stages (`across`), a partial-sum gradient, a mesh
+    that does not span the world, or the inf-norm take `global_grad_norm` and a collective of their
+    own for `values`.
+    """
+    norm_type = float(norm_type)
+    params = list(params)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    fusable = across is None and math.isfinite(norm_type)
+    powers = _local_norm_powers(_grads(params), norm_type, world) if fusable else None
+    if powers is None:
+        return global_grad_norm(params, norm_type, across), None if values is None else _sum_over_world(values)
+    buffer = torch.cat([powers.reshape(1).double(), torch.zeros(0) if values is None
+                        else values.detach().reshape(-1).to(powers.device, torch.float64)])
+    buffer = _sum_over_world(buffer)
+    norm = buffer[0].pow(1.0 / norm_type).float()
+    return norm, None if values is None else buffer[1:].to(values.device, values.dtype).reshape(values.shape)
+
+
+def _sum_over_world(value: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        value = value.clone()
+        dist.all_reduce(value)
+    return value
+
+
+def _local_norm_powers(grads: list[torch.Tensor], norm_type: float, world: int) -> torch.Tensor | None:
+    """This rank's share of the sum of |g|^p over every gradient element (see `grad_norm_and_sum`),
+    or None where shares cannot say it (a partial-sum gradient, a mesh not spanning the world)."""
+    by_copies: dict[tuple, list[torch.Tensor]] = {}
+    for grad in grads:
+        copies = world
+        if isinstance(grad, DTensor):
+            mesh = grad.device_mesh
+            if any(p.is_partial() for p in grad.placements) or mesh._get_root_mesh().size() != world:
+                return None
+            for dim, placement in enumerate(grad.placements):
+                if not placement.is_replicate():  # Shard, or FSDP's _StridedShard over a TP split
+                    copies //= mesh.size(dim)
+        local = local_tensor(grad)
+        by_copies.setdefault((copies, local.device, local.dtype), []).append(local)
+    total = None
+    for (copies, _, dtype), tensors in by_copies.items():
+        norms = torch._foreach_norm(tensors, norm_type, dtype=torch.promote_types(dtype, torch.float32))
+        share = torch.stack(norms).to(torch.float64).pow(norm_type).sum() / copies
+        total = share if total is None else total + share.to(total.device)
+    return total if total is not None else torch.zeros((), dtype=torch.float64)
+
+
 def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0, across=None,
                    uncounted: Iterable[torch.Tensor] = ()) -> float:
     """Clip to `max_norm` by the global norm and return that norm (before clipping).
@@ -200,14 +256,20 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, norm_type: f
     `across` is passed to `global_grad_norm`; `uncounted` parameters are clipped but left out of
     the norm (the second copy of a weight two pipeline stages hold).
     """
-    params = list(params)
+    return _clip(list(params), max_norm, norm_type, across=across, uncounted=uncounted)[0]
+
+
+def _clip(params: list[torch.Tensor], max_norm: float, norm_type: float = 2.0, values: torch.Tensor | None = None,
+          across=None, uncounted: Iterable[torch.Tensor] = ()) -> tuple[float, torch.Tensor | None]:
+    """`clip_grad_norm`, and `values` summed over every rank in the norm's collective."""
     skip = {id(p) for p in uncounted}
-    norm = float(global_grad_norm([p for p in params if id(p) not in skip], norm_type, across))
+    norm, sums = grad_norm_and_sum([p for p in params if id(p) not in skip], norm_type, values, across)
+    norm = float(norm)
     if max_norm > 0 and math.isfinite(norm):
         coef = max_norm / (norm + 1e-6)
         if coef < 1.0:
             scale_grads_(params, coef)
-    return norm
+    return norm, sums
 
 
 def optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -268,10 +330,12 @@ class ShardedGradScaler:
 
 @dataclass
 class StepResult:
-    """What one optimizer step did: the global grad norm (before clipping) and whether it was skipped."""
+    """What one optimizer step did: the global grad norm (before clipping), whether it was skipped,
+    and the `values` given to `clip_and_step` summed over every rank (None if none were given)."""
 
     grad_norm: float
     skipped: bool
+    sums: torch.Tensor | None = None
 
 
 def clip_and_step(
@@ -281,16 +345,18 @@ def clip_and_step(
     scaler: ShardedGradScaler | None = None,
     across=None,
     uncounted: Iterable[torch.Tensor] = (),
+    values: torch.Tensor | None = None,
 ) -> StepResult:
     """Unscale (fp16), clip by the global norm, step, and zero the gradients.
 
     A non-finite norm (a NaN or inf on any rank reaches every rank through the reduction) skips
     the optimizer and scheduler step on all ranks alike; the gradients are dropped either way.
+    `values` (the step's loss sum, say) are summed over every rank in the norm's own collective.
     """
     params = optimizer_params(optimizer)
     if scaler is not None:
         scaler.unscale_(params)
-    norm = clip_grad_norm(params, max_norm, across=across, uncounted=uncounted)
+    norm, sums = _clip(params, max_norm, values=values, across=across, uncounted=uncounted)
     skipped = not math.isfinite(norm)
     if not skipped:
         optimizer.step()
@@ -299,7 +365,7 @@ def clip_and_step(
     if scaler is not None:
         scaler.update(found_inf=skipped)
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(norm, skipped)
+    return StepResult(norm, skipped, sums)
 
 
 # ---------------------------------------------------------------------------------------------- offload

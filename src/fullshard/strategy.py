@@ -222,7 +222,7 @@ class FSDPStrategy:
                        name: str = "model", **kwargs) -> optim.StepResult | None:
         """Count a micro-batch; at the end of the window clip, step (or skip on a non-finite norm
         on any rank) and zero the gradients. Returns the step's result, or None mid-window.
-        `kwargs` reach `optim.clip_and_step` (a pipeline's `across` and `uncounted`)."""
+        `kwargs` reach `optim.clip_and_step` (a pipeline's `across` and `uncounted`; `values` to sum)."""
         last = self.is_last_micro_step()
         self._micro_step += 1
         if not last:

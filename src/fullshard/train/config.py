@@ -34,6 +34,7 @@ from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
 from ..distributed import ParallelDims
 from ..engine import EngineConfig
 from ..errors import ConfigError
+from .chunked_loss import DEFAULT_LOSS_CHUNK_TOKENS
 
 PositiveInt = Annotated[int, Field(ge=1)]
 NonNegativeInt = Annotated[int, Field(ge=0)]
@@ -123,6 +124,8 @@ class TrainSection:
     """when gradients of accumulated micro-batches are reduced (see FSDPStrategy)"""
     max_norm: NonNegativeFloat = 1.0
     """global gradient-norm clip; 0 disables clipping"""
+    loss_chunk_tokens: NonNegativeInt = DEFAULT_LOSS_CHUNK_TOKENS
+    """tokens whose logits exist at once: the loss goes through the output head this many tokens at a time (same loss and gradients, far less memory for large vocabularies); 0 computes all logits at once"""
     log_every: PositiveInt = 10
     """steps between metric lines"""
     eval_every: NonNegativeInt = 0

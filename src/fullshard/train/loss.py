@@ -10,6 +10,10 @@ Under context parallelism a micro-batch is this rank's part of each sequence, it
 shifted over the whole sequence (`shift_labels`, from `fullshard.parallel.cp.context_parallel_batch`):
 its logits are compared unshifted. Tensor-parallel ranks of one data rank hold the same batch, so
 sums over the world count it tp times; `repeats` divides that out.
+
+The loss goes through the output head a chunk of tokens at a time (`chunked_loss.py`) unless
+`chunk_tokens` is 0 or the model's head cannot be stood in for; the two give the same loss and
+gradients.
 """
 
 from __future__ import annotations
@@ -19,8 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..packed_attention import packed_inputs
-
-IGNORE_INDEX = -100
+from .chunked_loss import DEFAULT_LOSS_CHUNK_TOKENS, IGNORE_INDEX, chunked_loss_sum
 
 
 NOT_MODEL_INPUTS = ("labels", "shift_labels", "num_items_in_batch")
@@ -47,15 +50,37 @@ def sum_over_ranks(value: torch.Tensor, repeats: int = 1) -> torch.Tensor:
 
 def global_target_count(micro_batches: list[dict], repeats: int = 1) -> int:
     """Target tokens of one optimizer step across all micro-batches and all data ranks (a collective)."""
-    count = torch.tensor(sum(target_count(b) for b in micro_batches), dtype=torch.int64)
-    return int(sum_over_ranks(count, repeats))
+    return PendingTargetCount(micro_batches, repeats).wait()
 
 
-def causal_lm_loss_sum(model: torch.nn.Module, batch: dict) -> torch.Tensor:
-    """Sum of the next-token cross-entropy over the batch's target tokens, in fp32."""
+class PendingTargetCount:
+    """Target tokens of one optimizer step across all micro-batches and all data ranks, summed by an
+    all_reduce started at once and waited for only when the count is needed (before the first
+    backward), so it travels while the first forward runs."""
+
+    def __init__(self, micro_batches: list[dict], repeats: int = 1):
+        self.value = torch.tensor(sum(target_count(b) for b in micro_batches), dtype=torch.int64)
+        self.repeats = repeats
+        distributed = dist.is_initialized() and dist.get_world_size() > 1
+        self.work = dist.all_reduce(self.value, async_op=True) if distributed else None
+
+    def wait(self) -> int:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        return int(self.value) // self.repeats
+
+
+def causal_lm_loss_sum(model: torch.nn.Module, batch: dict, chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS) -> torch.Tensor:
+    """Sum of the next-token cross-entropy over the batch's target tokens, in fp32; the logits of
+    `chunk_tokens` tokens at a time where the model allows (0: all at once)."""
     inputs = packed_inputs(model, {k: v for k, v in batch.items() if k not in NOT_MODEL_INPUTS})
-    logits = model(**inputs).logits
-    return token_loss_sum(logits if "shift_labels" in batch else logits[:, :-1, :], _targets(batch))
+    targets = aligned_targets(batch)
+    if chunk_tokens > 0:
+        loss = chunked_loss_sum(model, inputs, targets, chunk_tokens)
+        if loss is not None:
+            return loss
+    return token_loss_sum(model(**inputs).logits, targets)  # whole: unsliced logits, no copy
 
 
 def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -67,7 +92,8 @@ def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def aligned_targets(batch: dict) -> torch.Tensor:
     """The next-token target of every position, as long as the inputs (the last position of unshifted
-    labels gets none): what a pipeline's last stage compares its logits with, unshifted."""
+    labels gets none): what a pipeline's last stage and the loss compare logits with, unshifted, so
+    logits are never sliced and copied."""
     if "shift_labels" in batch:
         return batch["shift_labels"]
     return F.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE_INDEX)

@@ -21,6 +21,11 @@ On an accelerator the caching allocator rounds every block up to 512 bytes; that
 for the tensors that live all run. `bench/bench_memory.py` checks the estimate against peaks
 measured with torch's FSDPMemTracker.
 
+The chunked loss (`train.loss_chunk_tokens`, `chunked_loss.py`) saves no log-softmax: it holds,
+from its forward to the backward, the gradients it computed there (the hidden states', H values
+per token, and the head weight's), and while it runs one chunk's fp32 logits, turned into their
+gradient in place (4V bytes per chunk token, plus a compute-dtype copy below fp32).
+
 Under tensor parallelism a split parameter's rank holds 1/tp of it (torch's styles: colwise splits a
 Linear's rows and bias, an Embedding's columns; rowwise a Linear's columns, not its bias, an
 Embedding's rows), and FSDP shards that over dp_shard x cp; the rest is sharded over dp_shard x cp.
@@ -36,9 +41,11 @@ from torch import nn
 
 from ..parallel.tp import TP_STYLES
 from ..plan import ShardingPlan, shard_bytes
+from .chunked_loss import DEFAULT_LOSS_CHUNK_TOKENS, chunkable_head
 
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0}
 LOSS_TRANSIENT_BYTES_PER_LOGIT = 8  # the logits' fp32 copy and the log-softmax gradient, beyond the saved output
+CHUNK_BYTES_PER_LOGIT = 4  # a chunk's fp32 logits, softmax and gradient in one buffer (measured with MemTracker)
 ALLOCATOR_BLOCK = 512  # bytes: the CUDA caching allocator's rounding
 
 
@@ -49,7 +56,7 @@ class MemoryEstimate:
     optimizer: int
     gathered: int  # the two largest units all-gathered (computing and prefetched)
     activations: int  # saved for backward, the loss's fp32 log-softmax included
-    loss: int = 0  # the loss's buffers beyond what it saves for backward
+    loss: int = 0  # the loss's buffers beyond what it saves for backward (chunked: a chunk's, and the head's gradient)
     unit_gradients: int = 0  # one unit's unsharded gradients and their reduce-scatter output
     allocator: int = 0  # rounding of the long-lived tensors to the allocator's blocks
     gradients_in_forward: bool = True  # accumulating micro-batches keep the gradients through the forward
@@ -84,7 +91,7 @@ class MemoryEstimate:
         return [("parameters (shard)", self.parameters), ("gradients (shard)", self.gradients),
                 ("optimizer state (shard)", self.optimizer), ("all-gathered units (2 largest)", self.gathered),
                 ("activations (one micro-batch)", self.activations),
-                ("loss: fp32 logits and their gradient", self.loss),
+                ("loss: logits (all, or a chunk's) and gradients", self.loss),
                 ("one unit's unsharded gradients", self.unit_gradients),
                 ("recomputed layer and its gradients", self.recompute), ("allocator rounding", self.allocator),
                 ("at the end of the forward", self.forward_peak), ("in the backward", self.backward_peak),
@@ -105,16 +112,17 @@ def layer_activation_values(config) -> int:
 
 
 def activation_bytes(config, micro_batch_size: int, seq_len: int, compute_bytes: int,
-                     activation_checkpointing: bool = False) -> int:
+                     activation_checkpointing: bool = False, chunked_loss: bool = False) -> int:
     """What autograd saves for one micro-batch: the layers, the embedding and final norm (3H), the
     rotary cos/sin shared by the layers, the int64 ids, labels and positions, and the loss's fp32
-    log-softmax (4V bytes)."""
+    log-softmax (4V bytes), or, chunked, the hidden states' gradient it holds (H values)."""
     per_layer = config.hidden_size if activation_checkpointing else layer_activation_values(config)
     body = config.num_hidden_layers * per_layer
     rotary = 2 * (getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
     tokens = micro_batch_size * seq_len
     norms = 1 if activation_checkpointing else 2 * config.num_hidden_layers + 1
-    return tokens * (compute_bytes * (body + 3 * config.hidden_size + rotary) + 3 * 8 + 4 * config.vocab_size
+    loss = compute_bytes * config.hidden_size if chunked_loss else 4 * config.vocab_size
+    return tokens * (compute_bytes * (body + 3 * config.hidden_size + rotary) + 3 * 8 + loss
                      + norms * norm_upcast_bytes(config, compute_bytes))
 
 
@@ -128,21 +136,36 @@ def estimate_memory(model: nn.Module, plan: ShardingPlan, shard_size: int, micro
                     optimizer: str = "adamw", accumulation_steps: int | None = None,
                     device_type: str = "cuda", reduce_dtype: torch.dtype = torch.float32,
                     tp_assignments: dict[str, str] | None = None, tp_size: int = 1, cp_size: int = 1,
-                    ep_size: int = 1) -> MemoryEstimate:
+                    ep_size: int = 1, loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS) -> MemoryEstimate:
     """The estimate for `model` (real or on meta) sharded by `plan` over `shard_size` (dp_shard) x
     `cp_size` ranks, after the modules of `tp_assignments` (name -> TP style) are split `tp_size` ways.
     With `ep_size` > 1 each MoE experts module is a unit of its own that gathers only this rank's
     `num_experts / ep_size` experts (its shard is the same 1 / (dp_shard x cp) as any parameter's).
 
     `accumulation_steps` None (unknown) counts the gradients through the forward, as when
-    micro-batches accumulate; `device_type` "cpu" has no allocator rounding.
+    micro-batches accumulate; `device_type` "cpu" has no allocator rounding; `loss_chunk_tokens`
+    is `train.loss_chunk_tokens`.
     """
     split = TensorParallelSplit(model, tp_assignments or {}, tp_size)
     units = _unit_bytes(model, plan, shard_size * cp_size, compute_dtype, optimizer,
                         ALLOCATOR_BLOCK if device_type != "cpu" else 1, split, expert_units(model, ep_size))
     seq_len = -(-seq_len // cp_size)  # this rank's part of each sequence
     config, compute_bytes, tokens = model.config, compute_dtype.itemsize, micro_batch_size * seq_len
-    activations = activation_bytes(config, micro_batch_size, seq_len, compute_bytes, activation_checkpointing)
+    head = chunked_head(model, loss_chunk_tokens, tp_assignments or {})
+    activations = activation_bytes(config, micro_batch_size, seq_len, compute_bytes, activation_checkpointing,
+                                   chunked_loss=head is not None)
+    if head is None:
+        loss, saved_loss = tokens * config.vocab_size * LOSS_TRANSIENT_BYTES_PER_LOGIT, tokens * config.vocab_size * 4
+    else:
+        # a chunk's logits; the head's gradient, made in the forward; the head unit's all-gather
+        # buffer, which FSDP frees only when the root's forward ends; and a second copy of the hidden
+        # states' gradient (the one it saves), live while the final norm's backward takes it on
+        # (bench_loss measures these)
+        chunk_bytes = CHUNK_BYTES_PER_LOGIT + (compute_bytes if compute_bytes < 4 else 0)
+        head_bytes = sum(p.numel() for p in head.parameters()) * compute_bytes
+        loss = (min(loss_chunk_tokens, tokens) * config.vocab_size * chunk_bytes + 2 * head_bytes
+                + tokens * config.hidden_size * compute_bytes)
+        saved_loss = tokens * config.hidden_size * compute_bytes
     # a checkpointed layer's backward recomputes its activations and then holds their gradients
     # beside them: about two layers' worth in all, measured (bench_memory)
     layer = compute_bytes * layer_activation_values(config) + 2 * norm_upcast_bytes(config, compute_bytes)
@@ -154,12 +177,24 @@ def estimate_memory(model: nn.Module, plan: ShardingPlan, shard_size: int, micro
     return MemoryEstimate(
         parameters=units["shard"], gradients=trainable, optimizer=OPTIMIZER_STATES[optimizer] * trainable,
         gathered=sum(full[:2]), activations=activations,
-        loss=tokens * config.vocab_size * LOSS_TRANSIENT_BYTES_PER_LOGIT,
+        loss=loss,
         unit_gradients=units["numel"][largest] * reduce_copy + full[0] + units["grad"].get(largest, 0),
         allocator=units["rounding"], gradients_in_forward=accumulation_steps is None or accumulation_steps > 1,
-        largest_unit=full[0], saved_loss=tokens * config.vocab_size * 4,
+        largest_unit=full[0], saved_loss=saved_loss,
         first_unit_gradients=max(units["grad"].values(), default=0), recompute=recompute,
     )
+
+
+def chunked_head(model: nn.Module, loss_chunk_tokens: int, tp_assignments: dict[str, str]) -> nn.Linear | None:
+    """The head the chunked loss will stand in for, None where the step will use whole logits: chunking
+    off, a head that is no plain Linear or that TP splits, a model that soft-caps its logits (the
+    run finds that out at its first step; here the config says so)."""
+    head = chunkable_head(model) if loss_chunk_tokens > 0 else None
+    config = getattr(model.config, "get_text_config", lambda: model.config)()
+    if head is None or getattr(config, "final_logit_softcapping", None) is not None:
+        return None
+    names = {id(m): n for n, m in model.named_modules()}
+    return None if names.get(id(head)) in tp_assignments else head
 
 
 class TensorParallelSplit:

@@ -27,6 +27,7 @@ from ..strategy import FSDPStrategy, describe_mesh
 from ..tensors import parameter_counts
 from .config import BUILTIN_MODELS, ConfigError, TrainConfig
 from .data import byte_tokenizer, load_data
+from .chunked_loss import DEFAULT_LOSS_CHUNK_TOKENS
 from .loss import causal_lm_loss_sum, target_count
 from .metrics import (NO_PLOT, MetricsLogger, Throughput, check_report_to, model_flops_per_token, peak_device_flops,
                       peak_memory_gb, plot_loss)
@@ -109,7 +110,7 @@ def build_model(config: TrainConfig, strategy: FSDPStrategy, tokenizer) -> torch
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, batches: list[dict]) -> float | None:
+def evaluate(model: torch.nn.Module, batches: list[dict], loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS) -> float | None:
     """Mean loss per target token over this rank's eval batches and every other rank's."""
     if not batches:
         return None
@@ -118,7 +119,7 @@ def evaluate(model: torch.nn.Module, batches: list[dict]) -> float | None:
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64)  # tp ranks repeat their data rank's sums: they cancel in the ratio
     for batch in batches:
-        totals[0] += causal_lm_loss_sum(model, batch).to("cpu", torch.float64)
+        totals[0] += causal_lm_loss_sum(model, batch, loss_chunk_tokens).to("cpu", torch.float64)
         totals[1] += target_count(batch)
     model.train()
     reshard_all(model)
@@ -244,8 +245,11 @@ class Trainer:
         losses, hashes, stop = {}, {}, run.stop
         started = time.perf_counter()
         for step in range(run.start, run.end):
-            step_fn = pipeline_train_step if pipeline_of(model) is not None else train_step
-            out = step_fn(strategy, model, optimizer, scheduler, run.split(batches.micro_batches(step)))
+            micro_batches = run.split(batches.micro_batches(step))
+            if pipeline_of(model) is not None:
+                out = pipeline_train_step(strategy, model, optimizer, scheduler, micro_batches)
+            else:
+                out = train_step(strategy, model, optimizer, scheduler, micro_batches, config.train.loss_chunk_tokens)
             throughput.add(out.tokens)
             losses[step], hashes[step] = out.loss, batches.step_hash(step)
             done = step + 1
@@ -255,7 +259,8 @@ class Trainer:
                             "grad_norm": out.result.grad_norm, "skipped": out.result.skipped, "tokens": out.tokens,
                             "batch": hashes[step], **throughput.tick(), "peak_mem_gb": peak_memory_gb()})
             if config.train.eval_every and done % config.train.eval_every == 0 and done < config.train.steps:
-                logger.log({"kind": "eval", "step": done, **eval_metrics(evaluate(model, run.evals))},
+                evaluated = evaluate(model, run.evals, config.train.loss_chunk_tokens)
+                logger.log({"kind": "eval", "step": done, **eval_metrics(evaluated)},
                            show=("eval_loss", "eval_ppl"))
             if config.checkpoint.every and done % config.checkpoint.every == 0:
                 run.checkpoint = manager.save(done, model, optimizer, scheduler, states={"strategy": strategy},
@@ -274,7 +279,7 @@ class Trainer:
         strategy, output_dir, lora = run.strategy, config.output_dir, config.lora
         finished = end == config.train.steps
         if finished:
-            summary.update(eval_metrics(evaluate(model, run.evals)))
+            summary.update(eval_metrics(evaluate(model, run.evals, config.train.loss_chunk_tokens)))
             if end > run.start:
                 run.logger.log({"kind": "eval", "step": end, **eval_metrics(summary["eval_loss"])},
                                show=("eval_loss", "eval_ppl"))
