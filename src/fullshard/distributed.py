@@ -82,15 +82,18 @@ def init_distributed(device_type: str | None = None, timeout_s: float | None = N
         torch.accelerator.set_device_index(device.index)
     if dist.is_initialized():
         return device
-    if "WORLD_SIZE" not in os.environ:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(find_free_port()))
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     backend = BACKEND_FOR_DEVICE[device_type]
     if device_type != "cpu":
         # lets CPU-side collectives (object broadcasts, error agreement) run beside the device ones
         backend = f"cpu:gloo,{device_type}:{backend}"
     timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
+    if "WORLD_SIZE" not in os.environ:
+        # one process without a launcher: a private rendezvous. The environment is left as it was,
+        # since a launcher's variables there would make later code in this process (the CLI)
+        # believe it runs under torchrun.
+        dist.init_process_group(backend=backend, timeout=timeout, rank=0, world_size=1,
+                                init_method=f"tcp://127.0.0.1:{find_free_port()}")
+        return device
     dist.init_process_group(backend=backend, timeout=timeout)
     return device
 
