@@ -9,9 +9,7 @@ group (so each one's peak resident memory is its own).
 from __future__ import annotations
 
 import os
-import resource
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -19,7 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.bench_train import MICRO, SEQ, _batch, _model  # noqa: E402  (bench_train's model and batch)
-from bench.report import markdown_table, speed_and_memory_cells, write_section  # noqa: E402
+from bench.report import markdown_table, speed_and_memory_cells, timed_run, write_section  # noqa: E402
 from fullshard.testing import run_distributed  # noqa: E402
 
 GLOBAL_BATCH, WARMUP, STEPS, ROUNDS = MICRO, 2, 6, 2  # bench_train's micro batch, taken as the global one
@@ -57,16 +55,8 @@ def _run(config: dict) -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
 
-    for i in range(WARMUP):
-        step(i)
-    dist.barrier()
-    start = time.perf_counter()
-    for i in range(STEPS):
-        step(WARMUP + i)
-    dist.barrier()
-    elapsed = time.perf_counter() - start
-    return {"tokens_per_s": STEPS * GLOBAL_BATCH * SEQ / elapsed,
-            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    timed = timed_run(step, WARMUP, STEPS)
+    return {"tokens_per_s": STEPS * GLOBAL_BATCH * SEQ / timed["seconds"], "peak_rss_mib": timed["peak_rss_mib"],
             "state_mib": _state_bytes(model, optimizer) / 2**20}
 
 

@@ -8,9 +8,7 @@ each schedule's bubble (the idle share of each rank's time in fill and drain, fr
 from __future__ import annotations
 
 import os
-import resource
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -18,7 +16,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.bench_train import SEQ, _batch, _model  # noqa: E402  (bench_train's model and batch)
-from bench.report import markdown_table, speed_and_memory_cells, write_section  # noqa: E402
+from bench.report import markdown_table, speed_and_memory_cells, timed_run, write_section  # noqa: E402
 from fullshard.testing import run_distributed  # noqa: E402
 
 GLOBAL_BATCH, WARMUP, STEPS, ROUNDS, PIPELINE_MICROBATCHES = 8, 2, 6, 2, 4
@@ -61,16 +59,8 @@ def _run(config: dict) -> dict:
     def step(i: int) -> None:
         step_fn(strategy, model, optimizer, None, [data_slice(_batch(i), dp_rank, dp)])
 
-    for i in range(WARMUP):
-        step(i)
-    dist.barrier()
-    start = time.perf_counter()
-    for i in range(STEPS):
-        step(WARMUP + i)
-    dist.barrier()
-    elapsed = time.perf_counter() - start
-    return {"tokens_per_s": STEPS * GLOBAL_BATCH * SEQ / elapsed,
-            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    timed = timed_run(step, WARMUP, STEPS)
+    return {"tokens_per_s": STEPS * GLOBAL_BATCH * SEQ / timed["seconds"], "peak_rss_mib": timed["peak_rss_mib"],
             "bubble": _bubble(pipeline_of(model)) if pipeline_of(model) is not None else 0.0}
 
 

@@ -16,6 +16,24 @@ import torch
 BENCHMARKS = Path(__file__).resolve().parent.parent / "BENCHMARKS.md"
 
 
+def timed_run(step, warmup: int, steps: int) -> dict:
+    """Run `step(i)` for `warmup` untimed then `steps` timed steps, every rank starting and ending
+    together; the seconds between the barriers and this process's peak resident set."""
+    import resource
+
+    import torch.distributed as dist
+
+    for i in range(warmup):
+        step(i)
+    dist.barrier()
+    start = time.perf_counter()
+    for i in range(steps):
+        step(warmup + i)
+    dist.barrier()
+    return {"seconds": time.perf_counter() - start,
+            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
 def release_free_heap() -> None:
     """Collect garbage and hand memory freed earlier back to the OS (glibc's `malloc_trim`), so the
     next operation starts as in a fresh process: it pays its own page faults, and a method timed
