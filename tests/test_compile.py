@@ -8,17 +8,11 @@ from torch._dynamo.utils import counters
 from fullshard import FSDP2Engine, find_blocks
 from fullshard.compile import compile_blocks, set_block_prefetch
 from fullshard.testing import build_model, run_distributed
-from fullshard.testing.compare import train_against_reference
+from fullshard.testing.compare import reference_gaps, train_against_reference
 
 TOL = 1e-5
 BF16_LOSS_TOL = 5e-2  # as test_engine's bf16 check: bf16 compute against the fp32 reference
 MODEL = "llama"
-
-
-def _diffs(r: dict) -> tuple[float, float]:
-    loss = max(abs(a - b) for a, b in zip(r["loss"], r["ref_loss"]))
-    norm = max(abs(a - b) for a, b in zip(r["norm"], r["ref_norm"]))
-    return loss, norm
 
 
 def _compiled(model) -> bool:
@@ -34,14 +28,14 @@ def _compiled_checks() -> dict:
     out = {}
     compiled = FSDP2Engine({"mixed_precision": "fp32", "compile": True})
     r = train_against_reference(MODEL, compiled.prepare_model, steps=5, inspect=_names_and_compiled)
-    out["fp32"] = (*_diffs(r), r["max_weight_diff"], r["loss"])
+    out["fp32"] = (*reference_gaps(r), r["max_weight_diff"], r["loss"])
     out["names"], out["keys"], out["compiled"] = r["inspect"]
     out["graphs"] = counters["stats"]["unique_graphs"]
     with_ac = FSDP2Engine({"mixed_precision": "fp32", "compile": True, "activation_checkpointing": True})
     r = train_against_reference(MODEL, with_ac.prepare_model, steps=5)
-    out["fp32+ac"] = (*_diffs(r), r["max_weight_diff"], r["loss"])
+    out["fp32+ac"] = (*reference_gaps(r), r["max_weight_diff"], r["loss"])
     bf16 = FSDP2Engine({"mixed_precision": "bf16", "compile": True, "activation_checkpointing": True})
-    out["bf16+ac"] = _diffs(train_against_reference(MODEL, bf16.prepare_model, steps=5))
+    out["bf16+ac"] = reference_gaps(train_against_reference(MODEL, bf16.prepare_model, steps=5))
 
     def prefetched(model):
         model = FSDP2Engine({"mixed_precision": "fp32"}).prepare_model(model)
@@ -49,7 +43,7 @@ def _compiled_checks() -> dict:
         return model
 
     r = train_against_reference(MODEL, prefetched, steps=5)
-    out["prefetch"] = (*_diffs(r), r["max_weight_diff"], r["loss"])
+    out["prefetch"] = (*reference_gaps(r), r["max_weight_diff"], r["loss"])
     return out
 
 

@@ -8,7 +8,7 @@ from fullshard import FSDP2Engine, PlanError, apply_fsdp2
 from fullshard.checkpoint import export_hf
 from fullshard.fsdp import fsdp_units
 from fullshard.testing import ZOO, build_model, run_distributed
-from fullshard.testing.compare import train_against_reference
+from fullshard.testing.compare import reference_gaps, train_against_reference
 from fullshard.testing.zoo import TIED
 
 from test_plan import BAD_PLANS, check_bad_plan
@@ -103,9 +103,7 @@ def _world_4_checks(tmp: str):
 
 
 def _diff(r):
-    return (max(abs(a - b) for a, b in zip(r["loss"], r["ref_loss"])),
-            max(abs(a - b) for a, b in zip(r["norm"], r["ref_norm"])),
-            r["max_weight_diff"])
+    return (*reference_gaps(r), r["max_weight_diff"])
 
 
 def _assert_matches_reference(results):

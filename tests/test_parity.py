@@ -5,7 +5,7 @@ import torch
 
 from fullshard import FSDP2Engine
 from fullshard.testing import ZOO, run_distributed
-from fullshard.testing.compare import train_against_reference
+from fullshard.testing.compare import reference_gaps, train_against_reference
 from fullshard.testing.zoo import TIED
 
 TOL = 1e-5
@@ -22,8 +22,7 @@ def test_every_zoo_model_matches_single_process(world_size):
     problems = []
     for rank, per_model in enumerate(results):
         for name, r in per_model.items():
-            loss_diff = max(abs(a - b) for a, b in zip(r["loss"], r["ref_loss"]))
-            norm_diff = max(abs(a - b) for a, b in zip(r["norm"], r["ref_norm"]))
+            loss_diff, norm_diff = reference_gaps(r)
             if loss_diff > TOL or norm_diff > TOL or r["max_weight_diff"] > TOL or r["missing"]:
                 problems.append(f"rank {rank} {name}: loss {loss_diff:.2e} norm {norm_diff:.2e} "
                                 f"weights {r['max_weight_diff']:.2e} ({r['worst_weight']}) missing {r['missing']}")

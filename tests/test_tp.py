@@ -16,7 +16,7 @@ from fullshard.distributed import ParallelDims
 from fullshard.errors import ConfigError, PlanError
 from fullshard.optim import clip_grad_norm, global_grad_norm
 from fullshard.testing import build_model, make_batch, reported_by_every_rank, run_distributed
-from fullshard.testing.compare import data_slice, full_tensor, train_against_reference
+from fullshard.testing.compare import data_slice, full_tensor, reference_gaps, train_against_reference
 from fullshard.testing.zoo import TIED
 
 TOL = 1e-5
@@ -179,9 +179,7 @@ def world_4():
 
 
 def _diff(r):
-    return (max(abs(a - b) for a, b in zip(r["loss"], r["ref_loss"])),
-            max(abs(a - b) for a, b in zip(r["norm"], r["ref_norm"])),
-            r["max_weight_diff"])
+    return (*reference_gaps(r), r["max_weight_diff"])
 
 
 def test_dp2_tp2_and_hsdp_tp2_match_single_process(world_4):

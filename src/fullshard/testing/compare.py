@@ -33,6 +33,13 @@ def data_slice(batch: dict, rank: int, world: int) -> dict:
     return {k: v[rank * size:(rank + 1) * size] for k, v in batch.items()}
 
 
+def reference_gaps(result: dict) -> tuple[float, float]:
+    """The largest per-step gaps between a `train_against_reference` result's losses and grad norms
+    and the reference's."""
+    return (max(abs(a - b) for a, b in zip(result["loss"], result["ref_loss"])),
+            max(abs(a - b) for a, b in zip(result["norm"], result["ref_norm"])))
+
+
 def train_against_reference(
     name: str,
     shard: Callable[[torch.nn.Module], torch.nn.Module],
