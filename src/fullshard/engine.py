@@ -37,6 +37,7 @@ from .loading.materialize import tie_declared_weights
 from .loading.rank0 import LOADED, RANK0, agree_on_layout, init_from_rank0
 from .parallel.cp import check_context_parallel, enable_context_parallel
 from .parallel.ep import apply_expert_parallel, check_expert_parallel, global_router_loss
+from .parallel.ep_lists import apply_expert_lists
 from .parallel.pp import check_pipeline_config, prepare_pipeline
 from .parallel.tp import apply_tp_styles, plan_assignments, resolve_tp_plan
 from .plan import ShardingPlan, build_plan
@@ -286,6 +287,7 @@ class FSDP2Engine:
                 raise PlanError(f"ep_size={self.dims.ep} does not compose with compile yet (the dispatch reads "
                                 "split sizes on the host); set compile=False")
         apply_expert_parallel(model, experts, self.meshes.ep, shard=self._shard_experts)
+        apply_expert_lists(model, self.meshes.ep, shard=self._shard_experts)
 
     def _shard_experts(self, module: nn.Module) -> None:
         raf = self._reshard(None)

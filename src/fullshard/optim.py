@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .fsdp import reshard_all
+from .parallel.ep_lists import unique_parameters
 from .tensors import local_tensor
 
 SCHEDULES = ("constant", "linear", "cosine")
@@ -131,6 +132,13 @@ def _grads(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     return [p.grad for p in params if p.grad is not None]
 
 
+def _unique_grads(params: list[torch.Tensor]) -> set[int]:
+    """The ids of the gradients whose every element lives on one rank of the world whatever their
+    placement says: per-expert modules under ep (`fullshard.parallel.ep_lists`)."""
+    unique = unique_parameters(params)
+    return {id(p.grad) for p in params if id(p) in unique and p.grad is not None}
+
+
 def global_grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0, across=None) -> torch.Tensor:
     """The norm of all gradients together, as one plain tensor equal on every rank.
 
@@ -142,15 +150,19 @@ def global_grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0, acr
     pipeline): their norms are combined the same way, so every stage clips by the whole model's.
     """
     norm_type = float(norm_type)
+    params = list(params)
+    unique = _unique_grads(params)
     groups: dict[tuple, list[torch.Tensor]] = {}
     for grad in _grads(params):
-        groups.setdefault(_placement_key(grad)[:3], []).append(grad)
+        groups.setdefault((id(grad) in unique, *_placement_key(grad)[:3]), []).append(grad)
     norms = []
-    for grads in groups.values():
+    for (one_rank, *_), grads in groups.items():
         pieces = [t for t in map(local_tensor, grads) if t.numel()]  # an uneven split leaves some ranks none
         norm = (torch.nn.utils.get_total_norm(pieces, norm_type=norm_type) if pieces
                 else torch.zeros((), device=local_tensor(grads[0]).device))
-        if isinstance(grads[0], DTensor):
+        if one_rank:
+            norm = _combine_over_world(norm.float(), norm_type)
+        elif isinstance(grads[0], DTensor):
             norm = _combine_over_mesh(norm.float(), grads[0], norm_type)
         norms.append(norm.float())
     if not norms:
@@ -181,6 +193,20 @@ def _combine_over_mesh(norm: torch.Tensor, like: DTensor, norm_type: float) -> t
     return value if infinite else value ** (1.0 / norm_type)
 
 
+def _combine_over_world(norm: torch.Tensor, norm_type: float) -> torch.Tensor:
+    """The norm of pieces each held by one rank of the world, from each rank's norm of its own."""
+    if math.isinf(norm_type):
+        return _max_over_world(norm)
+    return _sum_over_world(norm.double() ** norm_type).pow(1.0 / norm_type).float()
+
+
+def _max_over_world(value: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        value = value.clone()
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return value
+
+
 def scale_grads_(params: Iterable[torch.Tensor], factor: float) -> None:
     """Multiply every gradient in place; each rank touches only its own shards (no communication)."""
     by_key: dict[tuple, list[torch.Tensor]] = {}
@@ -207,7 +233,7 @@ def grad_norm_and_sum(params: Iterable[torch.Tensor], norm_type: float = 2.0, va
     params = list(params)
     world = dist.get_world_size() if dist.is_initialized() else 1
     fusable = across is None and math.isfinite(norm_type)
-    powers = _local_norm_powers(_grads(params), norm_type, world) if fusable else None
+    powers = _local_norm_powers(_grads(params), norm_type, world, _unique_grads(params)) if fusable else None
     if powers is None:
         return global_grad_norm(params, norm_type, across), None if values is None else _sum_over_world(values)
     buffer = torch.cat([powers.reshape(1).double(), torch.zeros(0) if values is None
@@ -224,13 +250,15 @@ def _sum_over_world(value: torch.Tensor) -> torch.Tensor:
     return value
 
 
-def _local_norm_powers(grads: list[torch.Tensor], norm_type: float, world: int) -> torch.Tensor | None:
+def _local_norm_powers(grads: list[torch.Tensor], norm_type: float, world: int,
+                       unique: set[int] = frozenset()) -> torch.Tensor | None:
     """This rank's share of the sum of |g|^p over every gradient element (see `grad_norm_and_sum`),
-    or None where shares cannot say it (a partial-sum gradient, a mesh not spanning the world)."""
+    or None where shares cannot say it (a partial-sum gradient, a mesh not spanning the world).
+    The gradients in `unique` (ids) are held by one rank each, whatever their placements."""
     by_copies: dict[tuple, list[torch.Tensor]] = {}
     for grad in grads:
-        copies = world
-        if isinstance(grad, DTensor):
+        copies = 1 if id(grad) in unique else world
+        if isinstance(grad, DTensor) and id(grad) not in unique:
             mesh = grad.device_mesh
             if any(p.is_partial() for p in grad.placements) or mesh._get_root_mesh().size() != world:
                 return None

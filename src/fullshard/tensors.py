@@ -3,6 +3,8 @@ this rank holds of a (possibly sharded) tensor."""
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
@@ -56,14 +58,27 @@ def named_state_tensors(model: nn.Module, persistent_buffers: bool = True) -> di
 
 
 def held_elsewhere(model: nn.Module, name: str) -> bool:
-    """Whether a state name belongs to a part of the model that another pipeline stage holds
-    (`fullshard.parallel.pp`): a checkpoint of the whole model has it, and it is not unexpected."""
-    return name in (getattr(model, "other_stage_names", None) or ())
+    """Whether a state name belongs to a part of the model other ranks hold (another pipeline stage,
+    experts of another ep rank): a checkpoint of the whole model has it, and it is not unexpected."""
+    return name in (getattr(model, "names_held_elsewhere", None) or ())
 
 
-def is_pipeline_stage(model: nn.Module) -> bool:
-    """Whether `model` is what one rank holds of a pipeline (`fullshard.parallel.pp`): other ranks hold the rest."""
-    return getattr(model, "other_stage_names", None) is not None
+def holds_part(model: nn.Module) -> bool:
+    """Whether `model` is the part of a model one rank holds, other ranks holding the rest under
+    names it lacks (`fullshard.parallel.pp`'s stages, `fullshard.parallel.ep_lists`' experts)."""
+    return getattr(model, "names_held_elsewhere", None) is not None
+
+
+def state_names(module: nn.Module) -> set[str]:
+    return {n for n, _ in module.named_parameters(remove_duplicate=False)} | {n for n, _ in module.named_buffers()}
+
+
+def mark_held_elsewhere(module: nn.Module, everything: set[str], ignored: list[str] | None) -> None:
+    """Tell the loaders, the checkpoint check and the export which of the full model's names
+    (`everything`) other ranks hold: a checkpoint has them, and they are not unexpected here."""
+    elsewhere = sorted(everything - state_names(module))
+    module.names_held_elsewhere = frozenset(elsewhere)
+    module._keys_to_ignore_on_load_unexpected = [rf"^{re.escape(n)}$" for n in elsewhere] + list(ignored or [])
 
 
 def parameter_counts(model: nn.Module) -> tuple[int, int]:

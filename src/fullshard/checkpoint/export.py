@@ -30,7 +30,7 @@ from ..distributed import all_ranks_agree_ok, broadcast_from_rank0, get_rank, ge
 from ..dtypes import SAFETENSORS_NAMES, dtype_name, resolve_dtype
 from ..errors import CheckpointError
 from ..fsdp import model_class_name, reshard_all
-from ..tensors import is_pipeline_stage, replicated, tensor_aliases
+from ..tensors import holds_part, replicated, tensor_aliases
 from . import layout
 
 WEIGHTS_NAME = "model.safetensors"
@@ -326,8 +326,8 @@ class RegionWriter:
 
 
 def every_stage_entries(entries: list[Entry]) -> list[Entry]:
-    """The entries of every pipeline stage (a collective), each name once, in the same order on
-    every rank (layers by number), so every rank plans the same files."""
+    """The entries of every rank's part (pipeline stages, per-expert modules under ep; a collective),
+    each name once, in the same order on every rank (layers by number), so every rank plans the same files."""
     import torch.distributed as dist
 
     gathered: list = [None] * get_world_size()
@@ -373,7 +373,7 @@ def export_hf(model: torch.nn.Module, output_dir: str | os.PathLike, tokenizer=N
     state = model.state_dict() if tensors is None else tensors
     aliases = alias_names(model)
     entries = [Entry(k, tuple(t.shape), written_dtype(t.dtype, out_dtype)) for k, t in state.items() if k not in aliases]
-    staged = is_pipeline_stage(model)
+    staged = holds_part(model)
     if staged:
         entries = every_stage_entries(entries)
     files = plan_files(entries, max_bytes)
@@ -387,7 +387,7 @@ def export_hf(model: torch.nn.Module, output_dir: str | os.PathLike, tokenizer=N
         for number, (path, group, _, offsets) in enumerate(layouts):
             for entry, offset in zip(group, offsets):
                 tensor = state.get(entry.name)
-                if tensor is None:  # held by another pipeline stage, which writes it
+                if tensor is None:  # held by another pipeline stage or ep rank, which writes it
                     continue
                 rows = own_rows(tensor)
                 if rows is not None:  # every rank writes its own rows: no gather at all

@@ -49,7 +49,7 @@ class Fit:
 def fit_to_index(checkpoint: Path, metadata, state: dict, strict: bool, model=None) -> Fit:
     """Compare `state` ({"model": ..., "optim"?: ..., "states"?: ...}) with the checkpoint's DCP
     index by key and shape; raise one `CheckpointError` naming every required key that differs.
-    Weights another pipeline stage of `model` holds are in the checkpoint and expected there."""
+    Weights other ranks hold (pipeline stages, ep experts) are in the checkpoint and expected there."""
     index = metadata.state_dict_metadata
     model_state = state["model"]
     saved_model_keys = {k[len("model."):] for k in index if k.startswith("model.")}

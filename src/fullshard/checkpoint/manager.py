@@ -33,7 +33,7 @@ from ..distributed import agreed, broadcast_from_rank0, get_rank, get_world_size
 from ..errors import CheckpointError, ConfigError
 from ..fsdp import reshard_all
 from ..log import log_rank0, logger, warn_rank0
-from ..tensors import is_pipeline_stage
+from ..tensors import holds_part
 from . import async_exit, layout
 from .export import config_json, generation_config_json
 from .fit import few, fit_to_index
@@ -298,10 +298,11 @@ class CheckpointManager:
                                       f"reads format {layout.FORMAT_VERSION} (export it with the fullshard that wrote it)")
             reader = CheckpointReader(checkpoint)
             options = _options(reader.metadata)
-            if optimizer is not None and is_pipeline_stage(model) and not options.flatten_optimizer_state_dict:
+            if optimizer is not None and holds_part(model) and not options.flatten_optimizer_state_dict:
                 raise CheckpointError(f"checkpoint {checkpoint} keeps its optimizer groups by index (an older "
-                                      "fullshard's format), which a pipeline stage's groups do not match: load its "
-                                      "weights alone (load_optimizer=False) or resume it without pp")
+                                      "fullshard's format), which the groups of a model split over ranks (pp stages, "
+                                      "per-expert modules under ep) do not match: load its weights alone "
+                                      "(load_optimizer=False) or resume it without pp / ep")
             model_state, optim_state = get_state_dict(model, optimizer if optimizer is not None else [],
                                                       options=options)
             state = {"model": model_state}

@@ -106,22 +106,23 @@ def _expert_count(module: nn.Module, params: tuple[str, ...]) -> int:
 
 
 def per_expert_module_lists(model: nn.Module) -> list[str]:
-    """ModuleLists named `experts` of identical modules: per-expert MoEs (remote-code models), whose
-    block loops over its experts itself, so their tokens cannot be sent to another rank."""
+    """ModuleLists named `experts` of identical modules: per-expert MoEs (transformers 4.x, remote-code
+    models), whose block loops over its experts itself (`fullshard.parallel.ep_lists` splits those)."""
     return [name for name, m in model.named_modules()
             if name.rpartition(".")[2] == "experts" and isinstance(m, nn.ModuleList) and len(m) > 1
             and len({type(e) for e in m}) == 1]
 
 
 def check_expert_parallel(model: nn.Module, ep: int) -> list[ExpertsModule]:
-    """The experts to split over `ep` ranks, or a `PlanError` naming what cannot be split."""
+    """The fused experts modules to split over `ep` ranks (per-expert lists are checked here and split
+    by `ep_lists.apply_expert_lists`), or a `PlanError` naming what cannot be split."""
     experts = find_experts(model)
-    if not experts:
-        lists = per_expert_module_lists(model)
-        if lists:
-            raise PlanError(f"ep_size={ep}: {type(model).__name__} keeps its experts one module each ({lists[0]!r}); "
-                            "expert parallelism needs transformers' fused experts modules (gate_up_proj / down_proj)")
+    lists = {name: len(model.get_submodule(name)) for name in per_expert_module_lists(model)}
+    if not experts and not lists:
         raise PlanError(f"ep_size={ep} but {type(model).__name__} has no MoE experts to split; use ep_size=1")
+    for name, count in lists.items():
+        if count % ep:
+            raise PlanError(f"ep_size={ep}: {name} has num_experts={count}, not divisible by ep_size")
     modules = dict(model.named_modules())
     for entry in experts:
         if entry.name.endswith(".base_layer") or hasattr(modules[entry.name], "parametrizations"):
@@ -219,8 +220,9 @@ def _local_experts(module: nn.Module, num_local: int):
 
 def expert_owners(model: nn.Module, ep: int) -> list[str]:
     """One line per ep rank: which experts of each experts module it owns (what `fullshard plan` prints)."""
-    experts = check_expert_parallel(model, ep)
-    counts = sorted({e.num_experts for e in experts})
+    experts = [e.num_experts for e in check_expert_parallel(model, ep)]
+    experts += [len(model.get_submodule(name)) for name in per_expert_module_lists(model)]
+    counts = sorted(set(experts))
     lines = []
     for ep_rank in range(ep):
         runs = ", ".join(f"{owned_experts(n, ep, ep_rank)[0]}-{owned_experts(n, ep, ep_rank)[-1]} of {n}"

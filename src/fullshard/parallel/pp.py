@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-import re
 import types
 from dataclasses import dataclass, field
 from typing import Callable
@@ -34,7 +33,7 @@ from torch import nn
 from ..distributed import agreed
 from ..errors import ConfigError, FullshardError, PlanError
 from ..plan import find_blocks, find_final_norm
-from ..tensors import parameter_counts
+from ..tensors import mark_held_elsewhere, parameter_counts, state_names
 
 # schedules with one stage per rank, and those that loop over several (stage s on pp rank s % pp)
 SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
@@ -267,18 +266,6 @@ def build_stage(model: nn.Module, parts: DecoderParts, ranges: list[range], inde
     stage.forward = types.MethodType(_stage_forward, stage)
     mark_held_elsewhere(stage, state_names(model), getattr(model, "_keys_to_ignore_on_load_unexpected", None))
     return stage
-
-
-def state_names(module: nn.Module) -> set[str]:
-    return {n for n, _ in module.named_parameters(remove_duplicate=False)} | {n for n, _ in module.named_buffers()}
-
-
-def mark_held_elsewhere(module: nn.Module, everything: set[str], ignored: list[str] | None) -> None:
-    """Tell the loaders and the checkpoint check which of the full model's names other stages hold:
-    a checkpoint has them, and they are not unexpected here (`fullshard.tensors.held_elsewhere`)."""
-    elsewhere = sorted(everything - state_names(module))
-    module.other_stage_names = frozenset(elsewhere)
-    module._keys_to_ignore_on_load_unexpected = [rf"^{re.escape(n)}$" for n in elsewhere] + list(ignored or [])
 
 
 def stage_indices(pp_rank: int, pp_size: int, virtual_stages: int) -> list[int]:

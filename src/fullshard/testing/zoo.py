@@ -63,7 +63,11 @@ MOE_ZOO: dict[str, tuple[str, str, dict]] = {
 
 
 def _entry(name: str) -> tuple[str, str, dict]:
-    return ZOO[name] if name in ZOO else MOE_ZOO[name]
+    if name in ZOO or name in MOE_ZOO:
+        return ZOO[name] if name in ZOO else MOE_ZOO[name]
+    from .moe_lists import LIST_MOE_ZOO  # per-expert MoEs, whose classes are our own
+
+    return LIST_MOE_ZOO[name]
 
 
 def tiny_config(name: str, **overrides):
@@ -72,7 +76,10 @@ def tiny_config(name: str, **overrides):
 
 
 def model_class(name: str):
-    return getattr(transformers, _entry(name)[1])
+    from . import moe_lists
+
+    class_name = _entry(name)[1]
+    return getattr(transformers, class_name, None) or getattr(moe_lists, class_name)
 
 
 def build_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides) -> torch.nn.Module:

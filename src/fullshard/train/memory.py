@@ -232,9 +232,12 @@ def expert_units(model: nn.Module, ep_size: int) -> dict[str, tuple[str, int]]:
     """Under expert parallelism: each experts tensor's name -> (its experts module, ep_size)."""
     if ep_size == 1:
         return {}
-    from ..parallel.ep import find_experts
+    from ..parallel.ep import find_experts, per_expert_module_lists
 
-    return {f"{e.name}.{p}": (e.name, ep_size) for e in find_experts(model) for p in e.params}
+    units = {f"{e.name}.{p}": (e.name, ep_size) for e in find_experts(model) for p in e.params}
+    for name in per_expert_module_lists(model):  # each rank gathers its experts of the list
+        units.update({f"{name}.{p}": (name, ep_size) for p, _ in model.get_submodule(name).named_parameters()})
+    return units
 
 
 def _unit_bytes(model: nn.Module, plan: ShardingPlan, shard_size: int, compute_dtype: torch.dtype, optimizer: str,

@@ -1,0 +1,178 @@
+"""Expert parallelism for MoEs that keep one module per expert (`self.experts = nn.ModuleList([...])`)
+and loop over them in their own forward: transformers 4.x Mixtral / Qwen2-MoE / OLMoE, DeepSeek's
+and many remote-code models.
+
+Storage: the list becomes `LocalExperts`, holding only this ep rank's experts (the same contiguous
+run `owned_experts` gives fused experts) under their global index, so every name stays the model's
+own (`...experts.5.w1.weight`). The loader then reads only this rank's experts by name, DCP saves
+each expert once, from its owners, and a run resumes at any ep size (world 1 included) with no code
+of its own; the model records the names other ranks hold (`fullshard.tensors.mark_held_elsewhere`),
+as a pipeline stage does, so loading, resuming and exporting expect them elsewhere.
+
+Dispatch without rewriting the block: the block's forward runs twice. In the first pass each
+`self.experts[e](x)` records `(e, x)` and returns zeros; the recorded rows then go to their
+experts' owners with one all-to-all, the owners run them through `LocalExperts` (one module call,
+so FSDP's hooks on it fire once), and a second all-to-all brings the outputs home. In the second
+pass `self.experts[e](x)` returns the output computed for that call, and the block combines them
+with its own router weights, differentiably. The second pass starts from the random state the
+first did (router jitter routes the same), and the first works on copies of the block's inputs (a
+block that scales its input in place, as Mixtral's jitter does, sees it once). The cost: what the
+block computes besides its experts (router, shared expert) runs twice, and forward hooks inside the
+block fire twice; the rows cross the network once each way, as with fused experts. It assumes what
+every per-token MLP expert is: rows computed independently, output shaped like the input.
+
+Gradients: an expert's gradient on its owner sums every rank's tokens (the all-to-all's backward
+brings them), so it is divided by the whole data-parallel size, as fused experts' are (the engine's
+`shard` callback). Each element of these experts lives on one rank of the world: `unique_parameters`
+tells the global norm not to count it as a replica.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import operator
+import weakref
+from typing import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..tensors import mark_held_elsewhere, parameter_counts, state_names
+from .ep import owned_experts, per_expert_module_lists
+
+_LIVE: "weakref.WeakSet[LocalExperts]" = weakref.WeakSet()
+
+
+class LocalExperts(nn.Module):
+    """This ep rank's experts of one per-expert MoE layer, each under its global index.
+
+    Indexed and iterated like the `ModuleList` it replaces (length: every expert), so the block's
+    own loop runs unchanged; inside its two passes `self[e]` is the stand-in for expert `e`, outside
+    them the module itself, or an error naming the rank's run for an expert held elsewhere.
+    Called, it runs its experts on rows grouped by expert.
+    """
+
+    def __init__(self, experts: nn.ModuleList, owned: range):
+        super().__init__()
+        self.num_experts, self.owned = len(experts), owned
+        for e in owned:
+            self.add_module(str(e), experts[e])
+        self.stand_in: Callable | None = None
+        _LIVE.add(self)
+
+    def __len__(self) -> int:
+        return self.num_experts
+
+    def __iter__(self):
+        return (self[e] for e in range(self.num_experts))
+
+    def __getitem__(self, index):
+        expert = operator.index(index)  # an int, or a one-element tensor from `nonzero()`
+        expert += self.num_experts if expert < 0 else 0
+        if self.stand_in is not None:
+            return functools.partial(self.stand_in, expert)
+        if expert in self.owned:
+            return self._modules[str(expert)]
+        raise IndexError(f"expert {expert} is held by another ep rank (this one holds experts "
+                         f"{self.owned[0]}-{self.owned[-1]} of {self.num_experts})")
+
+    def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Rows grouped by local expert (`counts` each) -> their outputs, in the same order. Every
+        expert runs, on no rows if it got none, so every rank reduces the same gradients."""
+        chunks = rows.split(counts)
+        return torch.cat([self._modules[str(e)](chunk) for e, chunk in zip(self.owned, chunks)])
+
+
+def unique_parameters(params: Iterable[torch.Tensor]) -> set[int]:
+    """The ids of `params` that are per-expert parameters under ep: each element on one rank of the world."""
+    held = {id(p) for experts in list(_LIVE) for p in experts.parameters()}
+    return {id(p) for p in params if id(p) in held}
+
+
+def apply_expert_lists(model: nn.Module, ep_mesh: DeviceMesh, shard: Callable[[nn.Module], None]) -> None:
+    """Keep only this rank's experts of every per-expert list (`ep.per_expert_module_lists`), route
+    each MoE block's calls through the all-to-all, and hand each `LocalExperts` to `shard` (the
+    engine's FSDP unit over the efsdp ranks). The checks (`ep.check_expert_parallel`) came first."""
+    names = per_expert_module_lists(model)
+    if not names:
+        return
+    everything, counts = state_names(model), parameter_counts(model)
+    ep, ep_rank = ep_mesh.size(), ep_mesh.get_local_rank()
+    for name in names:
+        parent, _, attr = name.rpartition(".")
+        block = model.get_submodule(parent)
+        experts = LocalExperts(getattr(block, attr), owned_experts(len(getattr(block, attr)), ep, ep_rank))
+        setattr(block, attr, experts)
+        block.forward = TwoPassDispatch(block.forward, experts, ep_mesh)
+        shard(experts)
+    mark_held_elsewhere(model, everything, getattr(model, "_keys_to_ignore_on_load_unexpected", None))
+    model.whole_model_parameter_counts = counts  # throughput and MFU count every expert
+
+
+class TwoPassDispatch:
+    """A per-expert MoE block's forward under ep (see the module docstring)."""
+
+    def __init__(self, forward: Callable, experts: LocalExperts, ep_mesh: DeviceMesh):
+        self.forward, self.experts = forward, experts
+        self.group, self.ep = ep_mesh.get_group(), ep_mesh.size()
+
+    def __call__(self, *args, **kwargs):
+        like = next(t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.is_floating_point())
+        calls: list[tuple[int, torch.Tensor]] = []
+
+        def record(expert: int, rows: torch.Tensor) -> torch.Tensor:
+            calls.append((expert, rows))
+            return torch.zeros_like(rows)
+
+        copy = lambda value: value.clone() if isinstance(value, torch.Tensor) else value  # noqa: E731
+        devices = [like.device.index or 0] if like.device.type != "cpu" else []
+        with torch.random.fork_rng(devices, device_type=like.device.type), _standing_in(self.experts, record):
+            self.forward(*map(copy, args), **{k: copy(v) for k, v in kwargs.items()})
+        outputs = iter(self._exchange(calls, like))
+
+        def replay(expert: int, rows: torch.Tensor) -> torch.Tensor:
+            recorded, output = next(outputs, (None, None))
+            if recorded != (expert, rows.shape[0]):
+                raise RuntimeError(f"the MoE block routed differently in its second pass (expert {expert} with "
+                                   f"{rows.shape[0]} rows where {recorded} was recorded): its routing must be "
+                                   "deterministic for expert parallelism")
+            return output
+
+        with _standing_in(self.experts, replay):
+            return self.forward(*args, **kwargs)
+
+    def _exchange(self, calls: list[tuple[int, torch.Tensor]], like: torch.Tensor) -> list[tuple[tuple, torch.Tensor]]:
+        """Every recorded call's rows to its expert's owner and back: ((expert, rows), output) per call."""
+        num, local = self.experts.num_experts, len(self.experts.owned)
+        order = sorted(range(len(calls)), key=lambda i: calls[i][0])  # by expert, so by owner
+        send = torch.cat([calls[i][1] for i in order]) if calls else like.new_zeros((0, like.shape[-1]))
+        counts = [0] * num
+        for expert, rows in calls:
+            counts[expert] += rows.shape[0]
+        send_counts = torch.tensor(counts, device=like.device)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=self.group)  # per source rank, per local expert
+        per_source = recv_counts.view(self.ep, local)
+        send_sizes = [sum(counts[r * local:(r + 1) * local]) for r in range(self.ep)]
+        recv_sizes = per_source.sum(1).tolist()  # the one host sync of the layer
+        received = funcol.all_to_all_single_autograd(send.contiguous(), recv_sizes, send_sizes, self.group)
+        # arrived grouped by source rank, then expert: the experts want them grouped by expert
+        local_ids = torch.arange(local, device=like.device).repeat(self.ep).repeat_interleave(recv_counts)
+        by_expert = torch.argsort(local_ids, stable=True)
+        output = self.experts(received[by_expert], per_source.sum(0).tolist())[torch.argsort(by_expert)]
+        returned = funcol.all_to_all_single_autograd(output.contiguous(), send_sizes, recv_sizes, self.group)
+        pieces = dict(zip(order, returned.split([calls[i][1].shape[0] for i in order])))
+        return [((e, rows.shape[0]), pieces[i]) for i, (e, rows) in enumerate(calls)]
+
+
+@contextlib.contextmanager
+def _standing_in(experts: LocalExperts, function: Callable):
+    experts.stand_in = function
+    try:
+        yield
+    finally:
+        experts.stand_in = None
