@@ -325,16 +325,17 @@ class RegionWriter:
         return self.error
 
 
-def every_stage_entries(entries: list[Entry]) -> list[Entry]:
-    """The entries of every rank's part (pipeline stages, per-expert modules under ep; a collective),
-    each name once, in the same order on every rank (layers by number), so every rank plans the same files."""
+def every_rank_part(items: list, name: Callable = lambda item: item) -> list:
+    """The items (state names, or entries named by `name`) of every rank's part of a model split over
+    ranks (pipeline stages, per-expert modules under ep; a collective), each name once, in the same
+    order on every rank (layers by number), so every rank plans the same files."""
     import torch.distributed as dist
 
     gathered: list = [None] * get_world_size()
-    dist.all_gather_object(gathered, entries)
-    merged = {e.name: e for rank_entries in gathered for e in rank_entries}
-    order = lambda name: [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in name.split(".")]  # noqa: E731
-    return [merged[name] for name in sorted(merged, key=order)]
+    dist.all_gather_object(gathered, items)
+    merged = {name(item): item for rank_items in gathered for item in rank_items}
+    order = lambda key: [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in key.split(".")]  # noqa: E731
+    return [merged[key] for key in sorted(merged, key=order)]
 
 
 def first_holder(tensor: torch.Tensor) -> bool:
@@ -375,7 +376,7 @@ def export_hf(model: torch.nn.Module, output_dir: str | os.PathLike, tokenizer=N
     entries = [Entry(k, tuple(t.shape), written_dtype(t.dtype, out_dtype)) for k, t in state.items() if k not in aliases]
     staged = holds_part(model)
     if staged:
-        entries = every_stage_entries(entries)
+        entries = every_rank_part(entries, lambda entry: entry.name)
     files = plan_files(entries, max_bytes)
     staging = Path(broadcast_from_rank0(str(staging_dir(output_dir)) if get_rank() == 0 else None))
     rank, world = get_rank(), get_world_size()

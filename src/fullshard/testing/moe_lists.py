@@ -27,7 +27,7 @@ LIST_MOE_ZOO: dict[str, tuple[str, str, dict]] = {
     "list_mixtral": ("MixtralConfig", "ListMoeForCausalLM", _LIST),
     "list_skip_idle": ("MixtralConfig", "ListMoeForCausalLM", dict(_LIST, skip_idle_experts=True)),
     "list_shared": ("MixtralConfig", "ListMoeForCausalLM", dict(_LIST, shared_expert_intermediate_size=32)),
-    "list_jitter": ("MixtralConfig", "ListMoeForCausalLM", dict(_LIST, skip_idle_experts=True, router_jitter_noise=0.5)),
+    "list_jitter": ("MixtralConfig", "ListMoeForCausalLM", dict(_LIST, router_jitter_noise=0.5)),
 }
 
 
