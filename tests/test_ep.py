@@ -257,7 +257,8 @@ def test_plan_shows_owners_and_memory_estimate_gathers_only_own_experts():
     assert split.parameters == whole.parameters  # an expert's shard is 1/4 of it either way
 
 
-def test_per_expert_module_list_moe_refused_by_name():
+def test_per_expert_module_list_moe_accepted_and_checked_by_name():
+    """Per-expert ModuleList MoEs are split too (`tests/test_ep_lists.py`); their expert count is checked."""
     from torch import nn
 
     from fullshard.parallel.ep import check_expert_parallel
@@ -269,8 +270,9 @@ def test_per_expert_module_list_moe_refused_by_name():
             self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
 
     model = nn.Sequential(RemoteCodeMoE())
-    with pytest.raises(PlanError, match=r"keeps its experts one module each \('0.experts'\)"):
-        check_expert_parallel(model, 2)
+    assert check_expert_parallel(model, 2) == []  # no fused experts module; the list is ep_lists' to split
+    with pytest.raises(PlanError, match=r"0.experts has num_experts=4, not divisible by ep_size"):
+        check_expert_parallel(model, 3)
 
 
 def test_lora_on_expert_tensors_refused_by_name():

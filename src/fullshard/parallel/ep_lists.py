@@ -156,14 +156,14 @@ class TwoPassDispatch:
         send_counts = torch.tensor(counts, device=like.device)
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts, group=self.group)  # per source rank, per local expert
-        per_source = recv_counts.view(self.ep, local)
+        table = recv_counts.view(self.ep, local).tolist()  # the one host sync of the layer
         send_sizes = [sum(counts[r * local:(r + 1) * local]) for r in range(self.ep)]
-        recv_sizes = per_source.sum(1).tolist()  # the one host sync of the layer
+        recv_sizes = [sum(row) for row in table]
         received = funcol.all_to_all_single_autograd(send.contiguous(), recv_sizes, send_sizes, self.group)
         # arrived grouped by source rank, then expert: the experts want them grouped by expert
         local_ids = torch.arange(local, device=like.device).repeat(self.ep).repeat_interleave(recv_counts)
         by_expert = torch.argsort(local_ids, stable=True)
-        output = self.experts(received[by_expert], per_source.sum(0).tolist())[torch.argsort(by_expert)]
+        output = self.experts(received[by_expert], [sum(column) for column in zip(*table)])[torch.argsort(by_expert)]
         returned = funcol.all_to_all_single_autograd(output.contiguous(), send_sizes, recv_sizes, self.group)
         pieces = dict(zip(order, returned.split([calls[i][1].shape[0] for i in order])))
         return [((e, rows.shape[0]), pieces[i]) for i, (e, rows) in enumerate(calls)]

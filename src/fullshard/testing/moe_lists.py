@@ -19,17 +19,6 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.mixtral import modeling_mixtral
 
-from .zoo import _MOE_COMMON
-
-# name -> (config class, model class, config kwargs), as in `zoo.MOE_ZOO`
-_LIST = dict(_MOE_COMMON, num_local_experts=8)
-LIST_MOE_ZOO: dict[str, tuple[str, str, dict]] = {
-    "list_mixtral": ("MixtralConfig", "ListMoeForCausalLM", _LIST),
-    "list_skip_idle": ("MixtralConfig", "ListMoeForCausalLM", dict(_LIST, skip_idle_experts=True)),
-    "list_shared": ("MixtralConfig", "ListMoeForCausalLM", dict(_LIST, shared_expert_intermediate_size=32)),
-    "list_jitter": ("MixtralConfig", "ListMoeForCausalLM", dict(_LIST, router_jitter_noise=0.5)),
-}
-
 
 class ExpertMLP(nn.Module):
     def __init__(self, config, intermediate_size: int | None = None):

@@ -62,12 +62,23 @@ MOE_ZOO: dict[str, tuple[str, str, dict]] = {
 }
 
 
-def _entry(name: str) -> tuple[str, str, dict]:
-    if name in ZOO or name in MOE_ZOO:
-        return ZOO[name] if name in ZOO else MOE_ZOO[name]
-    from .moe_lists import LIST_MOE_ZOO  # per-expert MoEs, whose classes are our own
+# MoEs that keep one module per expert, which no transformers 5 class does: `moe_lists.ListMoeForCausalLM`
+# (transformers 4.x's Mixtral block) with every expert called, only those with tokens (`skip_idle_experts`),
+# a shared expert, or router jitter. Kept out of MOE_ZOO, whose every entry test_ep runs.
+_LIST_MOE = dict(_MOE_COMMON, num_local_experts=8)
+LIST_MOE_ZOO: dict[str, tuple[str, str, dict]] = {
+    "list_mixtral": ("MixtralConfig", "ListMoeForCausalLM", _LIST_MOE),
+    "list_skip_idle": ("MixtralConfig", "ListMoeForCausalLM", dict(_LIST_MOE, skip_idle_experts=True)),
+    "list_shared": ("MixtralConfig", "ListMoeForCausalLM", dict(_LIST_MOE, shared_expert_intermediate_size=32)),
+    "list_jitter": ("MixtralConfig", "ListMoeForCausalLM", dict(_LIST_MOE, router_jitter_noise=0.5)),
+}
 
-    return LIST_MOE_ZOO[name]
+
+def _entry(name: str) -> tuple[str, str, dict]:
+    for zoo in (ZOO, MOE_ZOO, LIST_MOE_ZOO):
+        if name in zoo:
+            return zoo[name]
+    raise KeyError(f"no tiny model named {name!r}")
 
 
 def tiny_config(name: str, **overrides):
