@@ -3,8 +3,9 @@ another, fullshard at ep 1 (plain FSDP: every rank gathers every expert), ep 2 a
 transformers' own `DistributedConfig(fsdp_size=4, ep_size=...)` as a peer. Each run in its own
 process group, runs interleaved over rounds (the best kept), so load from other work hits all alike.
 
-Per run: tokens/s, how much a rank's resident memory grows over the timed steps from before the
-first step (max over ranks; the model, optimizer state and the first step's gradients are in it),
+Per run: tokens/s, how far a rank's resident memory rises at its highest (the kernel's high-water
+mark, not samples between steps) above where it was before the first step (max over ranks; the
+optimizer state and the gradients are in it),
 and the bytes each rank sends in collectives per step (counted at torch.distributed's functions).
 
     .venv/bin/python bench/bench_moe.py      # minutes on 2 CPU cores; writes BENCHMARKS.md
@@ -33,9 +34,17 @@ RUNS = {"fullshard ep 1": ("fullshard", 1), "fullshard ep 2": ("fullshard", 2), 
         "transformers ep 4": ("transformers", 4)}
 
 
-def _rss_mib() -> float:
-    with open("/proc/self/statm") as handle:
-        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+def _rss_mib(field: str = "VmRSS") -> float:
+    """The resident set now ("VmRSS") or at its highest since the last `_reset_peak_rss` ("VmHWM")."""
+    with open("/proc/self/status") as handle:
+        return next(int(line.split()[1]) for line in handle if line.startswith(field + ":")) / 1024
+
+
+def _reset_peak_rss() -> None:
+    """Start the kernel's high-water mark afresh from the current resident set: the peak a step reaches
+    between two samples (gradients alive before `zero_grad`, the optimizer's temporaries) counts too."""
+    with open("/proc/self/clear_refs", "w") as handle:
+        handle.write("5")
 
 
 class SentBytes:
@@ -105,17 +114,17 @@ def _run(kind: str, ep: int, path: str) -> dict:
     generator = torch.Generator().manual_seed(dist.get_rank())
 
     rss_before = _rss_mib()
+    _reset_peak_rss()
     for _ in range(WARMUP):
         train_step(model, optimizer, generator)
     dist.barrier()
-    start, peak = time.perf_counter(), rss_before
+    start = time.perf_counter()
     with sent.mode:
         for _ in range(STEPS):
             train_step(model, optimizer, generator)
-            peak = max(peak, _rss_mib())
     dist.barrier()
     elapsed = time.perf_counter() - start
-    return {"tokens_per_s": STEPS * 4 * MICRO * SEQ / elapsed, "rss_growth_mib": peak - rss_before,
+    return {"tokens_per_s": STEPS * 4 * MICRO * SEQ / elapsed, "rss_growth_mib": _rss_mib("VmHWM") - rss_before,
             "sent_mib_per_step": sent.bytes / STEPS / 2**20}
 
 
@@ -143,7 +152,7 @@ def main() -> None:
             f"hidden {CONFIG['hidden_size']}, {CONFIG['num_hidden_layers']} layers), world 4 on CPU (gloo, 1 thread per "
             f"rank), fp32, {MICRO} x {SEQ} tokens per rank per step (forward, backward, global clip, AdamW), {STEPS} timed "
             f"steps after {WARMUP} warm-up, the best of {ROUNDS} interleaved rounds. RSS growth: a rank's resident set at "
-            "its highest during the steps minus before the first step (gradients and AdamW state included), max over "
+            "its highest during the steps (the kernel's high-water mark, reset before the first step) minus before it (gradients and AdamW state included), max over "
             "ranks. Sent: bytes a rank hands to collectives per step (all-gather, reduce-scatter, all-reduce, "
             "all-to-all inputs), max over ranks. Ratios against fullshard ep 1 (plain FSDP) in the same run.\n\n")
     body += (f"Load average during the runs: {min(loads):.1f} to {max(loads):.1f} on {os.cpu_count()} cores, shared "

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from fullshard import FSDP2Engine
@@ -32,14 +32,17 @@ def route_to_expert_0_and_1(model):
     return model
 
 
-def _expert_shares(model) -> dict[str, tuple[int, int, range]]:
-    """Each experts tensor's (elements this rank holds, elements of the whole tensor, experts its rows are)."""
-    names = {f"{e.name}.{p}" for e in find_experts(model) for p in e.params}
+def _expert_shares(model) -> dict[str, tuple[int, int, range, tuple, bool]]:
+    """Each experts tensor's (elements this rank holds, elements of the whole tensor, experts its rows are,
+    its mesh's dim names, whether its experts module is an FSDP unit)."""
+    modules = dict(model.named_modules())
     shares = {}
-    for name, param in model.named_parameters():
-        if name in names and isinstance(param, DTensor):
+    for entry in find_experts(model):
+        for p in entry.params:
+            param = getattr(modules[entry.name], p)
             shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-            shares[name] = (param.to_local().numel(), param.numel(), range(offset[0], offset[0] + shape[0]))
+            shares[f"{entry.name}.{p}"] = (param.to_local().numel(), param.numel(), range(offset[0], offset[0] + shape[0]),
+                                           param.device_mesh.mesh_dim_names, isinstance(modules[entry.name], FSDPModule))
     return shares
 
 
@@ -55,8 +58,8 @@ def _refused(make) -> str | None:
     return None
 
 
-def _checkpoint_checks(root: str) -> dict:
-    """Load a per-expert HF checkpoint at ep 2 (only this rank's experts read), train, save (DCP) and
+def _checkpoint_checks(root: str, ep: int) -> dict:
+    """Load a per-expert HF checkpoint at `ep` (only this rank's experts read), train, save (DCP) and
     export; resume the save at ep 1, export it offline in this one process, load the exports in
     transformers."""
     import transformers
@@ -67,18 +70,18 @@ def _checkpoint_checks(root: str) -> dict:
     from fullshard.testing import make_batch
     from fullshard.testing.compare import data_slice, full_state
 
-    root, name, rank, out = Path(root), "ep_mixtral", dist.get_rank(), {}
+    root, name, rank, out = Path(root) / f"ep{ep}", "ep_mixtral", dist.get_rank(), {}
     if rank == 0:
         build_model(name, seed=3).save_pretrained(root / "hf")  # transformers writes experts one per key
     dist.barrier()
     reference = transformers.MixtralForCausalLM.from_pretrained(root / "hf")
-    model = from_pretrained(str(root / "hf"), engine=FSDP2Engine({"ep_size": 2}))
+    model = from_pretrained(str(root / "hf"), engine=FSDP2Engine({"ep_size": ep}))
     out["loaded_equal"] = _equal(full_state(model), dict(reference.named_parameters()))
     experts = {f"{e.name}.{p}" for e in find_experts(model) for p in e.params}
     allowance = 0
     for key, tensor in model.state_dict().items():
         size = tensor.numel() * tensor.element_size()
-        allowance += size // (2 if key in experts else 4) + size // tensor.shape[0]
+        allowance += size // (ep if key in experts else 4) + size // tensor.shape[0]
     out["bytes_read"], out["allowance"] = model.fullshard_load_report.bytes_read, allowance
 
     model.train()
@@ -165,7 +168,9 @@ def _world_4_checks(root: str):
         "with_compile": _refused(
             lambda: FSDP2Engine({"ep_size": 2, "compile": True}).prepare_model(build_model("ep_mixtral"))),
     }
-    return {"parity": results, "errors": errors, "checkpoint": _checkpoint_checks(root),
+    bf16 = FSDP2Engine({"mixed_precision": "bf16", "ep_size": 4})
+    results[(4, "bf16")] = _train(bf16, "ep_qwen3_moe", steps=2)
+    return {"parity": results, "errors": errors, "checkpoint": {ep: _checkpoint_checks(root, ep) for ep in (2, 4)},
             "trainer": _trainer_runs(root)}
 
 
@@ -178,6 +183,8 @@ def test_ep_matches_single_process_for_every_moe_family(world_4):
     bad = []
     for rank, result in enumerate(world_4):
         for key, r in result["parity"].items():
+            if key == (4, "bf16"):
+                continue
             loss, norm = reference_gaps(r)
             if max(loss, norm, r["max_weight_diff"]) > TOL or r["missing"]:
                 bad.append(f"rank {rank} {key}: loss {loss:.1e} norm {norm:.1e} weight {r['max_weight_diff']:.1e} "
@@ -189,15 +196,27 @@ def test_ep_matches_single_process_for_every_moe_family(world_4):
 
 def test_each_rank_holds_its_experts_share(world_4):
     """ep 2 on 4 ranks: a quarter of each experts tensor (the 4 experts of its ep rank, halved again by
-    efsdp 2); ep 4: its 2 whole experts of 8. The rows held lie inside the experts its ep rank owns."""
+    efsdp 2, its own FSDP unit); ep 4: its 2 whole experts of 8, which no other rank holds, so FSDP
+    leaves them alone (no unit gathers a second copy of them or reduce-scatters their gradient). The
+    rows held lie inside the experts its ep rank owns."""
     for rank, result in enumerate(world_4):
         for (ep, name), r in result["parity"].items():
             shares = r["inspect"]
             assert shares, (ep, name)
             owned = owned_experts(8, ep, rank % ep)
-            for param, (local, whole, rows) in shares.items():
+            for param, (local, whole, rows, mesh_dims, own_unit) in shares.items():
                 assert local * 4 == whole, (ep, name, param, local, whole)
                 assert len(rows) == 8 // 4 and rows.start in owned and rows[-1] in owned, (ep, name, param, rows)
+                assert (mesh_dims, own_unit) == ((("efsdp", "ep"), True) if ep == 2 else (("ep",), False)), \
+                    (ep, name, param, mesh_dims, own_unit)
+
+
+def test_bf16_experts_kept_whole_compute_in_bf16(world_4):
+    """ep 4 (efsdp 1) in bf16: the experts FSDP leaves alone are cast to bf16 by the dispatch; losses
+    stay within bf16 rounding of one fp32 process."""
+    for result in world_4:
+        r = result["parity"][(4, "bf16")]
+        assert max(abs(a - b) for a, b in zip(r["loss"], r["ref_loss"])) < 2e-2, (r["loss"], r["ref_loss"])
 
 
 def test_bad_ep_input_refused_on_every_rank(world_4):
@@ -221,13 +240,14 @@ def test_ep_loads_saves_resumes_and_exports_global_experts(world_4):
     save resumes at ep 1 bit for bit and continues like the run that saved it; both the live export
     (no rank gathering all experts) and the offline one (one process) load in transformers unchanged."""
     for rank, result in enumerate(world_4):
-        r = result["checkpoint"]
-        assert r["loaded_equal"] == [], r["loaded_equal"]
-        assert r["bytes_read"] <= r["allowance"], (rank, r["bytes_read"], r["allowance"])
-        assert r["experts_gathered"] == [], r["experts_gathered"]  # each rank wrote its own experts' rows
-        assert r["resumed_equal"] == [], r["resumed_equal"]
-        assert abs(r["next_losses"][0] - r["next_losses"][1]) < TOL and r["next_weight_diff"] < TOL, r
-    assert world_4[0]["checkpoint"]["offline_equal"] == [] and world_4[0]["checkpoint"]["export_equal"] == []
+        for ep, r in result["checkpoint"].items():
+            assert r["loaded_equal"] == [], (ep, r["loaded_equal"])
+            assert r["bytes_read"] <= r["allowance"], (ep, rank, r["bytes_read"], r["allowance"])
+            assert r["experts_gathered"] == [], (ep, r["experts_gathered"])  # each rank wrote its own experts' rows
+            assert r["resumed_equal"] == [], (ep, r["resumed_equal"])
+            assert abs(r["next_losses"][0] - r["next_losses"][1]) < TOL and r["next_weight_diff"] < TOL, (ep, r)
+    for ep, r in world_4[0]["checkpoint"].items():
+        assert r["offline_equal"] == [] and r["export_equal"] == [], ep
 
 
 def test_trainer_at_ep_2_trains_the_ep_1_losses_and_resumes_without_ep(world_4):
@@ -249,12 +269,13 @@ def test_plan_shows_owners_and_memory_estimate_gathers_only_own_experts():
     lines = expert_owners(model, 2)
     assert "experts 0-3 of 8" in lines[0] and "experts 4-7 of 8" in lines[1], lines
     plan = build_plan(model, "auto")
-    whole, split = (estimate_memory(model, plan, 4, 1, 16, device_type="cpu", ep_size=ep) for ep in (1, 2))
+    whole, split, kept = (estimate_memory(model, plan, 4, 1, 16, device_type="cpu", ep_size=ep) for ep in (1, 2, 4))
     layer = {n: p.numel() * 4 for n, p in model.named_parameters() if n.startswith("model.layers.0.")}
     experts = sum(size for n, size in layer.items() if ".mlp.experts." in n)
     assert whole.largest_unit == sum(layer.values())
     assert split.largest_unit == max(sum(layer.values()) - experts, experts // 2)
-    assert split.parameters == whole.parameters  # an expert's shard is 1/4 of it either way
+    assert kept.largest_unit == sum(layer.values()) - experts  # ep 4 of 4 ranks: experts never gathered
+    assert split.parameters == whole.parameters == kept.parameters  # an expert's shard is 1/4 of it either way
 
 
 def test_per_expert_module_list_moe_accepted_and_checked_by_name():

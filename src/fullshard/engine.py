@@ -179,6 +179,7 @@ class FSDP2Engine:
         self.mesh = self.meshes.fsdp
         self.plan: ShardingPlan | None = None
         self.tp_assignments: dict[str, str] = {}
+        self._ignored_params: set[nn.Parameter] = set()  # experts no FSDP unit manages (`_shard_experts`)
 
     # ------------------------------------------------------------------ policies
 
@@ -216,6 +217,7 @@ class FSDP2Engine:
     def prepare_stage(self, model: nn.Module) -> nn.Module:
         """`prepare_model` for one whole model or one pipeline stage."""
         plan = build_plan(model, self.config.plan)
+        self._ignored_params = set()
         self.apply_tensor_parallel(model)
         self.apply_context_parallel(model)
         self.apply_expert_parallel(model)
@@ -233,6 +235,7 @@ class FSDP2Engine:
                 reshard_after_forward=self._reshard(unit.reshard_after_forward),
                 mp_policy=self.get_mp_policy(unit.mixed_precision),
                 offload_policy=self.get_offload_policy(unit.cpu_offload),
+                ignored_params=self._ignored_params or None,
             )
             if not any(needs_weight_in_backward(module) for module in targets):
                 targets[0].set_unshard_in_backward(False)
@@ -243,6 +246,7 @@ class FSDP2Engine:
             reshard_after_forward=self._reshard(None),
             mp_policy=self.get_mp_policy(),
             offload_policy=self.get_offload_policy(),
+            ignored_params=self._ignored_params or None,
         )
         if self.config.prefetch:
             set_block_prefetch(model, self.config.prefetch)
@@ -289,16 +293,28 @@ class FSDP2Engine:
         apply_expert_parallel(model, experts, self.meshes.ep, shard=self._shard_experts)
         apply_expert_lists(model, self.meshes.ep, shard=self._shard_experts)
 
-    def _shard_experts(self, module: nn.Module) -> None:
+    def _shard_experts(self, module: nn.Module) -> float:
+        """Make an experts module its own FSDP unit over the efsdp ranks; returns the factor its dispatch
+        must divide the experts' gradients by itself (1 where FSDP does it).
+
+        An expert's gradient already sums its ep group's tokens: it is divided by every data-parallel
+        rank, as the dense gradients are, not by efsdp alone. Over several ranks FSDP sums then divides
+        (gloo has no pre-multiplied sum). Experts no other rank holds (efsdp = 1) stay out of FSDP: as a
+        unit of one rank it would still copy them whole for every forward and backward and hold their
+        gradient three times over (unsharded, reduce-scatter in and out); the other units are told to
+        leave them alone (`ignored_params`) and the dispatch divides their gradient and casts them to
+        the compute dtype. (Not where parameters are offloaded: that is FSDP's to do.)
+        """
+        divisor = float(self.dims.fsdp_shard_size)
+        if self.dims.efsdp == 1 and not self.config.offload_params:
+            self._ignored_params.update(module.parameters())
+            return divisor
         raf = self._reshard(None)
         fully_shard(module, mesh=self.meshes.efsdp, reshard_after_forward=raf if isinstance(raf, bool) else True,
                     mp_policy=self.get_mp_policy(), offload_policy=self.get_offload_policy())
-        # an expert's gradient already sums its ep group's tokens: divide by every data-parallel rank,
-        # as the dense gradients are, not by efsdp alone. Over several ranks as a sum then a division
-        # (gloo has no pre-multiplied sum); over one, FSDP divides by the factor itself (forcing the
-        # sum there would divide twice)
-        module.set_gradient_divide_factor(float(self.dims.fsdp_shard_size))
+        module.set_gradient_divide_factor(divisor)
         module.set_force_sum_reduction_for_comms(self.dims.efsdp > 1)
+        return 1.0
 
     def _placement(self, param: nn.Parameter) -> Shard | None:
         """Shard dim 0 unless it is shorter than the shard group (e.g. 8 experts over 16 ranks,

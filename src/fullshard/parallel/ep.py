@@ -140,9 +140,10 @@ def owned_experts(num_experts: int, ep: int, ep_rank: int) -> range:
 
 
 def apply_expert_parallel(model: nn.Module, experts: list[ExpertsModule], ep_mesh: DeviceMesh,
-                          shard: Callable[[nn.Module], None]) -> None:
+                          shard: Callable[[nn.Module], float]) -> None:
     """Split each experts module's tensors over `ep_mesh`, route its calls through the all-to-all,
-    and hand it to `shard` (the engine's `fully_shard` over the efsdp ranks) as its own unit.
+    and hand it to `shard` (the engine's `fully_shard` over the efsdp ranks, or nothing where no other
+    rank holds the same experts), which returns what the dispatch must divide their gradients by.
 
     Meta tensors stay meta (the loader fills each rank's experts later); real ones are cut locally,
     every rank holding the same model, so nothing is sent.
@@ -155,8 +156,8 @@ def apply_expert_parallel(model: nn.Module, experts: list[ExpertsModule], ep_mes
             module._parameters[name] = nn.Parameter(
                 distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None),
                 requires_grad=param.requires_grad)
-        module.forward = ExpertDispatch(module, entry.num_experts, ep_mesh)
-        shard(module)
+        module.forward = dispatch = ExpertDispatch(module, entry.num_experts, ep_mesh)
+        dispatch.grad_divisor = shard(module)
 
 
 class ExpertDispatch:
@@ -168,6 +169,7 @@ class ExpertDispatch:
         self.num_experts, self.ep = num_experts, ep_mesh.size()
         self.num_local = num_experts // self.ep
         self.group = ep_mesh.get_group()
+        self.grad_divisor = 1.0  # where no FSDP unit divides the experts' gradients, the data-parallel size
 
     def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         tokens, top_k = hidden_states.shape[0], top_k_index.shape[-1]
@@ -195,18 +197,22 @@ class ExpertDispatch:
         empty = rows.shape[0] == 0
         if empty:
             rows, local_ids = rows.sum(0, keepdim=True), local_ids.new_zeros((1, 1))
-        with _local_experts(self.module, self.num_local):
+        with _local_experts(self.module, self.num_local, rows.dtype, self.grad_divisor):
             output = self.local_forward(rows, local_ids, torch.ones_like(local_ids, dtype=rows.dtype))
         return output[:0] if empty else output
 
 
 @contextlib.contextmanager
-def _local_experts(module: nn.Module, num_local: int):
-    """This rank's experts as plain tensors and `num_experts` = their count, for the duration of a call:
-    the experts forward indexes its tensors by local expert id."""
+def _local_experts(module: nn.Module, num_local: int, dtype: torch.dtype, grad_divisor: float):
+    """This rank's experts as plain tensors in the tokens' `dtype` and `num_experts` = their count, for
+    the duration of a call: the experts forward indexes its tensors by local expert id. Experts FSDP
+    gathers arrive in the compute dtype already and have their gradients divided by it; ones kept out
+    of FSDP are cast here and their gradients divided on the way back (in the graph, not by a hook on
+    the parameter: loading from meta replaces the parameters' tensors)."""
     originals = {n: p for n, p in module._parameters.items() if isinstance(p, DTensor)}
     count = module.num_experts if hasattr(module, "num_experts") else None
-    module._parameters.update({n: p.to_local() for n, p in originals.items()})
+    module._parameters.update({n: _in_dtype(_DivideGrad.apply(p.to_local(), grad_divisor), dtype)
+                               for n, p in originals.items()})
     module.num_experts = num_local
     try:
         yield
@@ -216,6 +222,23 @@ def _local_experts(module: nn.Module, num_local: int):
             del module.num_experts
         else:
             module.num_experts = count
+
+
+class _DivideGrad(torch.autograd.Function):
+    """Identity forward; the gradient divided by `divisor` in backward."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, divisor: float) -> torch.Tensor:
+        ctx.divisor = divisor
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return (grad if ctx.divisor == 1.0 else grad / ctx.divisor), None
+
+
+def _in_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return tensor.to(dtype) if tensor.is_floating_point() and tensor.dtype != dtype else tensor
 
 
 def expert_owners(model: nn.Module, ep: int) -> list[str]:

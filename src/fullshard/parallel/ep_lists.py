@@ -22,9 +22,11 @@ block fire twice; the rows cross the network once each way, as with fused expert
 every per-token MLP expert is: rows computed independently, output shaped like the input.
 
 Gradients: an expert's gradient on its owner sums every rank's tokens (the all-to-all's backward
-brings them), so it is divided by the whole data-parallel size, as fused experts' are (the engine's
-`shard` callback). Each element of these experts lives on one rank of the world: `unique_parameters`
-tells the global norm not to count it as a replica.
+brings them), so it is divided by the whole data-parallel size, as fused experts' are: by FSDP over
+the efsdp ranks, or, where no other rank holds them (efsdp 1) and FSDP leaves them out, in the
+graph of their call, which also casts them to the compute dtype (the engine's `shard` callback
+decides). Each element of these experts lives on one rank of the world: `unique_parameters` tells
+the global norm not to count it as a replica.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..tensors import mark_held_elsewhere, parameter_counts, state_names
-from .ep import owned_experts, per_expert_module_lists
+from .ep import _DivideGrad, _in_dtype, owned_experts, per_expert_module_lists
 
 _LIVE: "weakref.WeakSet[LocalExperts]" = weakref.WeakSet()
 
@@ -62,6 +64,7 @@ class LocalExperts(nn.Module):
         for e in owned:
             self.add_module(str(e), experts[e])
         self.stand_in: Callable | None = None
+        self.grad_divisor = 1.0  # where no FSDP unit divides the experts' gradients, the data-parallel size
         _LIVE.add(self)
 
     def __len__(self) -> int:
@@ -83,8 +86,8 @@ class LocalExperts(nn.Module):
     def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Rows grouped by local expert (`counts` each) -> their outputs, in the same order. Every
         expert runs, on no rows if it got none, so every rank reduces the same gradients."""
-        chunks = rows.split(counts)
-        return torch.cat([self._modules[str(e)](chunk) for e, chunk in zip(self.owned, chunks)])
+        with contextlib.nullcontext() if self.grad_divisor == 1.0 else _outside_fsdp(self, rows.dtype, self.grad_divisor):
+            return torch.cat([self._modules[str(e)](chunk) for e, chunk in zip(self.owned, rows.split(counts))])
 
 
 def unique_parameters(params: Iterable[torch.Tensor]) -> set[int]:
@@ -93,10 +96,12 @@ def unique_parameters(params: Iterable[torch.Tensor]) -> set[int]:
     return {id(p) for p in params if id(p) in held}
 
 
-def apply_expert_lists(model: nn.Module, ep_mesh: DeviceMesh, shard: Callable[[nn.Module], None]) -> None:
+def apply_expert_lists(model: nn.Module, ep_mesh: DeviceMesh, shard: Callable[[nn.Module], float]) -> None:
     """Keep only this rank's experts of every per-expert list (`ep.per_expert_module_lists`), route
     each MoE block's calls through the all-to-all, and hand each `LocalExperts` to `shard` (the
-    engine's FSDP unit over the efsdp ranks). The checks (`ep.check_expert_parallel`) came first."""
+    engine's FSDP unit over the efsdp ranks, or nothing where no other rank holds the same experts),
+    which returns what their call must divide their gradients by. The checks
+    (`ep.check_expert_parallel`) came first."""
     names = per_expert_module_lists(model)
     if not names:
         return
@@ -108,7 +113,7 @@ def apply_expert_lists(model: nn.Module, ep_mesh: DeviceMesh, shard: Callable[[n
         experts = LocalExperts(getattr(block, attr), owned_experts(len(getattr(block, attr)), ep, ep_rank))
         setattr(block, attr, experts)
         block.forward = TwoPassDispatch(block.forward, experts, ep_mesh)
-        shard(experts)
+        experts.grad_divisor = shard(experts)
     mark_held_elsewhere(model, everything, getattr(model, "_keys_to_ignore_on_load_unexpected", None))
     model.whole_model_parameter_counts = counts  # throughput and MFU count every expert
 
@@ -176,3 +181,18 @@ def _standing_in(experts: LocalExperts, function: Callable):
         yield
     finally:
         experts.stand_in = None
+
+
+@contextlib.contextmanager
+def _outside_fsdp(module: nn.Module, dtype: torch.dtype, grad_divisor: float):
+    """For one call of experts FSDP leaves out (efsdp 1): every parameter in the tokens' `dtype`, its
+    gradient divided by `grad_divisor` in the graph, as `ep._local_experts` does for fused experts."""
+    slots = [(owner, name, param) for owner in module.modules() for name, param in owner._parameters.items()
+             if param is not None]
+    for owner, name, param in slots:
+        owner._parameters[name] = _in_dtype(_DivideGrad.apply(param, grad_divisor), dtype)
+    try:
+        yield
+    finally:
+        for owner, name, param in slots:
+            owner._parameters[name] = param

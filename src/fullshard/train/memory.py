@@ -140,7 +140,9 @@ def estimate_memory(model: nn.Module, plan: ShardingPlan, shard_size: int, micro
     """The estimate for `model` (real or on meta) sharded by `plan` over `shard_size` (dp_shard) x
     `cp_size` ranks, after the modules of `tp_assignments` (name -> TP style) are split `tp_size` ways.
     With `ep_size` > 1 each MoE experts module is a unit of its own that gathers only this rank's
-    `num_experts / ep_size` experts (its shard is the same 1 / (dp_shard x cp) as any parameter's).
+    `num_experts / ep_size` experts (its shard is the same 1 / (dp_shard x cp) as any parameter's);
+    where no other rank holds them (ep = dp_shard x cp) they are not gathered at all, only cast to the
+    compute dtype if it differs.
 
     `accumulation_steps` None (unknown) counts the gradients through the forward, as when
     micro-batches accumulate; `device_type` "cpu" has no allocator rounding; `loss_chunk_tokens`
@@ -148,7 +150,8 @@ def estimate_memory(model: nn.Module, plan: ShardingPlan, shard_size: int, micro
     """
     split = TensorParallelSplit(model, tp_assignments or {}, tp_size)
     units = _unit_bytes(model, plan, shard_size * cp_size, compute_dtype, optimizer,
-                        ALLOCATOR_BLOCK if device_type != "cpu" else 1, split, expert_units(model, ep_size))
+                        ALLOCATOR_BLOCK if device_type != "cpu" else 1, split,
+                        expert_units(model, ep_size, shard_size * cp_size))
     seq_len = -(-seq_len // cp_size)  # this rank's part of each sequence
     config, compute_bytes, tokens = model.config, compute_dtype.itemsize, micro_batch_size * seq_len
     head = chunked_head(model, loss_chunk_tokens, tp_assignments or {})
@@ -228,20 +231,22 @@ class TensorParallelSplit:
         return torch.empty(shape, dtype=param.dtype, device="meta")
 
 
-def expert_units(model: nn.Module, ep_size: int) -> dict[str, tuple[str, int]]:
-    """Under expert parallelism: each experts tensor's name -> (its experts module, ep_size)."""
+def expert_units(model: nn.Module, ep_size: int, shard_size: int) -> dict[str, tuple[str, int, bool]]:
+    """Under expert parallelism: each experts tensor's name -> (its experts module, ep_size, whether
+    FSDP leaves it out: the engine keeps experts that no other rank holds whole, `_keep_experts_whole`)."""
     if ep_size == 1:
         return {}
     from ..parallel.ep import find_experts, per_expert_module_lists
 
-    units = {f"{e.name}.{p}": (e.name, ep_size) for e in find_experts(model) for p in e.params}
-    for name in per_expert_module_lists(model):  # each rank gathers its experts of the list
-        units.update({f"{name}.{p}": (name, ep_size) for p, _ in model.get_submodule(name).named_parameters()})
+    kept_whole = ep_size == shard_size
+    units = {f"{e.name}.{p}": (e.name, ep_size, kept_whole) for e in find_experts(model) for p in e.params}
+    for name in per_expert_module_lists(model):  # each rank gathers (or keeps) its experts of the list
+        units.update({f"{name}.{p}": (name, ep_size, kept_whole) for p, _ in model.get_submodule(name).named_parameters()})
     return units
 
 
 def _unit_bytes(model: nn.Module, plan: ShardingPlan, shard_size: int, compute_dtype: torch.dtype, optimizer: str,
-                block: int, split: TensorParallelSplit, experts: dict[str, tuple[str, int]] | None = None) -> dict:
+                block: int, split: TensorParallelSplit, experts: dict[str, tuple[str, int, bool]] | None = None) -> dict:
     """Per FSDP unit: its all-gathered bytes in the compute dtype (a tp rank gathers its 1/tp), its
     element count and this rank's gradient shard; over the model: this rank's parameter shard and
     the allocator's rounding."""
@@ -251,8 +256,8 @@ def _unit_bytes(model: nn.Module, plan: ShardingPlan, shard_size: int, compute_d
         per_rank = shard_bytes(param, shard_size)[1]
         unit, gathered = plan.unit_index_of_parameter(name), param.numel()
         if name in (experts or {}):  # its own unit, gathering this rank's experts only
-            unit, ep = experts[name]
-            gathered //= ep
+            unit, ep, kept_whole = experts[name]
+            gathered = 0 if kept_whole and param.dtype == compute_dtype else gathered // ep
         out["shard"] += per_rank
         out["full"][unit] = out["full"].get(unit, 0) + gathered * compute_dtype.itemsize
         out["numel"][unit] = out["numel"].get(unit, 0) + gathered
