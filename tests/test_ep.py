@@ -68,7 +68,7 @@ def _checkpoint_checks(root: str, ep: int) -> dict:
     from fullshard.checkpoint import CheckpointManager, export_checkpoint, export_hf
     from fullshard.checkpoint.export import own_rows
     from fullshard.testing import make_batch
-    from fullshard.testing.compare import data_slice, full_state
+    from fullshard.testing.compare import full_state, step_on_slice
 
     root, name, rank, out = Path(root) / f"ep{ep}", "ep_mixtral", dist.get_rank(), {}
     if rank == 0:
@@ -88,16 +88,7 @@ def _checkpoint_checks(root: str, ep: int) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
     batch = make_batch(name, seed=5)
 
-    def step(m, opt):
-        loss = m(**data_slice(batch, rank, 4)).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        return float(total) / 4
-
-    step(model, optimizer)
+    step_on_slice(model, optimizer, batch)
     CheckpointManager(root / "ckpt").save(1, model, optimizer=optimizer)
     export_hf(model, root / "export")
     out["experts_gathered"] = sorted(k for k, t in model.state_dict().items() if k in experts and own_rows(t) is None)
@@ -106,7 +97,7 @@ def _checkpoint_checks(root: str, ep: int) -> dict:
     CheckpointManager(root / "ckpt").load(resumed, optimizer=resumed_optimizer)
     trained = full_state(model)
     out["resumed_equal"] = _equal(full_state(resumed), trained)
-    out["next_losses"] = (step(model, optimizer), step(resumed, resumed_optimizer))
+    out["next_losses"] = (step_on_slice(model, optimizer, batch), step_on_slice(resumed, resumed_optimizer, batch))
     out["next_weight_diff"] = max((full_state(model)[k] - v).abs().max().item() for k, v in full_state(resumed).items())
     if rank == 0:
         export_checkpoint(root / "ckpt", root / "offline")  # one process, no group: the stored tensors are global

@@ -63,7 +63,7 @@ def _checkpoint_checks(root: str) -> dict:
     from fullshard.checkpoint import CheckpointManager, export_checkpoint, export_hf
     from fullshard.checkpoint.export import own_rows
     from fullshard.testing import make_batch
-    from fullshard.testing.compare import data_slice, full_state
+    from fullshard.testing.compare import full_state, step_on_slice
     from fullshard.testing.moe_lists import ListMoeForCausalLM
 
     root, rank, out = Path(root), dist.get_rank(), {}
@@ -85,16 +85,7 @@ def _checkpoint_checks(root: str) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
     batch = make_batch("list_mixtral", seed=5)
 
-    def step(m, opt):
-        loss = m(**data_slice(batch, rank, 4)).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        return float(total) / 4
-
-    step(model, optimizer)
+    step_on_slice(model, optimizer, batch)
     CheckpointManager(root / "ckpt").save(1, model, optimizer=optimizer)
     export_hf(model, root / "export")
     out["experts_gathered"] = sorted(k for k, t in model.state_dict().items()
@@ -111,7 +102,7 @@ def _checkpoint_checks(root: str) -> dict:
     CheckpointManager(root / "ckpt").load(split, optimizer=split_optimizer)
     out["ep4_equal"] = _differ(full_state(split), trained, only_first=True)
     export_hf(split, root / "export_ep4")  # experts outside FSDP (efsdp 1): each written by its one holder
-    out["next_losses"] = (step(model, optimizer), step(resumed, resumed_optimizer), step(split, split_optimizer))
+    out["next_losses"] = (step_on_slice(model, optimizer, batch), step_on_slice(resumed, resumed_optimizer, batch), step_on_slice(split, split_optimizer, batch))
     final = full_state(model)
     out["next_weight_diff"] = max((other[k] - v).abs().max().item() for other in (full_state(resumed), full_state(split))
                                   for k, v in final.items() if k in other)

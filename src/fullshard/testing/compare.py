@@ -33,6 +33,17 @@ def data_slice(batch: dict, rank: int, world: int) -> dict:
     return {k: v[rank * size:(rank + 1) * size] for k, v in batch.items()}
 
 
+def step_on_slice(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: dict) -> float:
+    """One optimizer step of `model` on this rank's slice of `batch`; the loss averaged over every rank."""
+    loss = model(**data_slice(batch, get_rank(), get_world_size())).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    return float(total) / get_world_size()
+
+
 def reference_gaps(result: dict) -> tuple[float, float]:
     """The largest per-step gaps between a `train_against_reference` result's losses and grad norms
     and the reference's."""
