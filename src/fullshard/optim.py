@@ -196,15 +196,8 @@ def _combine_over_mesh(norm: torch.Tensor, like: DTensor, norm_type: float) -> t
 def _combine_over_world(norm: torch.Tensor, norm_type: float) -> torch.Tensor:
     """The norm of pieces each held by one rank of the world, from each rank's norm of its own."""
     if math.isinf(norm_type):
-        return _max_over_world(norm)
-    return _sum_over_world(norm.double() ** norm_type).pow(1.0 / norm_type).float()
-
-
-def _max_over_world(value: torch.Tensor) -> torch.Tensor:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        value = value.clone()
-        dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return value
+        return _over_world(norm, dist.ReduceOp.MAX)
+    return _over_world(norm.double() ** norm_type).pow(1.0 / norm_type).float()
 
 
 def scale_grads_(params: Iterable[torch.Tensor], factor: float) -> None:
@@ -235,18 +228,18 @@ def grad_norm_and_sum(params: Iterable[torch.Tensor], norm_type: float = 2.0, va
     fusable = across is None and math.isfinite(norm_type)
     powers = _local_norm_powers(_grads(params), norm_type, world, _unique_grads(params)) if fusable else None
     if powers is None:
-        return global_grad_norm(params, norm_type, across), None if values is None else _sum_over_world(values)
+        return global_grad_norm(params, norm_type, across), None if values is None else _over_world(values)
     buffer = torch.cat([powers.reshape(1).double(), torch.zeros(0) if values is None
                         else values.detach().reshape(-1).to(powers.device, torch.float64)])
-    buffer = _sum_over_world(buffer)
+    buffer = _over_world(buffer)
     norm = buffer[0].pow(1.0 / norm_type).float()
     return norm, None if values is None else buffer[1:].to(values.device, values.dtype).reshape(values.shape)
 
 
-def _sum_over_world(value: torch.Tensor) -> torch.Tensor:
+def _over_world(value: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
     if dist.is_initialized() and dist.get_world_size() > 1:
         value = value.clone()
-        dist.all_reduce(value)
+        dist.all_reduce(value, op=op)
     return value
 
 

@@ -141,14 +141,13 @@ class TwoPassDispatch:
 
         def replay(expert: int, rows: torch.Tensor) -> torch.Tensor:
             recorded, output = next(outputs, (None, None))
-            if recorded != (expert, rows.shape[0]):
-                raise RuntimeError(f"the MoE block routed differently in its second pass (expert {expert} with "
-                                   f"{rows.shape[0]} rows where {recorded} was recorded): its routing must be "
-                                   "deterministic for expert parallelism")
+            _same_call(recorded, (expert, rows.shape[0]))
             return output
 
         with _standing_in(self.experts, replay):
-            return self.forward(*args, **kwargs)
+            result = self.forward(*args, **kwargs)
+        _same_call(next(outputs, (None,))[0], None)  # and no recorded call was left out
+        return result
 
     def _exchange(self, calls: list[tuple[int, torch.Tensor]], like: torch.Tensor) -> list[tuple[tuple, torch.Tensor]]:
         """Every recorded call's rows to its expert's owner and back: ((expert, rows), output) per call."""
@@ -172,6 +171,13 @@ class TwoPassDispatch:
         returned = funcol.all_to_all_single_autograd(output.contiguous(), send_sizes, recv_sizes, self.group)
         pieces = dict(zip(order, returned.split([calls[i][1].shape[0] for i in order])))
         return [((e, rows.shape[0]), pieces[i]) for i, (e, rows) in enumerate(calls)]
+
+
+def _same_call(recorded: tuple | None, replayed: tuple | None) -> None:
+    if recorded != replayed:
+        raise RuntimeError(f"the MoE block called its experts differently in its second pass ((expert, rows) "
+                           f"{replayed} where the first had {recorded}; None: no call): its routing must be "
+                           "deterministic for expert parallelism")
 
 
 @contextlib.contextmanager
