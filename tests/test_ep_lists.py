@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor
 from fullshard import FSDP2Engine
 from fullshard.errors import PlanError
 from fullshard.parallel.ep import owned_experts
+from fullshard.tensors import replicated
 from fullshard.testing import build_model, run_distributed
 from fullshard.testing.compare import reference_gaps, train_against_reference
 
@@ -38,19 +39,22 @@ def expert_of(name: str) -> int | None:
     return int(parts[parts.index("experts") + 1]) if "experts" in parts else None
 
 
-def _held_experts(model) -> dict[str, tuple[int, int]]:
-    """Each expert parameter this rank holds: (elements held here, elements of the whole tensor)."""
+def _held_experts(model, initial: dict) -> dict[str, tuple[int, int, bool]]:
+    """Each expert parameter this rank holds: (elements held here, elements of the whole tensor,
+    whether training moved it from `initial`)."""
     held = {}
     for name, param in model.named_parameters():
         if expert_of(name) is not None:
             local = param.to_local() if isinstance(param, DTensor) else param
-            held[name] = (local.numel(), param.numel())
+            held[name] = (local.numel(), param.numel(), not torch.equal(replicated(param.detach()), initial[name]))
     return held
 
 
 def _train(ep: int, name: str, **kwargs) -> dict:
     engine = FSDP2Engine({"mixed_precision": "fp32", "ep_size": ep, **kwargs.pop("engine", {})})
-    return train_against_reference(name, engine.prepare_model, max_norm=MAX_NORM, inspect=_held_experts, **kwargs)
+    initial = build_model(name).state_dict()  # what train_against_reference starts from
+    return train_against_reference(name, engine.prepare_model, max_norm=MAX_NORM, **kwargs,
+                                   inspect=lambda model: _held_experts(model, initial))
 
 
 def _checkpoint_checks(root: str) -> dict:
@@ -177,8 +181,19 @@ def test_each_rank_holds_only_its_experts(world_4):
             assert r["missing"] and all(expert_of(n) not in owned for n in r["missing"]), (ep, name, r["missing"][:3])
             held = r["inspect"]
             assert {expert_of(n) for n in held} == set(owned), (ep, name, sorted(held)[:3])
-            assert all(local * (4 // ep) == whole for local, whole in held.values()), (ep, name)
+            assert all(local * (4 // ep) == whole for local, whole, _ in held.values()), (ep, name)
             assert len(held) + len(r["missing"]) == 2 * 3 * EXPERTS  # layers x (w1, w2, w3) x experts
+
+
+def test_experts_no_block_called_have_no_gradient(world_4):
+    """A block that skips experts without tokens gives them no gradient in one process, so AdamW leaves
+    them bit for bit (no weight decay); under ep too, though their owners ran other experts. A block
+    calling every expert (even on no rows) gives zero gradients, which decay: those moved."""
+    for result in world_4:
+        for ep in (2, 4):
+            for name, moves in (("idle_list_skip_idle", False), ("idle_list_mixtral", True)):
+                held = result["parity"][(ep, name)]["inspect"]
+                assert all(moved == (moves or expert_of(n) < 2) for n, (_, _, moved) in held.items()), (ep, name)
 
 
 def test_bf16_experts_kept_whole_compute_in_bf16(world_4):

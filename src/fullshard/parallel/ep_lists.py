@@ -83,11 +83,16 @@ class LocalExperts(nn.Module):
         raise IndexError(f"expert {expert} is held by another ep rank (this one holds experts "
                          f"{self.owned[0]}-{self.owned[-1]} of {self.num_experts})")
 
-    def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """Rows grouped by local expert (`counts` each) -> their outputs, in the same order. Every
-        expert runs, on no rows if it got none, so every rank reduces the same gradients."""
+    def forward(self, rows: torch.Tensor, counts: list[int], called: list[bool]) -> torch.Tensor:
+        """Rows grouped by local expert (`counts` each) -> their outputs, in the same order. The experts
+        some rank's block called run, on no rows if none came here: as in one process, an expert the
+        whole batch called has a gradient (zero without rows) and one nobody called has none; every
+        rank holding an expert sees the same calls, so FSDP reduces the same gradients on each."""
+        chunks = [(e, chunk) for e, chunk, runs in zip(self.owned, rows.split(counts), called) if runs]
+        if not chunks:
+            return rows.clone()  # no rows either
         with contextlib.nullcontext() if self.grad_divisor == 1.0 else _outside_fsdp(self, rows.dtype, self.grad_divisor):
-            return torch.cat([self._modules[str(e)](chunk) for e, chunk in zip(self.owned, rows.split(counts))])
+            return torch.cat([self._modules[str(e)](chunk) for e, chunk in chunks])
 
 
 def unique_parameters(params: Iterable[torch.Tensor]) -> set[int]:
@@ -124,6 +129,7 @@ class TwoPassDispatch:
     def __init__(self, forward: Callable, experts: LocalExperts, ep_mesh: DeviceMesh):
         self.forward, self.experts = forward, experts
         self.group, self.ep = ep_mesh.get_group(), ep_mesh.size()
+        self.sources = ep_mesh.mesh.tolist()  # the global ranks of this ep group, in ep order
 
     def __call__(self, *args, **kwargs):
         like = next(t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.is_floating_point())
@@ -154,20 +160,27 @@ class TwoPassDispatch:
         num, local = self.experts.num_experts, len(self.experts.owned)
         order = sorted(range(len(calls)), key=lambda i: calls[i][0])  # by expert, so by owner
         send = torch.cat([calls[i][1] for i in order]) if calls else like.new_zeros((0, like.shape[-1]))
-        counts = [0] * num
+        counts, called = [0] * num, [False] * num
         for expert, rows in calls:
             counts[expert] += rows.shape[0]
-        send_counts = torch.tensor(counts, device=like.device)
-        recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=self.group)  # per source rank, per local expert
-        table = recv_counts.view(self.ep, local).tolist()  # the one host sync of the layer
+            called[expert] = True
+        # every rank's calls, a call as its rows + 1: the owners' rows, and whether any rank's block
+        # called an expert at all (what decides, in one process, whether it has a gradient)
+        mine = torch.tensor([c + 1 if k else 0 for c, k in zip(counts, called)], device=like.device)
+        everyone = mine.new_empty(dist.get_world_size() * num)
+        dist.all_gather_into_tensor(everyone, mine)
+        everyone = everyone.view(-1, num).tolist()  # the one host sync of the layer
+        owned = self.experts.owned
+        table = [[max(everyone[r][e] - 1, 0) for e in owned] for r in self.sources]  # per source, per local expert
         send_sizes = [sum(counts[r * local:(r + 1) * local]) for r in range(self.ep)]
         recv_sizes = [sum(row) for row in table]
         received = funcol.all_to_all_single_autograd(send.contiguous(), recv_sizes, send_sizes, self.group)
         # arrived grouped by source rank, then expert: the experts want them grouped by expert
-        local_ids = torch.arange(local, device=like.device).repeat(self.ep).repeat_interleave(recv_counts)
+        per_row = torch.tensor([n for row in table for n in row], device=like.device)
+        local_ids = torch.arange(local, device=like.device).repeat(self.ep).repeat_interleave(per_row)
         by_expert = torch.argsort(local_ids, stable=True)
-        output = self.experts(received[by_expert], [sum(column) for column in zip(*table)])[torch.argsort(by_expert)]
+        output = self.experts(received[by_expert], [sum(column) for column in zip(*table)],
+                              [any(row[e] for row in everyone) for e in owned])[torch.argsort(by_expert)]
         returned = funcol.all_to_all_single_autograd(output.contiguous(), send_sizes, recv_sizes, self.group)
         pieces = dict(zip(order, returned.split([calls[i][1].shape[0] for i in order])))
         return [((e, rows.shape[0]), pieces[i]) for i, (e, rows) in enumerate(calls)]
