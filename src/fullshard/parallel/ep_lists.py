@@ -10,9 +10,11 @@ of its own; the model records the names other ranks hold (`fullshard.tensors.mar
 as a pipeline stage does, so loading, resuming and exporting expect them elsewhere.
 
 Dispatch without rewriting the block: the block's forward runs twice. In the first pass each
-`self.experts[e](x)` records `(e, x)` and returns zeros; the recorded rows then go to their
-experts' owners with one all-to-all, the owners run them through `LocalExperts` (one module call,
-so FSDP's hooks on it fire once), and a second all-to-all brings the outputs home. In the second
+`self.experts[e](x)` records `(e, x)` and returns zeros; every rank's calls per expert are gathered
+(a small all-gather over the world: the owners' row counts, and whether any block called an expert
+at all), the recorded rows go to their experts' owners with one all-to-all, the owners run them
+through `LocalExperts` (one module call, so FSDP's hooks on it fire once), and a second all-to-all
+brings the outputs home. In the second
 pass `self.experts[e](x)` returns the output computed for that call, and the block combines them
 with its own router weights, differentiably. The second pass starts from the random state the
 first did (router jitter routes the same), and the first works on copies of the block's inputs (a
@@ -25,8 +27,10 @@ Gradients: an expert's gradient on its owner sums every rank's tokens (the all-t
 brings them), so it is divided by the whole data-parallel size, as fused experts' are: by FSDP over
 the efsdp ranks, or, where no other rank holds them (efsdp 1) and FSDP leaves them out, in the
 graph of their call, which also casts them to the compute dtype (the engine's `shard` callback
-decides). Each element of these experts lives on one rank of the world: `unique_parameters` tells
-the global norm not to count it as a replica.
+decides). An expert that no rank's block called (a block that skips experts without tokens) has no
+gradient, as in one process, so AdamW leaves it alone; one called by some block has one, zero
+without rows. Each element of these experts lives on one rank of the world: `unique_parameters`
+tells the global norm not to count it as a replica.
 """
 
 from __future__ import annotations
