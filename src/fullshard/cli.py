@@ -155,7 +155,7 @@ def cmd_plan(argv: list[str]) -> int:
     from .dtypes import DTYPES
     from .plan import build_plan
     from .strategy import batch_arithmetic, describe_mesh
-    from .parallel.ep import expert_owners
+    from .parallel.ep import describe_expert_parallel
     from .train.memory import estimate_memory
 
     parser = argparse.ArgumentParser(prog="fullshard plan")
@@ -192,10 +192,7 @@ def cmd_plan(argv: list[str]) -> int:
         print(f"\ntensor parallel (tp {dims.tp}; the table above counts whole parameters, each tp rank holds its "
               "slice of the split ones):\n" + describe_tp(model, assignments, dims.tp))
     if dims.ep > 1:
-        layout = ("each experts module is its own unit, gathering only the experts its rank owns" if dims.efsdp > 1
-                  else "no other rank holds a rank's experts: kept whole, outside FSDP, never gathered")
-        print(f"\nexpert parallel (ep {dims.ep} x efsdp {dims.efsdp}; {layout}; the table above counts the experts "
-              "inside their layers):\n" + "\n".join(expert_owners(model, dims.ep)))
+        print("\n" + describe_expert_parallel(model, dims.ep, dims.efsdp))
     print(f"\nper-rank memory estimate (micro batch {micro} x {seq_len} tokens over cp {dims.cp}, compute {precision}, "
           f"activation checkpointing {fsdp.activation_checkpointing}, {config.optim.name}, "
           f"loss chunks of {config.train.loss_chunk_tokens or 'all the'} tokens, "

@@ -241,8 +241,16 @@ def _in_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return tensor.to(dtype) if tensor.is_floating_point() and tensor.dtype != dtype else tensor
 
 
+def describe_expert_parallel(model: nn.Module, ep: int, efsdp: int) -> str:
+    """What `fullshard plan` prints under ep: how the experts are held and which each ep rank owns."""
+    layout = ("each experts module is its own unit, gathering only the experts its rank owns" if efsdp > 1
+              else "no other rank holds a rank's experts: kept whole, outside FSDP, never gathered")
+    return (f"expert parallel (ep {ep} x efsdp {efsdp}; {layout}; the table above counts the experts inside "
+            "their layers):\n" + "\n".join(expert_owners(model, ep)))
+
+
 def expert_owners(model: nn.Module, ep: int) -> list[str]:
-    """One line per ep rank: which experts of each experts module it owns (what `fullshard plan` prints)."""
+    """One line per ep rank: which experts of each experts module (fused or a per-expert list) it owns."""
     experts = [e.num_experts for e in check_expert_parallel(model, ep)]
     experts += [len(model.get_submodule(name)) for name in per_expert_module_lists(model)]
     counts = sorted(set(experts))
