@@ -34,6 +34,21 @@ def route_to_expert_0_and_1(model):
     return model
 
 
+def route_by_call_count(model):
+    """A router that changes its mind from one call to the next (odd calls pick experts 0 and 1, even
+    ones 6 and 7): a block whose two passes route differently."""
+    calls = [0]
+
+    def hook(module, args, out):
+        calls[0] += 1
+        return out + torch.tensor([50.0, 50.0] + [0.0] * (EXPERTS - 2)).roll(6 * (calls[0] % 2))
+
+    for name, module in model.named_modules():
+        if name.endswith("block_sparse_moe.gate"):
+            module.register_forward_hook(hook)
+    return model
+
+
 def expert_of(name: str) -> int | None:
     parts = name.split(".")
     return int(parts[parts.index("experts") + 1]) if "experts" in parts else None
@@ -149,7 +164,12 @@ def _world_4_checks(root: str) -> dict:
     parity[(4, "bf16")] = _train(4, "list_shared", steps=2, engine={"mixed_precision": "bf16"})
     # router jitter draws noise per rank, so no run matches one process: ep 2 must match plain FSDP
     jitter = {ep: _train(ep, "list_jitter", steps=3)["loss"] for ep in (1, 2)}
-    return {"parity": parity, "jitter": jitter, "checkpoint": _checkpoint_checks(root)}
+    try:
+        _train(2, "list_mixtral", prepare=route_by_call_count, steps=1)
+        unstable = None
+    except RuntimeError as error:
+        unstable = str(error)
+    return {"parity": parity, "jitter": jitter, "unstable": unstable, "checkpoint": _checkpoint_checks(root)}
 
 
 @pytest.fixture(scope="module")
@@ -208,6 +228,12 @@ def test_router_jitter_routes_the_same_in_both_passes(world_4):
     for result in world_4:
         plain, split = result["jitter"][1], result["jitter"][2]
         assert max(abs(a - b) for a, b in zip(plain, split)) < TOL, (plain, split)
+
+
+def test_routing_that_differs_between_the_passes_is_refused(world_4):
+    for result in world_4:
+        assert "the MoE block called its experts differently in its second pass" in (result["unstable"] or ""), result
+        assert "its routing must be deterministic" in result["unstable"]
 
 
 def test_per_expert_lists_load_save_resume_and_export(world_4):
