@@ -51,6 +51,21 @@ def reference_gaps(result: dict) -> tuple[float, float]:
             max(abs(a - b) for a, b in zip(result["norm"], result["ref_norm"])))
 
 
+def parity_problems(results: dict, tol: float, max_norm: float = 0.0, complete: bool = True) -> list[str]:
+    """What is wrong in `train_against_reference` results (by key): a loss, grad-norm or weight gap
+    above `tol`, names one side lacks (unless not `complete`: a rank holding part of the model), a
+    first reference grad norm that `max_norm` would not clip."""
+    problems = []
+    for key, r in results.items():
+        loss, norm = reference_gaps(r)
+        if max(loss, norm, r["max_weight_diff"]) > tol or (complete and r["missing"]):
+            problems.append(f"{key}: loss {loss:.1e} norm {norm:.1e} weight {r['max_weight_diff']:.1e} "
+                            f"({r['worst_weight']}) missing {r['missing'] if complete else '-'}")
+        if max_norm > 0 and not r["ref_norm"][0] > max_norm:
+            problems.append(f"{key}: first grad norm {r['ref_norm'][0]:.2f} is not clipped by {max_norm}")
+    return problems
+
+
 def train_against_reference(
     name: str,
     shard: Callable[[torch.nn.Module], torch.nn.Module],
