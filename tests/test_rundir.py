@@ -48,11 +48,12 @@ def test_one_run_per_directory_through_the_launcher(tmp_path):
         first.kill()  # SIGKILL: no handler runs in the launcher
         first.wait()
     assert no_process_left("held"), fullshard_processes("held")
-    old = sorted(int(p.name[5:]) for p in (tmp_path / "held" / "checkpoints").glob("step_*"))
-    assert old and old[-1] > 3  # the old run got past the step the new one ends at
 
     fresh = run_cli("train", "tiny.yaml", "--train.output_dir=held", "--checkpoint.resume=none", "--nproc=2",
                     cwd=tmp_path)
+    # listed after that run looked: a save the kill cut between its two renames is finished by it
+    old = sorted(int(p.name[5:]) for p in (tmp_path / "held" / "checkpoints").glob("step_*"))
+    assert old and old[-1] > 3  # the old run got past the step the new one ends at
     assert fresh.returncode == 2 and "launching" not in fresh.stdout
     assert f"taking over the lock of a run that is gone (host {socket.gethostname()}, PID {first.pid})" in fresh.stderr
     refusal = fresh.stderr.strip().splitlines()[-1]
