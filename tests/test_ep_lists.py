@@ -16,7 +16,7 @@ from fullshard import FSDP2Engine
 from fullshard.errors import PlanError
 from fullshard.parallel.ep import owned_experts
 from fullshard.tensors import replicated
-from fullshard.testing import build_model, run_distributed
+from fullshard.testing import build_model, make_batch, run_distributed
 from fullshard.testing.compare import parity_problems, train_against_reference
 
 TOL = 1e-5
@@ -42,6 +42,30 @@ def route_by_call_count(model):
     def hook(module, args, out):
         calls[0] += 1
         return out + torch.tensor([50.0, 50.0] + [0.0] * (EXPERTS - 2)).roll(6 * (calls[0] % 2))
+
+    for name, module in model.named_modules():
+        if name.endswith("block_sparse_moe.gate"):
+            module.register_forward_hook(hook)
+    return model
+
+
+def route_around_experts_6_and_7(model):
+    """Expert 7 gets no token anywhere; expert 6 only the tokens of one id found in the first sequence
+    of the batch alone, so, one sequence per rank, only on rank 0 (the router reads the batch's ids,
+    which a forward pre-hook on the model keeps)."""
+    batch = make_batch("list_skip_idle", seed=100)["input_ids"]  # train_against_reference's batch
+    token = next(t for t in batch[0].tolist() if t not in batch[1:])
+    ids = []
+
+    def keep_ids(module, args, kwargs):
+        ids[:] = [kwargs["input_ids"]]
+
+    model.register_forward_pre_hook(keep_ids, with_kwargs=True)
+    bias = torch.tensor([0.0] * (EXPERTS - 2) + [-50.0, -50.0])
+    boost = torch.tensor([0.0] * (EXPERTS - 2) + [100.0, 0.0])
+
+    def hook(module, args, out):
+        return out + bias + (ids[0].reshape(-1, 1) == token) * boost
 
     for name, module in model.named_modules():
         if name.endswith("block_sparse_moe.gate"):
@@ -81,7 +105,6 @@ def _checkpoint_checks(root: str) -> dict:
     from fullshard import from_pretrained
     from fullshard.checkpoint import CheckpointManager, export_checkpoint, export_hf
     from fullshard.checkpoint.export import own_rows
-    from fullshard.testing import make_batch
     from fullshard.testing.compare import full_state, step_on_slice
     from fullshard.testing.moe_lists import ListMoeForCausalLM
 
@@ -169,7 +192,17 @@ def _world_4_checks(root: str) -> dict:
         unstable = None
     except RuntimeError as error:
         unstable = str(error)
-    return {"parity": parity, "jitter": jitter, "unstable": unstable, "checkpoint": _checkpoint_checks(root)}
+    return {"parity": parity, "plain": _plain_fsdp_checks(), "jitter": jitter, "unstable": unstable,
+            "checkpoint": _checkpoint_checks(root)}
+
+
+def _plain_fsdp_checks() -> dict:
+    """FSDP without ep on a block that skips experts without tokens: natural routing, and routing
+    where one expert gets no token anywhere and one only on rank 0, with and without checkpointing."""
+    return {"skip_idle": _train(1, "list_skip_idle"),
+            "routed": _train(1, "list_skip_idle", prepare=route_around_experts_6_and_7),
+            "routed_checkpointed": _train(1, "list_skip_idle", prepare=route_around_experts_6_and_7, steps=3,
+                                          engine={"activation_checkpointing": True})}
 
 
 @pytest.fixture(scope="module")

@@ -37,7 +37,7 @@ from .loading.materialize import tie_declared_weights
 from .loading.rank0 import LOADED, RANK0, agree_on_layout, init_from_rank0
 from .parallel.cp import check_context_parallel, enable_context_parallel
 from .parallel.ep import apply_expert_parallel, check_expert_parallel, global_router_loss
-from .parallel.ep_lists import apply_expert_lists
+from .parallel.ep_lists import agree_on_expert_calls, apply_expert_lists
 from .parallel.pp import check_pipeline_config, prepare_pipeline
 from .parallel.tp import apply_tp_styles, plan_assignments, resolve_tp_plan
 from .plan import ShardingPlan, build_plan
@@ -284,6 +284,7 @@ class FSDP2Engine:
         if get_world_size() > 1 and self.dims.tp == 1 and self.dims.pp == 1:
             global_router_loss(model, dist.group.WORLD)
         if self.meshes.ep is None:
+            agree_on_expert_calls(model, self.mesh)  # per-expert lists: the same experts get gradients on every rank
             return
         with agreed(PlanError, "expert parallel"):
             experts = check_expert_parallel(model, self.dims.ep)

@@ -219,3 +219,93 @@ def _outside_fsdp(module: nn.Module, dtype: torch.dtype, grad_divisor: float):
     finally:
         for owner, name, param in slots:
             owner._parameters[name] = param
+
+
+def agree_on_expert_calls(model: nn.Module, dp_mesh: DeviceMesh) -> None:
+    """Without ep, make the ranks FSDP reduces over agree on which experts of every per-expert list
+    (`ep.per_expert_module_lists`) have a gradient.
+
+    FSDP reduces only the parameters that have one, and a block that skips experts without tokens
+    (transformers 4.x's `expert_hit` loop, DeepSeek's `if num_tokens == 0: continue`) gives each rank
+    its own set: the ranks' reduce-scatters no longer match (gloo: a collective mismatch; NCCL: a
+    hang). One process on the whole batch gives an expert a gradient iff some token reached it, so
+    each block's calls are OR-ed over the data-parallel ranks (`AgreedExpertCalls`), and an expert
+    called elsewhere but not here runs here on no rows: a zero gradient, as FSDP's sum wants. The
+    block, its experts and every name stay as they are."""
+    if dp_mesh.size() == 1:
+        return
+    for name in per_expert_module_lists(model):
+        parent, _, attr = name.rpartition(".")
+        block = model.get_submodule(parent)
+        block.forward = AgreedExpertCalls(block.forward, getattr(block, attr), dp_mesh)
+
+
+class AgreedExpertCalls:
+    """A per-expert MoE block's forward that, where gradients are recorded, agrees with the other
+    data-parallel ranks on the experts it called (see `agree_on_expert_calls`).
+
+    The calls are seen by forward pre-hooks on the experts (a block that calls `expert.forward`
+    directly is not seen). One small all-reduce per block call, in the same order on every rank,
+    checkpoint recompute included; none under `no_grad` (evaluation, generation), where the ranks
+    may call the model a different number of times and no gradient is reduced."""
+
+    def __init__(self, forward: Callable, experts: nn.ModuleList, dp_mesh: DeviceMesh):
+        self.forward, self.experts = forward, experts
+        self.groups = [dp_mesh.get_group(dim) for dim in range(dp_mesh.ndim)]  # HSDP: replicate and shard
+        self.called: list[bool] | None = None
+        for index, expert in enumerate(experts):
+            expert.register_forward_pre_hook(functools.partial(self._record, index))
+
+    def _record(self, index: int, module: nn.Module, args) -> None:
+        if self.called is not None:
+            self.called[index] = True
+
+    def __call__(self, *args, **kwargs):
+        if not (torch.is_grad_enabled() and any(p.requires_grad for p in self.experts.parameters())):
+            return self.forward(*args, **kwargs)
+        self.called = [False] * len(self.experts)
+        try:
+            result = self.forward(*args, **kwargs)
+            called = self.called
+        finally:
+            self.called = None
+        like = next(t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.is_floating_point())
+        everywhere = _called_anywhere(called, like.device, self.groups)
+        no_rows = like.reshape(-1, like.shape[-1])[:0]
+        idle = [self.experts[e](no_rows) for e, (here, anywhere) in enumerate(zip(called, everywhere.tolist()))
+                if anywhere and not here]
+        return _tie_into_first_tensor(result, everywhere, idle)
+
+
+@torch.compiler.disable
+def _called_anywhere(called: list[bool], device: torch.device, groups: list[dist.ProcessGroup]) -> torch.Tensor:
+    flags = torch.tensor(called, dtype=torch.int32, device=device)
+    for group in groups:  # a max over each mesh dim in turn: over the whole mesh
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    return flags
+
+
+def _tie_into_first_tensor(result, flags: torch.Tensor, idle: list[torch.Tensor]):
+    """`result` (a tensor, or a tuple whose first tensor is the block's output) with `_Tie` on that tensor."""
+    if isinstance(result, torch.Tensor):
+        return _Tie.apply(result, flags, *idle)
+    first = next(i for i, item in enumerate(result) if isinstance(item, torch.Tensor))
+    return type(result)((*result[:first], _Tie.apply(result[first], flags, *idle), *result[first + 1:]))
+
+
+class _Tie(torch.autograd.Function):
+    """The block's output, unchanged, with the empty outputs of experts run on no rows as inputs whose
+    gradient is empty: autograd runs those experts' backward, which leaves each parameter a zero
+    gradient. It also saves the agreed flags on every rank, so a non-reentrant checkpoint's recompute
+    (which stops once every saved tensor is back) reaches the all-reduce on every rank, not only on
+    those whose idle experts saved tensors after it."""
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, flags: torch.Tensor, *idle: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(flags)
+        ctx.idle = [(t.shape, t.dtype, t.device) for t in idle]
+        return output.clone()  # a new tensor: a block or layer may still change its output in place
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return (grad, None, *(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.idle))
