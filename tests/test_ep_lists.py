@@ -3,7 +3,8 @@
 sharded over 2 efsdp ranks) and ep 4 on 4 ranks, AdamW with global clipping, blocks that call every
 expert or only those with tokens, a shared expert, experts no token reaches, activation
 checkpointing, router jitter; each rank holding its own experts' names only; loading, saving,
-resuming without ep and exporting. One 4-rank group."""
+resuming without ep and exporting; and plain FSDP (ep 1) on a block skipping experts without tokens,
+whose ranks call different experts. One 4-rank group."""
 
 from pathlib import Path
 
@@ -215,6 +216,20 @@ def test_per_expert_lists_match_single_process(world_4):
            for problem in parity_problems({k: r for k, r in result["parity"].items() if k != (4, "bf16")}, TOL,
                                           MAX_NORM, complete=False)]
     assert not bad, "\n".join(bad)
+
+
+def test_plain_fsdp_on_blocks_skipping_idle_experts_matches_single_process(world_4):
+    """Without ep the ranks' blocks call different experts; each rank still reduces the gradients of
+    every expert some rank called (zero where it had no rows), so FSDP's reduce-scatters match and the
+    run is one process's: an expert no token reached has no gradient and stays bit for bit, one reached
+    only on rank 0 trains."""
+    bad = [f"rank {rank} {problem}" for rank, result in enumerate(world_4)
+           for problem in parity_problems(result["plain"], TOL, MAX_NORM)]
+    assert not bad, "\n".join(bad)
+    for result in world_4:
+        for name in ("routed", "routed_checkpointed"):
+            held = result["plain"][name]["inspect"]
+            assert all(moved == (expert_of(n) != 7) for n, (_, _, moved) in held.items()), name
 
 
 def test_each_rank_holds_only_its_experts(world_4):
