@@ -199,11 +199,14 @@ def _world_4_checks(root: str) -> dict:
 
 def _plain_fsdp_checks() -> dict:
     """FSDP without ep on a block that skips experts without tokens: natural routing, and routing
-    where one expert gets no token anywhere and one only on rank 0, with and without checkpointing."""
+    where one expert gets no token anywhere and one only on rank 0, with and without checkpointing,
+    and over an HSDP mesh (2 x 2: the calls agree over both dims)."""
     return {"skip_idle": _train(1, "list_skip_idle"),
             "routed": _train(1, "list_skip_idle", prepare=route_around_experts_6_and_7),
             "routed_checkpointed": _train(1, "list_skip_idle", prepare=route_around_experts_6_and_7, steps=3,
-                                          engine={"activation_checkpointing": True})}
+                                          engine={"activation_checkpointing": True}),
+            "routed_hsdp": _train(1, "list_skip_idle", prepare=route_around_experts_6_and_7, steps=2,
+                                  engine={"dp_replicate": 2})}
 
 
 @pytest.fixture(scope="module")
@@ -227,7 +230,7 @@ def test_plain_fsdp_on_blocks_skipping_idle_experts_matches_single_process(world
            for problem in parity_problems(result["plain"], TOL, MAX_NORM)]
     assert not bad, "\n".join(bad)
     for result in world_4:
-        for name in ("routed", "routed_checkpointed"):
+        for name in ("routed", "routed_checkpointed", "routed_hsdp"):
             held = result["plain"][name]["inspect"]
             assert all(moved == (expert_of(n) != 7) for n, (_, _, moved) in held.items()), name
 

@@ -31,6 +31,10 @@ decides). An expert that no rank's block called (a block that skips experts with
 gradient, as in one process, so AdamW leaves it alone; one called by some block has one, zero
 without rows. Each element of these experts lives on one rank of the world: `unique_parameters`
 tells the global norm not to count it as a replica.
+
+Without ep (`agree_on_expert_calls`) no row moves, but the same rule needs the ranks to agree: a
+block skipping experts without tokens calls different experts on different data-parallel ranks, so
+the calls are OR-ed over them and an expert called only elsewhere runs here on no rows.
 """
 
 from __future__ import annotations
@@ -136,7 +140,7 @@ class TwoPassDispatch:
         self.sources = ep_mesh.mesh.tolist()  # the global ranks of this ep group, in ep order
 
     def __call__(self, *args, **kwargs):
-        like = next(t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.is_floating_point())
+        like = _first_float_tensor(args, kwargs)  # the tokens, (..., hidden)
         calls: list[tuple[int, torch.Tensor]] = []
 
         def record(expert: int, rows: torch.Tensor) -> torch.Tensor:
@@ -188,6 +192,10 @@ class TwoPassDispatch:
         returned = funcol.all_to_all_single_autograd(output.contiguous(), send_sizes, recv_sizes, self.group)
         pieces = dict(zip(order, returned.split([calls[i][1].shape[0] for i in order])))
         return [((e, rows.shape[0]), pieces[i]) for i, (e, rows) in enumerate(calls)]
+
+
+def _first_float_tensor(args: tuple, kwargs: dict) -> torch.Tensor:
+    return next(t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.is_floating_point())
 
 
 def _same_call(recorded: tuple | None, replayed: tuple | None) -> None:
@@ -269,7 +277,7 @@ class AgreedExpertCalls:
             called = self.called
         finally:
             self.called = None
-        like = next(t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.is_floating_point())
+        like = _first_float_tensor(args, kwargs)  # the tokens, (..., hidden)
         everywhere = _called_anywhere(called, like.device, self.groups)
         no_rows = like.reshape(-1, like.shape[-1])[:0]
         idle = [self.experts[e](no_rows) for e, (here, anywhere) in enumerate(zip(called, everywhere.tolist()))
