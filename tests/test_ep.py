@@ -150,18 +150,20 @@ def _world_4_checks(root: str):
         m, {"r": 4, "target_modules": ["q_proj", "v_proj"]}))
     checkpointing = FSDP2Engine({"mixed_precision": "fp32", "ep_size": 2, "activation_checkpointing": True})
     results[(2, "activation_checkpointing")] = _train(checkpointing, "ep_qwen3_moe", steps=2)
+    compiled = {(ep, name): train_against_reference(name, FSDP2Engine({"mixed_precision": "fp32", "ep_size": ep,
+                                                                       "compile": True}).prepare_model,
+                                                    steps=2, max_norm=MAX_NORM)
+                for ep, name in ((2, "ep_qwen3_moe"), (4, "list_mixtral"))}
     errors = {
         "ep_not_dividing": _refused(lambda: FSDP2Engine({"ep_size": 3})),
         "experts_not_dividing": _refused(
             lambda: FSDP2Engine({"ep_size": 4}).prepare_model(build_model("ep_mixtral", num_local_experts=6))),
         "dense_model": _refused(lambda: FSDP2Engine({"ep_size": 2}).prepare_model(build_model("llama"))),
         "with_tp": _refused(lambda: FSDP2Engine({"ep_size": 2, "tp_size": 2})),
-        "with_compile": _refused(
-            lambda: FSDP2Engine({"ep_size": 2, "compile": True}).prepare_model(build_model("ep_mixtral"))),
     }
     bf16 = FSDP2Engine({"mixed_precision": "bf16", "ep_size": 4})
     results[(4, "bf16")] = _train(bf16, "ep_qwen3_moe", steps=2)
-    return {"parity": results, "errors": errors, "checkpoint": {ep: _checkpoint_checks(root, ep) for ep in (2, 4)},
+    return {"parity": results, "compiled": compiled, "errors": errors, "checkpoint": {ep: _checkpoint_checks(root, ep) for ep in (2, 4)},
             "trainer": _trainer_runs(root)}
 
 
@@ -174,6 +176,14 @@ def test_ep_matches_single_process_for_every_moe_family(world_4):
     bad = [f"rank {rank} {problem}" for rank, result in enumerate(world_4)
            for problem in parity_problems({k: r for k, r in result["parity"].items() if k != (4, "bf16")}, TOL,
                                           MAX_NORM)]
+    assert not bad, "\n".join(bad)
+
+
+def test_compiled_blocks_compose_with_ep(world_4):
+    """Compiled blocks run the dispatch eagerly (it reads split sizes on the host), the rest compiled:
+    fused experts at ep 2 and a per-expert list at ep 4 equal one eager process."""
+    bad = [f"rank {rank} {problem}" for rank, result in enumerate(world_4)
+           for problem in parity_problems(result["compiled"], TOL, MAX_NORM, complete=False)]
     assert not bad, "\n".join(bad)
 
 
@@ -208,7 +218,6 @@ def test_bad_ep_input_refused_on_every_rank(world_4):
         "experts_not_dividing": "num_experts=6, not divisible by ep_size",
         "dense_model": "ep_size=2 but LlamaForCausalLM has no MoE experts to split",
         "with_tp": "ConfigError: ep_size=2 does not compose with tp=2 yet",
-        "with_compile": "ep_size=2 does not compose with compile yet",
     }
     for result in world_4:
         for key, text in expected.items():
