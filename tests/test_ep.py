@@ -1,6 +1,7 @@
 """Expert parallelism against one process on the whole batch: every MoE family transformers builds small,
 ep 2 (experts further sharded over 2 efsdp ranks) and ep 4, AdamW with global clipping, experts that get
-no token, each rank's share of the experts, and bad input refused on every rank. One 4-rank group."""
+no token, each rank's share of the experts, compiled blocks, and bad input refused on every rank: one 4-rank
+group; then the CLI at ep 2 on 4 ranks, resumed on 2 without ep, against the group's ep 1 trainer run."""
 
 from pathlib import Path
 
@@ -108,8 +109,14 @@ def _checkpoint_checks(root: str, ep: int) -> dict:
     return out
 
 
-def _trainer_runs(root: str) -> dict:
-    """The trainer on a local tiny Mixtral: 4 steps at ep 1, and 2 steps at ep 2 resumed for 2 at ep 1."""
+def _trainer_args(root: Path) -> list[str]:
+    return [f"--model.name_or_path={root}/moe", f"--data.path={root}/doc.txt", "--data.seq_len=32",
+            "--train.micro_batch_size=2", "--train.global_batch_size=8", "--train.steps=4", "--train.log_every=1",
+            "--train.plot=false", "--train.max_norm=0.5", "--checkpoint.every=2"]
+
+
+def _trainer_reference(root: str) -> dict:
+    """The trainer on a local tiny Mixtral, 4 steps at ep 1 (the run the CLI's ep runs must equal)."""
     from fullshard.data.builtin import byte_tokenizer
     from fullshard.train import load_config, train
 
@@ -119,15 +126,7 @@ def _trainer_runs(root: str) -> dict:
         byte_tokenizer().save_pretrained(root / "moe")
         (root / "doc.txt").write_text("".join(f"w{(i * 7919) % 613} " for i in range(2000)))
     dist.barrier()
-
-    def config(run: str, *extra):
-        return load_config(None, [f"--model.name_or_path={root}/moe", f"--data.path={root}/doc.txt", "--data.seq_len=32",
-                                  "--train.micro_batch_size=2", "--train.global_batch_size=8", "--train.steps=4",
-                                  "--train.log_every=1", "--train.plot=false", "--train.max_norm=0.5",
-                                  "--checkpoint.every=2", f"--train.output_dir={root}/{run}", *extra])
-
-    return {"ep1": train(config("ep1")), "ep2": train(config("ep2", "--fsdp.ep_size=2", "--train.stop_after=2")),
-            "resumed": train(config("ep2"))}
+    return train(load_config(None, [*_trainer_args(root), f"--train.output_dir={root}/ep1"]))
 
 
 def _equal(state: dict, reference: dict) -> list[str]:
@@ -164,7 +163,7 @@ def _world_4_checks(root: str):
     bf16 = FSDP2Engine({"mixed_precision": "bf16", "ep_size": 4})
     results[(4, "bf16")] = _train(bf16, "ep_qwen3_moe", steps=2)
     return {"parity": results, "compiled": compiled, "errors": errors, "checkpoint": {ep: _checkpoint_checks(root, ep) for ep in (2, 4)},
-            "trainer": _trainer_runs(root)}
+            "trainer": _trainer_reference(root), "root": root}
 
 
 @pytest.fixture(scope="module")
@@ -242,14 +241,31 @@ def test_ep_loads_saves_resumes_and_exports_global_experts(world_4):
         assert r["offline_equal"] == [] and r["export_equal"] == [], ep
 
 
-def test_trainer_at_ep_2_trains_the_ep_1_losses_and_resumes_without_ep(world_4):
-    for r in world_4:
-        whole, first, second = r["trainer"]["ep1"], r["trainer"]["ep2"], r["trainer"]["resumed"]
-        assert (first["start_step"], first["end_step"], second["start_step"], second["end_step"]) == (0, 2, 2, 4)
-        losses = {**first["losses"], **second["losses"]}
-        assert sorted(losses) == sorted(whole["losses"]) == [0, 1, 2, 3]
-        assert max(abs(losses[s] - whole["losses"][s]) for s in losses) < TOL, (losses, whole["losses"])
-        assert whole["losses"][3] < whole["losses"][0]
+def test_cli_at_ep_2_trains_the_ep_1_losses_resumes_on_2_ranks_without_ep_and_exports(world_4):
+    """`fullshard train --nproc 4 --fsdp.ep_size=2` trains the losses of the ep 1 run; its step-2
+    checkpoint, resumed by `--nproc 2` without ep, continues with them; its export (written at ep 2,
+    no rank gathering all experts) loads in transformers with the logits of the ep 1 run's export."""
+    import transformers
+
+    from fullshard.train.metrics import read_metrics
+    from test_cli import run_cli
+
+    root, whole = Path(world_4[0]["root"]), world_4[0]["trainer"]["losses"]
+    runs = {"cli_ep2": ["--nproc=4", "--fsdp.ep_size=2"],
+            "cli_resumed": ["--nproc=2", f"--checkpoint.resume={root}/cli_ep2/checkpoints/step_2"]}
+    losses = {}
+    for run, extra in runs.items():
+        done = run_cli("train", *_trainer_args(root), *extra, f"--train.output_dir={root}/{run}", cwd=root)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        losses[run] = {r["step"] - 1: r["loss"] for r in read_metrics(root / run / "metrics.jsonl") if r["kind"] == "train"}
+    assert sorted(losses["cli_ep2"]) == sorted(whole) == [0, 1, 2, 3] and sorted(losses["cli_resumed"]) == [2, 3]
+    for run, trained in losses.items():
+        assert max(abs(loss - whole[step]) for step, loss in trained.items()) < TOL, (run, trained, whole)
+    assert whole[3] < whole[0]
+    ids = torch.arange(3, 35).view(2, 16)
+    logits = {run: transformers.MixtralForCausalLM.from_pretrained(root / run / "hf")(ids).logits
+              for run in ("ep1", "cli_ep2")}
+    assert (logits["ep1"] - logits["cli_ep2"]).abs().max() < 1e-4
 
 
 def test_plan_shows_owners_and_memory_estimate_gathers_only_own_experts():
