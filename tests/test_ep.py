@@ -1,6 +1,7 @@
 """Expert parallelism against one process on the whole batch: every MoE family transformers builds small,
 ep 2 (experts further sharded over 2 efsdp ranks) and ep 4, AdamW with global clipping, experts that get
-no token, each rank's share of the experts, and bad input refused on every rank. One 4-rank group."""
+no token, each rank's share of the experts, compiled blocks, and bad input refused on every rank: one 4-rank
+group; then the CLI at ep 2 on 4 ranks, resumed on 2 without ep, against the group's ep 1 trainer run."""
 
 from pathlib import Path
 
@@ -108,8 +109,14 @@ def _checkpoint_checks(root: str, ep: int) -> dict:
     return out
 
 
-def _trainer_runs(root: str) -> dict:
-    """The trainer on a local tiny Mixtral: 4 steps at ep 1, and 2 steps at ep 2 resumed for 2 at ep 1."""
+def _trainer_args(root: Path) -> list[str]:
+    return [f"--model.name_or_path={root}/moe", f"--data.path={root}/doc.txt", "--data.seq_len=32",
+            "--train.micro_batch_size=2", "--train.global_batch_size=8", "--train.steps=4", "--train.log_every=1",
+            "--train.plot=false", "--train.max_norm=0.5", "--checkpoint.every=2"]
+
+
+def _trainer_reference(root: str) -> dict:
+    """The trainer on a local tiny Mixtral, 4 steps at ep 1 (the run the CLI's ep runs must equal)."""
     from fullshard.data.builtin import byte_tokenizer
     from fullshard.train import load_config, train
 
@@ -119,15 +126,7 @@ def _trainer_runs(root: str) -> dict:
         byte_tokenizer().save_pretrained(root / "moe")
         (root / "doc.txt").write_text("".join(f"w{(i * 7919) % 613} " for i in range(2000)))
     dist.barrier()
-
-    def config(run: str, *extra):
-        return load_config(None, [f"--model.name_or_path={root}/moe", f"--data.path={root}/doc.txt", "--data.seq_len=32",
-                                  "--train.micro_batch_size=2", "--train.global_batch_size=8", "--train.steps=4",
-                                  "--train.log_every=1", "--train.plot=false", "--train.max_norm=0.5",
-                                  "--checkpoint.every=2", f"--train.output_dir={root}/{run}", *extra])
-
-    return {"ep1": train(config("ep1")), "ep2": train(config("ep2", "--fsdp.ep_size=2", "--train.stop_after=2")),
-            "resumed": train(config("ep2"))}
+    return train(load_config(None, [*_trainer_args(root), f"--train.output_dir={root}/ep1"]))
 
 
 def _equal(state: dict, reference: dict) -> list[str]:
@@ -150,19 +149,21 @@ def _world_4_checks(root: str):
         m, {"r": 4, "target_modules": ["q_proj", "v_proj"]}))
     checkpointing = FSDP2Engine({"mixed_precision": "fp32", "ep_size": 2, "activation_checkpointing": True})
     results[(2, "activation_checkpointing")] = _train(checkpointing, "ep_qwen3_moe", steps=2)
+    compiled = {(ep, name): train_against_reference(name, FSDP2Engine({"mixed_precision": "fp32", "ep_size": ep,
+                                                                       "compile": True}).prepare_model,
+                                                    steps=2, max_norm=MAX_NORM)
+                for ep, name in ((2, "ep_qwen3_moe"), (4, "list_mixtral"))}
     errors = {
         "ep_not_dividing": _refused(lambda: FSDP2Engine({"ep_size": 3})),
         "experts_not_dividing": _refused(
             lambda: FSDP2Engine({"ep_size": 4}).prepare_model(build_model("ep_mixtral", num_local_experts=6))),
         "dense_model": _refused(lambda: FSDP2Engine({"ep_size": 2}).prepare_model(build_model("llama"))),
         "with_tp": _refused(lambda: FSDP2Engine({"ep_size": 2, "tp_size": 2})),
-        "with_compile": _refused(
-            lambda: FSDP2Engine({"ep_size": 2, "compile": True}).prepare_model(build_model("ep_mixtral"))),
     }
     bf16 = FSDP2Engine({"mixed_precision": "bf16", "ep_size": 4})
     results[(4, "bf16")] = _train(bf16, "ep_qwen3_moe", steps=2)
-    return {"parity": results, "errors": errors, "checkpoint": {ep: _checkpoint_checks(root, ep) for ep in (2, 4)},
-            "trainer": _trainer_runs(root)}
+    return {"parity": results, "compiled": compiled, "errors": errors, "checkpoint": {ep: _checkpoint_checks(root, ep) for ep in (2, 4)},
+            "trainer": _trainer_reference(root), "root": root}
 
 
 @pytest.fixture(scope="module")
@@ -174,6 +175,14 @@ def test_ep_matches_single_process_for_every_moe_family(world_4):
     bad = [f"rank {rank} {problem}" for rank, result in enumerate(world_4)
            for problem in parity_problems({k: r for k, r in result["parity"].items() if k != (4, "bf16")}, TOL,
                                           MAX_NORM)]
+    assert not bad, "\n".join(bad)
+
+
+def test_compiled_blocks_compose_with_ep(world_4):
+    """Compiled blocks run the dispatch eagerly (it reads split sizes on the host), the rest compiled:
+    fused experts at ep 2 and a per-expert list at ep 4 equal one eager process."""
+    bad = [f"rank {rank} {problem}" for rank, result in enumerate(world_4)
+           for problem in parity_problems(result["compiled"], TOL, MAX_NORM, complete=False)]
     assert not bad, "\n".join(bad)
 
 
@@ -208,7 +217,6 @@ def test_bad_ep_input_refused_on_every_rank(world_4):
         "experts_not_dividing": "num_experts=6, not divisible by ep_size",
         "dense_model": "ep_size=2 but LlamaForCausalLM has no MoE experts to split",
         "with_tp": "ConfigError: ep_size=2 does not compose with tp=2 yet",
-        "with_compile": "ep_size=2 does not compose with compile yet",
     }
     for result in world_4:
         for key, text in expected.items():
@@ -233,14 +241,31 @@ def test_ep_loads_saves_resumes_and_exports_global_experts(world_4):
         assert r["offline_equal"] == [] and r["export_equal"] == [], ep
 
 
-def test_trainer_at_ep_2_trains_the_ep_1_losses_and_resumes_without_ep(world_4):
-    for r in world_4:
-        whole, first, second = r["trainer"]["ep1"], r["trainer"]["ep2"], r["trainer"]["resumed"]
-        assert (first["start_step"], first["end_step"], second["start_step"], second["end_step"]) == (0, 2, 2, 4)
-        losses = {**first["losses"], **second["losses"]}
-        assert sorted(losses) == sorted(whole["losses"]) == [0, 1, 2, 3]
-        assert max(abs(losses[s] - whole["losses"][s]) for s in losses) < TOL, (losses, whole["losses"])
-        assert whole["losses"][3] < whole["losses"][0]
+def test_cli_at_ep_2_trains_the_ep_1_losses_resumes_on_2_ranks_without_ep_and_exports(world_4):
+    """`fullshard train --nproc 4 --fsdp.ep_size=2` trains the losses of the ep 1 run; its step-2
+    checkpoint, resumed by `--nproc 2` without ep, continues with them; its export (written at ep 2,
+    no rank gathering all experts) loads in transformers with the logits of the ep 1 run's export."""
+    import transformers
+
+    from fullshard.train.metrics import read_metrics
+    from test_cli import run_cli
+
+    root, whole = Path(world_4[0]["root"]), world_4[0]["trainer"]["losses"]
+    runs = {"cli_ep2": ["--nproc=4", "--fsdp.ep_size=2"],
+            "cli_resumed": ["--nproc=2", f"--checkpoint.resume={root}/cli_ep2/checkpoints/step_2"]}
+    losses = {}
+    for run, extra in runs.items():
+        done = run_cli("train", *_trainer_args(root), *extra, f"--train.output_dir={root}/{run}", cwd=root)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        losses[run] = {r["step"] - 1: r["loss"] for r in read_metrics(root / run / "metrics.jsonl") if r["kind"] == "train"}
+    assert sorted(losses["cli_ep2"]) == sorted(whole) == [0, 1, 2, 3] and sorted(losses["cli_resumed"]) == [2, 3]
+    for run, trained in losses.items():
+        assert max(abs(loss - whole[step]) for step, loss in trained.items()) < TOL, (run, trained, whole)
+    assert whole[3] < whole[0]
+    ids = torch.arange(3, 35).view(2, 16)
+    logits = {run: transformers.MixtralForCausalLM.from_pretrained(root / run / "hf")(ids).logits
+              for run in ("ep1", "cli_ep2")}
+    assert (logits["ep1"] - logits["cli_ep2"]).abs().max() < 1e-4
 
 
 def test_plan_shows_owners_and_memory_estimate_gathers_only_own_experts():

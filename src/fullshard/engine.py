@@ -288,9 +288,6 @@ class FSDP2Engine:
             return
         with agreed(PlanError, "expert parallel"):
             experts = check_expert_parallel(model, self.dims.ep)
-            if self.config.compile:
-                raise PlanError(f"ep_size={self.dims.ep} does not compose with compile yet (the dispatch reads "
-                                "split sizes on the host); set compile=False")
         apply_expert_parallel(model, experts, self.meshes.ep, shard=self._shard_experts)
         apply_expert_lists(model, self.meshes.ep, shard=self._shard_experts)
 

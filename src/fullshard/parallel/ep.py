@@ -171,6 +171,7 @@ class ExpertDispatch:
         self.group = ep_mesh.get_group()
         self.grad_divisor = 1.0  # where no FSDP unit divides the experts' gradients, the data-parallel size
 
+    @torch.compiler.disable  # split sizes are read on the host: compiled blocks run the dispatch eagerly
     def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         tokens, top_k = hidden_states.shape[0], top_k_index.shape[-1]
         expert_ids = top_k_index.reshape(-1)

@@ -139,6 +139,7 @@ class TwoPassDispatch:
         self.group, self.ep = ep_mesh.get_group(), ep_mesh.size()
         self.sources = ep_mesh.mesh.tolist()  # the global ranks of this ep group, in ep order
 
+    @torch.compiler.disable  # a Python-level replay with host-side counts: compiled blocks run it eagerly
     def __call__(self, *args, **kwargs):
         like = _first_float_tensor(args, kwargs)  # the tokens, (..., hidden)
         calls: list[tuple[int, torch.Tensor]] = []
