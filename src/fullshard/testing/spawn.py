@@ -79,9 +79,20 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
 
     if device != "cpu":
         _skip_without_devices(device, world_size)
+    for attempt in range(2):
+        try:
+            return _spawn(fn, world_size, find_free_port(), device, init, args, kwargs, timeout, grace)
+        except DistributedTestError as error:
+            # the free port was taken by another process before rank 0's store bound it: `fn` ran on
+            # no rank (the group starts before it), so running again on another port is safe
+            if attempt or not init or "EADDRINUSE" not in str(error):
+                raise
+
+
+def _spawn(fn: Callable, world_size: int, port: int, device: str, init: bool, args: tuple, kwargs: dict,
+           timeout: float, grace: float) -> list:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = find_free_port()
     procs = [
         ctx.Process(target=_worker, args=(rank, world_size, port, device, init, fn, args, kwargs, results), daemon=True)
         for rank in range(world_size)
