@@ -1,7 +1,7 @@
 """Expert parallelism on CPU, world 4: a Qwen3-MoE with 32 experts (top-2), one training step after
 another, fullshard at ep 1 (plain FSDP: every rank gathers every expert), ep 2 and ep 4, beside
 transformers' own `DistributedConfig(fsdp_size=4, ep_size=...)` as a peer. Each run in its own
-process group, runs interleaved over rounds (the best kept), so load from other work hits all alike.
+process group, runs interleaved over rounds (per measure the best kept), so load from other work hits all alike.
 
 Per run: tokens/s, how far a rank's resident memory rises at its highest (the kernel's high-water
 mark, not samples between steps) above where it was before the first step (max over ranks; the
@@ -29,7 +29,7 @@ from fullshard.testing import run_distributed  # noqa: E402
 CONFIG = dict(vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=256, num_hidden_layers=4,
               num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=32, num_experts_per_tok=2,
               decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=256, tie_word_embeddings=False)
-MICRO, SEQ, WARMUP, STEPS, ROUNDS = 2, 128, 1, 3, 1  # per rank
+MICRO, SEQ, WARMUP, STEPS, ROUNDS = 2, 128, 1, 3, 3  # per rank
 RUNS = {"fullshard ep 1": ("fullshard", 1), "fullshard ep 2": ("fullshard", 2), "fullshard ep 4": ("fullshard", 4),
         "transformers ep 4": ("transformers", 4)}
 
@@ -141,8 +141,9 @@ def main() -> None:
                        "rss_growth_mib": max(r["rss_growth_mib"] for r in per_rank),
                        "sent_mib_per_step": max(r["sent_mib_per_step"] for r in per_rank)}
                 print(name, run, f"load {loads[-1]:.1f}", flush=True)
-                if name not in results or run["tokens_per_s"] > results[name]["tokens_per_s"]:
-                    results[name] = run
+                best = results.setdefault(name, run)  # per measure, the best round: the least disturbed
+                best.update(tokens_per_s=max(best["tokens_per_s"], run["tokens_per_s"]),
+                            rss_growth_mib=min(best["rss_growth_mib"], run["rss_growth_mib"]))
     base = results["fullshard ep 1"]
     rows = [[name, f"{r['tokens_per_s']:,.0f}", f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}",
              f"{r['rss_growth_mib']:,.0f}", f"{r['rss_growth_mib'] / base['rss_growth_mib']:.2f}",
@@ -151,13 +152,18 @@ def main() -> None:
     body = (f"Expert parallelism: a Qwen3-MoE ({CONFIG['num_experts']} experts, top-{CONFIG['num_experts_per_tok']}, "
             f"hidden {CONFIG['hidden_size']}, {CONFIG['num_hidden_layers']} layers), world 4 on CPU (gloo, 1 thread per "
             f"rank), fp32, {MICRO} x {SEQ} tokens per rank per step (forward, backward, global clip, AdamW), {STEPS} timed "
-            f"steps after {WARMUP} warm-up, the best of {ROUNDS} interleaved rounds. RSS growth: a rank's resident set at "
+            f"steps after {WARMUP} warm-up, per measure the best of {ROUNDS} interleaved rounds. RSS growth: a rank's resident set at "
             "its highest during the steps (the kernel's high-water mark, reset before the first step) minus before it (gradients and AdamW state included), max over "
             "ranks. Sent: bytes a rank hands to collectives per step (all-gather, reduce-scatter, all-reduce, "
             "all-to-all inputs), max over ranks. Ratios against fullshard ep 1 (plain FSDP) in the same run.\n\n")
-    body += (f"Load average during the runs: {min(loads):.1f} to {max(loads):.1f} on {os.cpu_count()} cores, shared "
-             "with other work: the time ratios carry that noise; bytes sent are exact.\n\n")
+    body += (f"Load average at each run's start: {min(loads):.1f} to {max(loads):.1f} on {os.cpu_count()} cores "
+             f"({loads[0]:.1f} before the first run; the rest is this benchmark's own 4 ranks on 2 cores): the time "
+             "ratios carry that noise; bytes sent are exact.\n\n")
     body += markdown_table(["run", "tokens/s", "x ep 1", "RSS growth MiB", "x ep 1", "sent MiB/step", "x ep 1"], rows)
+    ours, peer = results["fullshard ep 4"], results["transformers ep 4"]
+    body += (f"\n\nfullshard ep 4 / transformers ep 4: tokens/s {ours['tokens_per_s'] / peer['tokens_per_s']:.2f}, "
+             f"RSS growth {ours['rss_growth_mib'] / peer['rss_growth_mib']:.2f}, "
+             f"sent {ours['sent_mib_per_step'] / peer['sent_mib_per_step']:.2f}.\n")
     write_section("moe", body)
 
 
