@@ -51,10 +51,16 @@ def reference_gaps(result: dict) -> tuple[float, float]:
             max(abs(a - b) for a, b in zip(result["norm"], result["ref_norm"])))
 
 
-def parity_problems(results: dict, tol: float, max_norm: float = 0.0, complete: bool = True) -> list[str]:
-    """What is wrong in `train_against_reference` results (by key): a loss, grad-norm or weight gap
-    above `tol`, names one side lacks (unless not `complete`: a rank holding part of the model), a
-    first reference grad norm that `max_norm` would not clip."""
+def parity_problems(per_rank: list[dict], tol: float, max_norm: float = 0.0, complete: bool = True,
+                    skip: tuple = ()) -> list[str]:
+    """What is wrong in every rank's `train_against_reference` results (by key, keys in `skip` left
+    out): a loss, grad-norm or weight gap above `tol`, names one side lacks (unless not `complete`: a
+    rank holding part of the model), a first reference grad norm that `max_norm` would not clip."""
+    return [f"rank {rank} {problem}" for rank, results in enumerate(per_rank)
+            for problem in _problems({k: r for k, r in results.items() if k not in skip}, tol, max_norm, complete)]
+
+
+def _problems(results: dict, tol: float, max_norm: float, complete: bool) -> list[str]:
     problems = []
     for key, r in results.items():
         loss, norm = reference_gaps(r)
