@@ -186,6 +186,8 @@ def _world_4_checks(root: str) -> dict:
     parity[(2, "activation_checkpointing")] = _train(2, "list_shared", steps=2,
                                                      engine={"activation_checkpointing": True})
     parity[(4, "bf16")] = _train(4, "list_shared", steps=2, engine={"mixed_precision": "bf16"})
+    aux = dict(output_router_logits=True, router_aux_loss_coef=0.1)  # the whole batch's, as in one process
+    parity[(2, "router_aux_loss")] = _train(2, "list_mixtral", steps=3, model_kwargs=aux)
     # router jitter draws noise per rank, so no run matches one process: ep 2 must match plain FSDP
     jitter = {ep: _train(ep, "list_jitter", steps=3)["loss"] for ep in (1, 2)}
     try:

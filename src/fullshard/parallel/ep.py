@@ -283,10 +283,13 @@ def global_router_loss(model: nn.Module, group) -> bool:
     """
     import sys
 
-    module = sys.modules.get(type(model).__module__)
-    original = getattr(module, "load_balancing_loss_func", None)
-    if original is None:
+    # the module whose forward calls it: the model's own, or a base class's (a model subclassing
+    # transformers' MoE to change its blocks keeps the inherited forward and that module's function)
+    modules = (sys.modules.get(cls.__module__) for cls in type(model).__mro__)
+    module = next((m for m in modules if getattr(m, "load_balancing_loss_func", None) is not None), None)
+    if module is None:
         return False
+    original = module.load_balancing_loss_func
     if not getattr(original, "fullshard_global", False):
         def over_all_ranks(gate_logits, *args, **kwargs):
             group = _ROUTER_GROUP.get()

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.models.mixtral import modeling_mixtral
+from transformers.utils.output_capturing import OutputRecorder
 
 
 class ExpertMLP(nn.Module):
@@ -93,6 +94,10 @@ class ListMoeDecoderLayer(modeling_mixtral.MixtralDecoderLayer):
 
 
 class ListMoeModel(modeling_mixtral.MixtralModel):
+    # the router logits come from the 4.x block's second output (Mixtral records its router module's)
+    _can_record_outputs = {**modeling_mixtral.MixtralModel._can_record_outputs,
+                           "router_logits": OutputRecorder(SparseMoeBlock, index=1)}
+
     def __init__(self, config):
         super().__init__(config)
         self.layers = nn.ModuleList(ListMoeDecoderLayer(config, i) for i in range(config.num_hidden_layers))
