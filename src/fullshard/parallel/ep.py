@@ -117,20 +117,19 @@ def check_expert_parallel(model: nn.Module, ep: int) -> list[ExpertsModule]:
     """The fused experts modules to split over `ep` ranks (per-expert lists are checked here and split
     by `ep_lists.apply_expert_lists`), or a `PlanError` naming what cannot be split."""
     experts = find_experts(model)
-    lists = {name: len(model.get_submodule(name)) for name in per_expert_module_lists(model)}
-    if not experts and not lists:
+    counts = {e.name: e.num_experts for e in experts}
+    counts.update({name: len(model.get_submodule(name)) for name in per_expert_module_lists(model)})
+    if not counts:
         raise PlanError(f"ep_size={ep} but {type(model).__name__} has no MoE experts to split; use ep_size=1")
-    for name, count in lists.items():
-        if count % ep:
-            raise PlanError(f"ep_size={ep}: {name} has num_experts={count}, not divisible by ep_size")
     modules = dict(model.named_modules())
     for entry in experts:
         if entry.name.endswith(".base_layer") or hasattr(modules[entry.name], "parametrizations"):
             raise PlanError(f"ep_size={ep}: {entry.name} carries LoRA adapters on its expert tensors (PEFT "
                             "target_parameters), which do not compose with expert parallelism; target attention "
                             "or dense modules, or use ep_size=1")
-        if entry.num_experts % ep:
-            raise PlanError(f"ep_size={ep}: {entry.name} has num_experts={entry.num_experts}, not divisible by ep_size")
+    for name, count in counts.items():
+        if count % ep:
+            raise PlanError(f"ep_size={ep}: {name} has num_experts={count}, not divisible by ep_size")
     return experts
 
 
@@ -212,8 +211,7 @@ def _local_experts(module: nn.Module, num_local: int, dtype: torch.dtype, grad_d
     the parameter: loading from meta replaces the parameters' tensors)."""
     originals = {n: p for n, p in module._parameters.items() if isinstance(p, DTensor)}
     count = module.num_experts if hasattr(module, "num_experts") else None
-    module._parameters.update({n: _in_dtype(_DivideGrad.apply(p.to_local(), grad_divisor), dtype)
-                               for n, p in originals.items()})
+    module._parameters.update({n: as_computed(p.to_local(), dtype, grad_divisor) for n, p in originals.items()})
     module.num_experts = num_local
     try:
         yield
@@ -238,7 +236,10 @@ class _DivideGrad(torch.autograd.Function):
         return (grad if ctx.divisor == 1.0 else grad / ctx.divisor), None
 
 
-def _in_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def as_computed(tensor: torch.Tensor, dtype: torch.dtype, grad_divisor: float) -> torch.Tensor:
+    """An expert tensor FSDP leaves out, as one call computes with it: in the tokens' `dtype`, its
+    gradient divided by `grad_divisor` (1 where FSDP divides it), both in the graph."""
+    tensor = _DivideGrad.apply(tensor, grad_divisor)
     return tensor.to(dtype) if tensor.is_floating_point() and tensor.dtype != dtype else tensor
 
 

@@ -14,9 +14,8 @@ Dispatch without rewriting the block: the block's forward runs twice. In the fir
 (a small all-gather over the world: the owners' row counts, and whether any block called an expert
 at all), the recorded rows go to their experts' owners with one all-to-all, the owners run them
 through `LocalExperts` (one module call, so FSDP's hooks on it fire once), and a second all-to-all
-brings the outputs home. In the second
-pass `self.experts[e](x)` returns the output computed for that call, and the block combines them
-with its own router weights, differentiably. The second pass starts from the random state the
+brings the outputs home. In the second pass `self.experts[e](x)` returns the output computed for
+that call, and the block combines them with its own router weights, differentiably. The second pass starts from the random state the
 first did (router jitter routes the same), and the first works on copies of the block's inputs (a
 block that scales its input in place, as Mixtral's jitter does, sees it once). The cost: what the
 block computes besides its experts (router, shared expert) runs twice, and forward hooks inside the
@@ -52,7 +51,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..tensors import mark_held_elsewhere, parameter_counts, state_names
-from .ep import _DivideGrad, _in_dtype, owned_experts, per_expert_module_lists
+from .ep import as_computed, owned_experts, per_expert_module_lists
 
 _LIVE: "weakref.WeakSet[LocalExperts]" = weakref.WeakSet()
 
@@ -222,7 +221,7 @@ def _outside_fsdp(module: nn.Module, dtype: torch.dtype, grad_divisor: float):
     slots = [(owner, name, param) for owner in module.modules() for name, param in owner._parameters.items()
              if param is not None]
     for owner, name, param in slots:
-        owner._parameters[name] = _in_dtype(_DivideGrad.apply(param, grad_divisor), dtype)
+        owner._parameters[name] = as_computed(param, dtype, grad_divisor)
     try:
         yield
     finally:

@@ -233,7 +233,7 @@ class TensorParallelSplit:
 
 def expert_units(model: nn.Module, ep_size: int, shard_size: int) -> dict[str, tuple[str, int, bool]]:
     """Under expert parallelism: each experts tensor's name -> (its experts module, ep_size, whether
-    FSDP leaves it out: the engine keeps experts that no other rank holds whole, `_keep_experts_whole`)."""
+    FSDP leaves it out: the engine keeps experts that no other rank holds whole, `_shard_experts`)."""
     if ep_size == 1:
         return {}
     from ..parallel.ep import find_experts, per_expert_module_lists
