@@ -308,3 +308,48 @@ def test_sigint_and_sigterm_stop_cleanly_and_the_same_command_resumes(tmp_path):
     assert again >= step + 2 and (tmp_path / "stopped" / "checkpoints" / f"step_{again}" / "COMPLETE").exists()
     records = read_metrics(tmp_path / "stopped" / "metrics.jsonl")
     assert [r["step"] for r in records if r["kind"] == "train"] == list(range(1, again + 1))
+
+
+# ---------------------------------------------------------------------------------------------- export dtype
+
+
+def write_bf16_model(directory):
+    """A micro-llama stored in bf16, with the byte tokenizer: what people fine-tune from."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = byte_tokenizer()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), max_position_embeddings=32,
+                                         **BUILTIN_MODELS["micro-llama"])).to(torch.bfloat16)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def test_exports_keep_the_dtype_fine_tuned_from(tmp_path, capsys):
+    """A bf16 checkpoint fine-tuned with fp32 masters exports bf16 (hf/ and `fullshard export`), fp32 when asked."""
+    write_bf16_model(tmp_path / "bf16-model")
+    (tmp_path / "tiny.yaml").write_text(CONFIG)
+    common = ("train", "tiny.yaml", "--nproc", "2", "--model.name_or_path=bf16-model", "--model.dtype=fp32",
+              "--train.steps=2", "--train.plot=false")
+    default = run_cli(*common, "--train.output_dir=default", cwd=tmp_path)
+    assert default.returncode == 0, default.stdout[-3000:] + default.stderr[-3000:]
+    asked = run_cli(*common, "--train.output_dir=asked", "--train.export_dtype=fp32", cwd=tmp_path)
+    assert asked.returncode == 0, asked.stdout[-3000:] + asked.stderr[-3000:]
+    done = [line for line in (default.stdout + default.stderr).splitlines() if "done:" in line]
+    assert done and "model default/hf (bfloat16)" in done[0], default.stdout[-2000:] + default.stderr[-2000:]
+    assert "model asked/hf (float32)" in asked.stdout + asked.stderr
+    half, full = (load_file(tmp_path / run / "hf" / "model.safetensors") for run in ("default", "asked"))
+    assert {t.dtype for t in half.values()} == {torch.bfloat16} and {t.dtype for t in full.values()} == {torch.float32}
+    assert json.loads((tmp_path / "default" / "hf" / "config.json").read_text())["dtype"] == "bfloat16"
+    # the fp32 masters did train (they are not the bf16 values), and the bf16 export is them rounded
+    source = load_file(tmp_path / "bf16-model" / "model.safetensors")
+    assert any(not torch.equal(full[k], source[k].float()) for k in source)
+    assert all(torch.equal(half[k], full[k].to(torch.bfloat16)) for k in half)
+    # `fullshard export` of the checkpoint: the source's dtype by default, --dtype to override
+    assert main(["export", str(tmp_path / "default" / "checkpoints"), str(tmp_path / "offline")]) == 0
+    assert main(["export", str(tmp_path / "default" / "checkpoints"), str(tmp_path / "offline32"), "--dtype", "fp32"]) == 0
+    printed = capsys.readouterr().out
+    assert "offline (bfloat16)" in printed and "offline32 (float32)" in printed
+    offline, offline32 = (load_file(tmp_path / d / "model.safetensors") for d in ("offline", "offline32"))
+    assert all(torch.equal(offline[k], half[k]) for k in half) and {t.dtype for t in offline32.values()} == {torch.float32}

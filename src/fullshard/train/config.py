@@ -144,6 +144,8 @@ class TrainSection:
     """peak TFLOP/s of one device, for MFU; known GPUs are looked up"""
     plot: bool = True
     """write loss.png at the end"""
+    export_dtype: Optional[Literal["bf16", "fp16", "fp32"]] = None
+    """dtype of the exported hf/ model; unset: the dtype the source checkpoint is stored in (the masters' for a built-in model)"""
     report_to: list[str] = field(default_factory=list)
     """trackers to send metrics to besides metrics.jsonl: any of tensorboard, wandb, trackio"""
 

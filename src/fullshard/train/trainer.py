@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..checkpoint import CheckpointManager, export_hf
+from ..checkpoint import CheckpointManager, export_hf, source_dtype
 from ..data.builtin import special_token_ids
 from ..distributed import ParallelDims, barrier, get_rank, get_world_size, run_agreed
-from ..dtypes import DTYPES
+from ..dtypes import DTYPES, dtype_name
 from ..fsdp import reshard_all
 from ..log import log_rank0, warn_rank0
 from ..lora import apply_lora, export_merged, save_adapter
@@ -288,10 +288,13 @@ class Trainer:
                                           extra_state=self._extra_state(run, end), tokenizer=run.tokenizer)
         manager.wait()
         summary["checkpoint"] = str(run.checkpoint)  # this run's, whatever else the directory holds
+        dtype = DTYPES[config.train.export_dtype] if config.train.export_dtype else source_dtype(model)
         if finished and config.checkpoint.export and not lora.enabled:
-            summary["export"] = str(export_hf(model, output_dir / "hf", tokenizer=run.tokenizer))
+            summary["export"] = str(export_hf(model, output_dir / "hf", tokenizer=run.tokenizer, dtype=dtype))
         if finished and config.checkpoint.export and lora.enabled and lora.merge_on_export:
-            summary["export"] = str(export_merged(model, output_dir / "hf", tokenizer=run.tokenizer))
+            summary["export"] = str(export_merged(model, output_dir / "hf", tokenizer=run.tokenizer, dtype=dtype))
+        if "export" in summary:
+            summary["export_dtype"] = dtype_name(dtype)
         if finished and lora.enabled and lora.save_adapter:
             summary["adapter"] = str(save_adapter(model, output_dir / "adapter"))
         run.logger.close()
@@ -331,8 +334,10 @@ class Run:
 def done_line(summary: dict, plot_asked: bool) -> str:
     """The run's last line: where the checkpoint, model, adapter, metrics and plot are (or why no plot)."""
     parts = [f"checkpoint {summary['checkpoint']}"]
-    parts += [f"{label} {summary[key]}" for key, label in (("export", "model"), ("adapter", "adapter"))
-              if key in summary]
+    if "export" in summary:
+        parts.append(f"model {summary['export']} ({summary['export_dtype']})")
+    if "adapter" in summary:
+        parts.append(f"adapter {summary['adapter']}")
     parts.append(f"metrics {summary['metrics']}")
     if summary.get("plot"):
         parts.append(f"loss plot {summary['plot']}")
