@@ -188,6 +188,10 @@ class CheckpointSection:
     """auto (the latest complete checkpoint in dir, if any), none (or null), or a checkpoint path"""
     overwrite: bool = False
     """a run that does not continue the checkpoints already in dir deletes them first (else it is refused)"""
+    init_from: Optional[str] = None
+    """stage-2 training: a training checkpoint (or save / run directory: its newest) whose weights start this new run; its step, data position and schedule start anew"""
+    init_optimizer: bool = False
+    """with init_from: also load its optimizer state (moments, step counts); lr and the other optim settings stay this run's"""
     export: bool = True
     """write a plain Hugging Face directory to <train.output_dir>/hf at the end"""
     async_save: bool = False
@@ -460,6 +464,8 @@ def _check_values(config: TrainConfig) -> None:
         ("fsdp.ep_size", config.fsdp.ep_size, config.fsdp.ep_size >= 1, "must be >= 1"),
         ("fsdp.pp_size", config.fsdp.pp_size, config.fsdp.pp_size >= 1, "must be >= 1"),
         ("fsdp.timeout_s", config.fsdp.timeout_s, config.fsdp.timeout_s > 0, "must be > 0 seconds"),
+        ("checkpoint.init_optimizer", config.checkpoint.init_optimizer,
+         not config.checkpoint.init_optimizer or config.checkpoint.init_from, "needs checkpoint.init_from"),
     ]
     for key, value, ok, rule in checks:
         if not ok:

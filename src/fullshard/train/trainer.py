@@ -140,11 +140,14 @@ class Trainer:
         self.config = config
 
     def _resume(self, manager: CheckpointManager, model, optimizer, scheduler, strategy, data, batches) -> int:
+        """The step this run starts at: where its own newest checkpoint left off, or 0 for a new
+        run, which `checkpoint.init_from` starts from another run's weights."""
         resume = self.config.checkpoint.resume
-        if resume == "none":
-            return 0
-        extra = manager.load(model, optimizer, scheduler, states={"strategy": strategy}, path=resume)
+        extra = None
+        if resume != "none":
+            extra = manager.load(model, optimizer, scheduler, states={"strategy": strategy}, path=resume)
         if extra is None:
+            self._init_from(manager, model, optimizer)
             return 0
         saved = extra.get("data", {}).get("fingerprint")
         if saved != data.fingerprint():
@@ -158,6 +161,17 @@ class Trainer:
             raise ConfigError(f"the checkpoint in {manager.last_load_info['path']} is at step {start}, past "
                               f"train.steps={self.config.train.steps}: raise train.steps to continue it")
         return start
+
+    def _init_from(self, manager: CheckpointManager, model, optimizer) -> None:
+        """Stage-2 training: this new run's weights (and optimizer state, when asked) from another
+        run's checkpoint; its step, data and schedule start anew."""
+        source = self.config.checkpoint.init_from
+        if not source:
+            return
+        with_optimizer = self.config.checkpoint.init_optimizer
+        extra = manager.init_from(source, model, optimizer if with_optimizer else None)
+        log_rank0(f"initialised from {manager.last_load_info['path']} (step {extra['step']} of that run): its weights"
+                  + (" and optimizer state" if with_optimizer else "") + "; steps, data and schedule start anew")
 
     def run(self) -> dict:
         """Build, train, finish, holding the run directory's lock (`rundir`) throughout. A stop asked
