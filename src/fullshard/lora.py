@@ -25,12 +25,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from .checkpoint.export import GatheredTensor, export_hf, gather_full, staging_dir
-from .distributed import broadcast_from_rank0, get_rank, run_agreed
+from .checkpoint.export import GatheredTensor, export_hf, first_holder, gather_full, staging_dir
+from .distributed import broadcast_from_rank0, get_rank, get_world_size, run_agreed
 from .errors import CheckpointError, ConfigError
 from .fsdp import reshard_all
+from .tensors import holds_part
 
 PEFT_PREFIX = "base_model.model."
 BASE_LAYER = ".base_layer"
@@ -199,13 +201,18 @@ def save_adapter(peft_model, output_dir: str | os.PathLike, adapter_name: str = 
     sharded = {k: v for k, v in peft_model.state_dict().items() if "lora_" in k or k.endswith("bias")}
     selected = get_peft_model_state_dict(peft_model, state_dict=sharded, adapter_name=adapter_name,
                                          save_embedding_layers=False)
+    staged = holds_part(peft_model)  # pipeline stages: each holds its own layers' adapters
     keep = get_rank() == 0
     tensors = {}
     for key, tensor in selected.items():
         full = gather_full(tensor)
-        if keep:
+        if keep or (staged and first_holder(tensor)):
             tensors[key] = full.to("cpu").contiguous()
         del full
+    if staged:  # every stage's first rank hands its adapters (small) to rank 0
+        parts = [None] * get_world_size() if keep else None
+        dist.gather_object(tensors, parts, dst=0)
+        tensors = {key: value for part in parts or [] for key, value in part.items()}
     staging = Path(broadcast_from_rank0(str(staging_dir(output_dir)) if keep else None))
 
     def write() -> None:

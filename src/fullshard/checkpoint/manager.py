@@ -35,9 +35,9 @@ from ..fsdp import reshard_all
 from ..log import log_rank0, logger, warn_rank0
 from ..tensors import holds_part
 from . import async_exit, layout
-from .export import config_json, every_rank_part, generation_config_json
+from .export import config_json, generation_config_json
 from .fit import few, fit_to_index
-from .offline import model_meta
+from .offline import whole_model_meta
 from .read import CheckpointReader, UnreadableCheckpoint, failure_summary, read_side_file
 from .rng import capture_rng_state, rederive_rng_state, restore_rng_state
 
@@ -190,13 +190,13 @@ class CheckpointManager:
         reshard_all(model)
         model_state, optim_state = get_state_dict(model, optimizer if optimizer is not None else [],
                                                   options=_options())
-        keys = every_rank_part(list(model_state)) if holds_part(model) else list(model_state)  # the recipe names all
+        meta = whole_model_meta(model, list(model_state))  # the recipe names every rank's part
         if get_rank() == 0:
             trainer_state = {"format": layout.FORMAT_VERSION, "step": step, "world_size": get_world_size(),
                              "base_seed": torch.initial_seed(), "has_optimizer": optimizer is not None,
                              "states": sorted(states or {}), "extra_state": extra_state}
             layout.write_file(tmp / layout.TRAINER_STATE, json.dumps(trainer_state, indent=2))
-            layout.write_file(tmp / layout.MODEL_META, json.dumps(model_meta(model, keys), indent=2))
+            layout.write_file(tmp / layout.MODEL_META, json.dumps(meta, indent=2))
             _write_model_files(tmp, model, tokenizer)
             if scheduler is not None:
                 layout.write_file(tmp / layout.SCHEDULER, _torch_bytes(scheduler.state_dict()))

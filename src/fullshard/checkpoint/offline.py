@@ -15,13 +15,16 @@ import shutil
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
+from ..distributed import get_world_size
 from ..dtypes import dtype_name, resolve_dtype
 from ..errors import CheckpointError
 from ..fsdp import model_class_name
 from . import layout
-from .export import (DEFAULT_SHARD_SIZE, Entry, SafetensorsStream, export_config, export_recipe, finish_directory,
-                     parse_size, plan_files, source_dtype, staging_dir, written_dtype)
+from ..tensors import holds_part
+from .export import (DEFAULT_SHARD_SIZE, Entry, SafetensorsStream, every_rank_part, export_config, export_recipe,
+                     finish_directory, parse_size, plan_files, source_dtype, staging_dir, written_dtype)
 from .read import CheckpointReader
 
 
@@ -36,6 +39,31 @@ def model_meta(model: torch.nn.Module, state_keys) -> dict:
         recipe = {"refused": str(err)}
     return {"format": layout.FORMAT_VERSION, "class_name": model_class_name(base),
             "dtype": dtype_name(source_dtype(base)), "export": recipe}
+
+
+def whole_model_meta(model: torch.nn.Module, own_keys: list[str]) -> dict:
+    """`model_meta` of the whole model, on every rank (a collective where ranks hold parts of it:
+    pipeline stages, experts under ep). A LoRA model's recipe comes from each part's own LoRA
+    layers (their adapters and scalings are known only where they are held), merged."""
+    from ..lora import is_peft_model
+
+    if not holds_part(model):
+        return model_meta(model, own_keys)
+    if not is_peft_model(model):
+        return model_meta(model, every_rank_part(own_keys))
+    metas: list = [None] * get_world_size()
+    dist.all_gather_object(metas, model_meta(model, own_keys))
+    recipes = [meta["export"] for meta in metas]
+    refused = next((r["refused"] for r in recipes if r.get("refused")), None)
+    if refused:
+        return {**metas[0], "export": {"refused": refused}}
+    names = {name: key for recipe in recipes for name, key in recipe["names"].items()}
+    ordered = every_rank_part(list(names))  # layers by number, as the live export orders them
+    merges = {name: merge for recipe in recipes for name, merge in recipe["merges"].items()}
+    files = {name: key for recipe in recipes for name, key in recipe["adapter"]["files"].items()}
+    export = {"names": {name: names[name] for name in ordered}, "merges": merges,
+              "adapter": {**recipes[0]["adapter"], "files": files}}
+    return {**metas[0], "export": export}
 
 
 def _recipe(checkpoint: Path, meta: dict) -> dict:

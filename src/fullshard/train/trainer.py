@@ -115,7 +115,7 @@ def evaluate(model: torch.nn.Module, batches: list[dict], loss_chunk_tokens: int
     if not batches:
         return None
     if pipeline_of(model) is not None:
-        return pipeline_evaluate(model, batches)
+        return pipeline_evaluate(model, batches, loss_chunk_tokens)
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64)  # tp ranks repeat their data rank's sums: they cancel in the ratio
     for batch in batches:
@@ -261,7 +261,8 @@ class Trainer:
         for step in range(run.start, run.end):
             micro_batches = run.split(batches.micro_batches(step))
             if pipeline_of(model) is not None:
-                out = pipeline_train_step(strategy, model, optimizer, scheduler, micro_batches)
+                out = pipeline_train_step(strategy, model, optimizer, scheduler, micro_batches,
+                                          config.train.loss_chunk_tokens)
             else:
                 out = train_step(strategy, model, optimizer, scheduler, micro_batches, config.train.loss_chunk_tokens)
             throughput.add(out.tokens)
