@@ -306,8 +306,7 @@ class CheckpointManager:
         self.last_load_info = {"path": str(checkpoint), "step": extra["step"], "init_only": True}
         return extra
 
-    def _load_from(self, checkpoint: Path, model, optimizer, scheduler, states: dict, strict: bool,
-                   side_files: bool = True) -> dict:
+    def _load_from(self, checkpoint: Path, model, optimizer, scheduler, states: dict, strict: bool, side_files=True):
         reshard_all(model)
 
         def prepare():
