@@ -208,7 +208,7 @@ def cmd_plan(argv: list[str]) -> int:
                 stage, stage_plan, dims.dp_shard, micro, seq_len, DTYPES[precision], fsdp.activation_checkpointing,
                 config.optim.name, accumulation_steps=accumulation, device_type=device_type,
                 reduce_dtype=DTYPES[fsdp.reduce_dtype], tp_assignments=tp_assignments(stage, fsdp.tp_plan, dims.tp),
-                tp_size=dims.tp, cp_size=dims.cp)
+                tp_size=dims.tp, cp_size=dims.cp, loss_chunk_tokens=config.train.loss_chunk_tokens)
             print(f"{line}\n" + "\n".join(f"    {row}" for row in stage_estimate.describe().splitlines()))
     return 0
 
