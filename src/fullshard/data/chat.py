@@ -68,6 +68,7 @@ def as_messages(row: int, messages=None, prompt=None, response=None, system=None
 
 
 def _turn(row: int, turn) -> dict:
+    """One turn, checked against the chat format, its null keys left out (its content kept, null or not)."""
     shape = (f"{{role: {'/'.join(ROLES)}, content: text or a list of text parts}} (an assistant turn may have "
              "tool_calls and content null)")
     if not isinstance(turn, dict) or turn.get("role") not in ROLES:
