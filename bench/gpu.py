@@ -48,9 +48,9 @@ PEERS = ("fullshard", "fullshard-compiled", "fully_shard", "fully_shard-compiled
 def _llama(shape: dict, device: torch.device) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(0)
-    with device:
-        return LlamaForCausalLM(LlamaConfig(**shape["model"], attn_implementation="sdpa"))
+    torch.manual_seed(0)  # built on the host, then moved: every buffer lands on the device, whatever the version
+    model = LlamaForCausalLM(LlamaConfig(**shape["model"], attn_implementation="sdpa", use_cache=False))
+    return model.to(device)
 
 
 def _fullshard(shape: dict, device: torch.device, compile: bool):
