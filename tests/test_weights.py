@@ -283,3 +283,58 @@ def test_moe_exports_have_the_hub_layout_at_ep_1_2_and_4(world_2, world_4):
     for (name, ep), r in checked.items():
         assert r["keys"][0] == [] and r["shapes"] == [], (name, ep, r)
         assert r["logits"] < 1e-5, (name, ep, r)
+
+
+# ------------------------------------------------------------------ memory
+
+MiB = 2**20
+BIG = dict(vocab_size=4096, hidden_size=1024, intermediate_size=4096, num_hidden_layers=3, num_attention_heads=8,
+           num_key_value_heads=8)  # 224 MB in fp32, the largest tensors (MLP, embedding, head) 16 MiB
+
+
+def _rss_peak_reset() -> int:
+    """Reset the kernel's high-water mark of this process to its current RSS; that RSS in bytes."""
+    Path("/proc/self/clear_refs").write_text("5")
+    return _status("VmRSS")
+
+
+def _status(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def _memory() -> dict:
+    import gc
+
+    import fullshard
+    from fullshard.testing.compare import full_tensor
+
+    model = FSDP2Engine({"mixed_precision": "fp32"}).prepare_model(build_model("llama", **BIG))
+    sizes = {k: v.numel() * v.element_size() for k, v in model.state_dict().items()}
+    gc.collect()
+    dist.barrier()
+    start = _rss_peak_reset()
+    count, checksum = 0, 0.0
+    for name, tensor in fullshard.hf_weights(model, bucket_bytes=16 * MiB):
+        count, checksum = count + 1, checksum + float(tensor[0].sum())
+        del tensor
+    stream_peak = _status("VmHWM") - start
+    gc.collect()
+    start = _rss_peak_reset()
+    state = {k: full_tensor(v) for k, v in model.state_dict().items()}  # the full state dict, gathered
+    full_peak = _status("VmHWM") - start
+    del state
+    return {"model_bytes": sum(sizes.values()), "largest": max(sizes.values()), "stream_peak": stream_peak,
+            "full_peak": full_peak, "count": count}
+
+
+def test_stream_memory_stays_within_two_buckets_and_the_largest_tensor(monkeypatch):
+    # big allocations mapped and unmapped each time, so freed memory leaves the resident set
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(64 * 1024))
+    for r in run_distributed(_memory, 2):
+        print({k: f"{v / MiB:.1f} MiB" if k != "count" else v for k, v in r.items()})
+        assert r["model_bytes"] >= 200 * 10**6 and r["count"] == 3 * 9 + 3, r
+        assert r["stream_peak"] <= 2 * 16 * MiB + r["largest"], r
+        assert r["full_peak"] >= 0.9 * r["model_bytes"], r
