@@ -205,6 +205,10 @@ def _world_2(root: str) -> dict:
     out["dsv3_bias_in_stream"] = [k for k in read_dir(root / "dsv3") if k.endswith("e_score_correction_bias")]
     pp2 = FSDP2Engine({"pp_size": 2, "mixed_precision": "fp32"})
     out["llama_pp2"] = _stream_vs_export(pp2.prepare_model(build_model("llama")), root, "llama_pp2")
+    out["qwen3_pp2_tied"] = _stream_vs_export(pp2.prepare_model(build_model("qwen3")), root, "qwen3_pp2")
+    out["qwen3_pp2_head_written"] = "lm_head.weight" in read_dir(root / "qwen3_pp2")  # tied: once, as the embedding
+    # per-expert ModuleList experts at ep 2: each rank holds its own experts' modules, the others' names elsewhere
+    out["list_moe_ep2"] = _stream_vs_export(ep2.prepare_model(build_model("list_mixtral")), root, "list_moe_ep2")
     out["lora"] = _lora_checks(root)
     out["continues"] = _continues("llama")
     out["continues_lora"] = _continues("llama", lora=True)
@@ -244,11 +248,13 @@ def _assert_stream(result: dict, label) -> None:
     assert result["default_buckets"] == 1, (label, result)
 
 
-@pytest.mark.parametrize("label", ["llama", "qwen3_tied", "llama_bf16", "qwen3_moe_ep2", "deepseek_v3_ep2", "llama_pp2"])
+@pytest.mark.parametrize("label", ["llama", "qwen3_tied", "llama_bf16", "qwen3_moe_ep2", "deepseek_v3_ep2", "llama_pp2",
+                                   "qwen3_pp2_tied", "list_moe_ep2"])
 def test_stream_equals_export_at_world_2(world_2, label):
     for r in world_2:
         _assert_stream(r[label], label)
     assert world_2[0]["dsv3_bias_in_stream"], "DeepSeek-V3's e_score_correction_bias buffers are exported and streamed"
+    assert not world_2[0]["qwen3_pp2_head_written"]
 
 
 def test_stream_equals_export_at_world_4(world_4):
