@@ -35,9 +35,9 @@ from ..fsdp import reshard_all
 from ..log import log_rank0, logger, warn_rank0
 from ..tensors import holds_part
 from . import async_exit, layout
-from .export import config_json, generation_config_json
+from .export import config_json, every_rank_part, generation_config_json
 from .fit import few, fit_to_index
-from .offline import whole_model_meta
+from .offline import model_meta
 from .read import CheckpointReader, UnreadableCheckpoint, failure_summary, read_side_file
 from .rng import capture_rng_state, rederive_rng_state, restore_rng_state
 
@@ -190,7 +190,9 @@ class CheckpointManager:
         reshard_all(model)
         model_state, optim_state = get_state_dict(model, optimizer if optimizer is not None else [],
                                                   options=_options())
-        meta = whole_model_meta(model, list(model_state))  # the recipe names every rank's part
+        shapes = [(k, tuple(v.shape)) for k, v in model_state.items()]
+        shapes = dict(every_rank_part(shapes, lambda item: item[0]) if holds_part(model) else shapes)  # the recipe names all
+        meta = model_meta(model, shapes)  # on every rank: a LoRA recipe asks every pipeline stage for its layers
         if get_rank() == 0:
             trainer_state = {"format": layout.FORMAT_VERSION, "step": step, "world_size": get_world_size(),
                              "base_seed": torch.initial_seed(), "has_optimizer": optimizer is not None,
