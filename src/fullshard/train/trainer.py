@@ -350,7 +350,7 @@ def done_line(summary: dict, plot_asked: bool) -> str:
     """The run's last line: where the checkpoint, model, adapter, metrics and plot are (or why no plot)."""
     parts = [f"checkpoint {summary['checkpoint']}"]
     if "export" in summary:
-        parts.append(f"model {summary['export']} ({summary['export_dtype']})")
+        parts.append(f"model {summary['export']}" + (f" ({summary['export_dtype']})" if "export_dtype" in summary else ""))
     if "adapter" in summary:
         parts.append(f"adapter {summary['adapter']}")
     parts.append(f"metrics {summary['metrics']}")
