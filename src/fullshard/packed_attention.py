@@ -8,11 +8,15 @@ a model whose config says `use_cache` builds an empty one in training too, so ev
 forward passes `use_cache=False`. Flash attention takes no mask: it reads document starts from the
 position ids only for a batch of one row, so a batch of several rows is handed the varlen kernel's
 `cu_seq_lens` (its rows flattened, every row start a document start), as transformers'
-`DataCollatorWithFlattening` hands them. Under context parallelism the all-to-all attention
+`DataCollatorWithFlattening` hands them. An mRoPE model (Qwen2-VL family) reads documents only from
+4-row position ids (text positions first, then its three rope rows): 2-D ones give it no document
+mask at all, so a text-only packed row gets its text positions in all four rows. Under context parallelism the all-to-all attention
 (`fullshard.parallel.cp`) builds the same block-diagonal mask from the whole row's position ids.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 from torch import nn
@@ -65,12 +69,27 @@ def attention_path(model: nn.Module, packed: bool) -> str:
     return f"attention: {name}; packed documents kept apart by {path}"
 
 
+def uses_mrope(model: nn.Module) -> bool:
+    """Whether the model positions its tokens with multimodal rope (a module with `get_rope_index`)."""
+    known = _MROPE.get(model)
+    if known is None:
+        known = _MROPE[model] = any(hasattr(type(m), "get_rope_index") for m in model.modules())
+    return known
+
+
+_MROPE: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
+
+
 def packed_inputs(model: nn.Module, inputs: dict) -> dict:
     """The keyword arguments of a training forward over packed rows: `inputs` (`input_ids`,
     `position_ids`, ...) with no cache, so transformers reads documents from the position ids, and
     for flash attention the varlen lengths of every document of the flattened batch."""
     inputs = {**inputs, "use_cache": False}
     positions = inputs.get("position_ids")
+    if positions is not None and positions.ndim == 2 and uses_mrope(model):
+        inputs["position_ids"] = positions = positions[None].expand(4, *positions.shape)
+    if positions is not None and positions.ndim == 3:
+        positions = positions[0]  # the text positions, where documents restart
     if positions is not None and implementation_of(model) in FLASH:
         from transformers.modeling_flash_attention_utils import prepare_fa_kwargs_from_position_ids
 

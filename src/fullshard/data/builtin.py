@@ -85,9 +85,24 @@ def image_only_processor_class(processor_class):
     def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
         processor_class.__init__(self, image_processor, tokenizer, chat_template=chat_template, **kwargs)
 
-    return type(processor_class.__name__, (processor_class,),
-                {"__init__": __init__, "get_attributes": classmethod(lambda cls: list(attributes)),
-                 "__module__": __name__})
+    def __reduce__(self):  # the class is made here, so a pickle (datasets' worker processes) makes it again
+        return _rebuild_image_only, (processor_class, self.__dict__)
+
+    if processor_class not in _IMAGE_ONLY:
+        _IMAGE_ONLY[processor_class] = type(processor_class.__name__, (processor_class,), {
+            "__init__": __init__, "get_attributes": classmethod(lambda cls: list(attributes)),
+            "__reduce__": __reduce__, "__module__": __name__})
+    return _IMAGE_ONLY[processor_class]
+
+
+_IMAGE_ONLY: dict = {}
+
+
+def _rebuild_image_only(processor_class, state: dict):
+    cls = image_only_processor_class(processor_class)
+    processor = cls.__new__(cls)
+    processor.__dict__.update(state)
+    return processor
 
 
 def tiny_vlm_processor():

@@ -34,8 +34,10 @@ class PackedData:
         """Identifies the data a checkpoint was trained on, so a resume on other data is refused: the
         row counts and the first and last training rows (content, so copied files still match)."""
         digest = hashlib.sha1(repr((len(self.train), len(self.eval))).encode())
-        for tensor in self.train.take([*range(min(8, len(self.train))), len(self.train) - 1]).values():
-            digest.update(tensor.numpy().tobytes())
+        for value in self.train.take([*range(min(8, len(self.train))), len(self.train) - 1]).values():
+            for tensor in value if isinstance(value, list) else [value]:  # images: a dict per row
+                for part in tensor.values() if isinstance(tensor, dict) else [tensor]:
+                    digest.update(part.numpy().tobytes())
         return digest.hexdigest()[:16]
 
     def describe(self) -> str:
