@@ -6,6 +6,27 @@ from __future__ import annotations
 import random
 
 
+def builtin_tokenizer(name: str):
+    """What a built-in model reads text (and images) with: the byte tokenizer, or the tiny VLM's processor."""
+    return tiny_vlm_processor() if name in BUILTIN_VLMS else byte_tokenizer()
+
+
+def builtin_model_config(name: str, tokenizer, seq_len: int, sizes: dict):
+    """The transformers config and model class of a built-in model (`sizes`: train.config's BUILTIN_MODELS
+    entry), its vocabulary and special tokens its tokenizer's (so generate() stops at its end of text)."""
+    if name in BUILTIN_VLMS:
+        from transformers import Qwen2VLForConditionalGeneration
+
+        return tiny_vlm_config(tokenizer, seq_len, **sizes), Qwen2VLForConditionalGeneration
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaConfig(vocab_size=len(tokenizer), max_position_embeddings=seq_len, **special_token_ids(tokenizer),
+                       **sizes), LlamaForCausalLM
+
+
+BUILTIN_VLMS = ("tiny-qwen2-vl",)
+
+
 def builtin_corpus(num_docs: int = 5000, seed: int = 0) -> list[str]:
     """A generated corpus for the default run: short arithmetic facts, counting and templated
     sentences. It ships with the code (nothing to download) and has structure a tiny model
