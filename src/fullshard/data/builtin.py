@@ -134,6 +134,7 @@ def tiny_vlm_processor():
 
     tokenizer = byte_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})
+    tokenizer.eos_token = "<|im_end|>"  # as Qwen2-VL's: an answer ends its turn, where generate() stops
     tokenizer.chat_template = QWEN2_VL_TEMPLATE
     pixels = IMAGE_SIZE * IMAGE_SIZE
     images = Qwen2VLImageProcessorPil(min_pixels=pixels, max_pixels=pixels, patch_size=14, merge_size=2,
