@@ -143,8 +143,8 @@ def gemma3_processor_and_model():
     ids = tokenizer.convert_tokens_to_ids
     config = Gemma3Config(
         text_config=dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=512,
-                         layer_types=["full_attention", "full_attention"]),
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=24,
+                         layer_types=["sliding_attention", "full_attention"]),
         vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                            image_size=56, patch_size=14),
         mm_tokens_per_image=4, boi_token_index=ids("<start_of_image>"), eoi_token_index=ids("<end_of_image>"),
@@ -158,7 +158,15 @@ def test_packed_rows_equal_the_documents_alone_gemma3(tmp_path):
     processor, model = gemma3_processor_and_model()
     with torch.no_grad():
         rows = check_packed_equals_alone(model, processor, tmp_path)
-    assert "token_type_ids" in rows.take([0])
+        batch = rows.take(range(len(rows)))
+        assert "token_type_ids" in batch
+        # transformers' own masks read the sliding layers' image blocks at document-relative positions
+        from fullshard.data.rows import model_inputs
+
+        inputs = {k: v for k, v in model_inputs(batch).items() if k != "labels"}
+        theirs = F.cross_entropy(model(**inputs, use_cache=False).logits[:, :-1].flatten(0, 1).float(),
+                                 batch["labels"][:, 1:].flatten(), ignore_index=IGNORE, reduction="sum")
+        assert abs(float(theirs) - float(causal_lm_loss_sum(model, batch, 0))) > 1e-3
 
 
 def test_labels_are_the_assistant_text_only_never_image_tokens(tmp_path):
@@ -182,11 +190,14 @@ def test_truncation_keeps_whole_images(tmp_path):
     """An overlong conversation is cut before the first image it would split; the images before stay."""
     processor = tiny_vlm_processor()
     record = chat(image("images/0.png"), text("x" * 20), image("images/1.png"), text("y" * 20))
-    path = write_records(tmp_path, [record, RECORDS[0]])
-    rows, info = rows_of(processor, path, tmp_path, seq_len=40, overlong="truncate", packing=False)
+    path = write_records(tmp_path, [record, record])
+    # <|im_start|> user\n <|vision_start|> 4 image tokens <|vision_end|> 20 x <|vision_start|>: the second image
+    # starts at token 33, so 35 tokens would split it
+    rows, info = rows_of(processor, path, tmp_path, seq_len=35, overlong="truncate", packing=False)
     row = rows.take([0])
     ids = row["input_ids"][0]
-    assert info["truncated"] == 1 and (ids == processor.image_token_id).sum() == 4  # one whole image of 4 tokens
+    assert info["truncated"] == 2 and (ids == processor.image_token_id).sum() == 4  # one whole image of 4 tokens
+    assert (ids[33:] == processor.tokenizer.pad_token_id).all()  # cut at 33, the rest padding
     assert row["images"][0]["image_grid_thw"].tolist() == [[1, 4, 4]]
     assert row["images"][0]["pixel_values"].shape[0] == 16
 
