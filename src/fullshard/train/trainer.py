@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from ..checkpoint import CheckpointManager, export_hf
 from ..data.builtin import builtin_model_config, builtin_tokenizer
+from ..data.vision import is_multimodal
 from ..distributed import ParallelDims, barrier, get_rank, get_world_size, run_agreed
 from ..dtypes import DTYPES
 from ..fsdp import reshard_all
@@ -106,7 +107,7 @@ def is_vision_language(name: str, trust_remote_code: bool) -> bool:
 
 def rope_index(config: TrainConfig, tokenizer):
     """For a vision-language model with mRoPE, the position rows its data is built with (`data.vision.RopeIndex`)."""
-    from ..data.vision import RopeIndex, is_multimodal
+    from ..data.vision import RopeIndex
 
     if not is_multimodal(tokenizer):
         return None
@@ -234,6 +235,9 @@ class Trainer:
             warn_rank0(f"optim.warmup_steps={config.optim.warmup_steps} >= train.steps={config.train.steps}: the "
                        "learning rate never reaches optim.lr")
         tokenizer = load_tokenizer(config)
+        if is_multimodal(tokenizer) and (config.fsdp.cp_size > 1 or config.fsdp.pp_size > 1):
+            raise ConfigError("image-text data is not split over context- or pipeline-parallel ranks yet: "
+                              "set fsdp.cp_size=1 and fsdp.pp_size=1")
         data = load_data(config.data, tokenizer, rope_index(config, tokenizer))
         model = build_model(config, strategy, tokenizer)
         optimizer = strategy.create_optimizer(
