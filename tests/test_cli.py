@@ -364,3 +364,13 @@ def test_builtin_vlm_trains_offline_exports_its_processor_and_captions(tmp_path)
     lines = failed.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("fullshard: error: bad.jsonl:1 names image ") \
         and "gone.png, which does not exist" in lines[0], failed.stderr
+
+    # the exported model without its processor: one line naming the directory
+    shutil.copytree(exported, tmp_path / "bare")
+    (tmp_path / "bare" / "processor_config.json").unlink()
+    failed = run_cli("train", "--model.name_or_path=bare", "--nproc", "2", "--train.output_dir=bare_run",
+                     "--data.cache_dir=cache", cwd=tmp_path)
+    lines = failed.stderr.strip().splitlines()
+    assert failed.returncode == 1 and len(lines) == 1, failed.stderr
+    assert lines[0].startswith("fullshard: error: model.name_or_path='bare' is a vision-language model without a "
+                               "processor"), lines[0]

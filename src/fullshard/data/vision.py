@@ -28,6 +28,7 @@ import torch
 from ..errors import ConfigError
 from .chat import IGNORE_INDEX, ROLES, RecordError, assistant_spans
 from .pack import IMAGES as IMAGE_KEY, ROPE_COLUMNS
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
 TEXT_OUTPUTS = ("input_ids", "attention_mask", "offset_mapping", "text_replacement_offsets")
 
 
@@ -44,6 +45,9 @@ def load_processor(name: str, trust_remote_code: bool = False):
     from transformers import AutoProcessor
     from transformers.utils import is_torchvision_available
 
+    if Path(name).is_dir() and not any((Path(name) / f).is_file() for f in PROCESSOR_FILES):
+        raise ConfigError(f"model.name_or_path={name!r} is a vision-language model without a processor (none of "
+                          f"{', '.join(PROCESSOR_FILES)}): save the model's processor beside it (processor.save_pretrained)")
     try:
         processor = AutoProcessor.from_pretrained(name, trust_remote_code=trust_remote_code)
     except Exception as err:  # noqa: BLE001 - transformers raises many types here; each becomes one line
@@ -65,7 +69,7 @@ def load_processor(name: str, trust_remote_code: bool = False):
 def _saved_processor_class(name: str) -> str | None:
     import json
 
-    for file in ("processor_config.json", "preprocessor_config.json"):
+    for file in PROCESSOR_FILES:
         path = Path(name) / file
         if path.is_file():
             return json.loads(path.read_text()).get("processor_class")
