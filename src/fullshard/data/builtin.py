@@ -97,40 +97,13 @@ COLOURS = {"red": (220, 30, 30), "green": (30, 170, 40), "blue": (30, 60, 220), 
 QUESTIONS = ("What is in the image?", "Describe the picture.", "What do you see?")
 
 
-def image_only_processor_class(processor_class):
-    """`processor_class` taking images and text only. transformers' Qwen2-VL family processors insist on
-    a video processor, which exists only with torchvision; this same-named subclass leaves it out, so
-    an image-only processor builds (and saves, as `processor_class`, the family's own name) without it."""
-    attributes = [a for a in processor_class.get_attributes() if "video" not in a]
-
-    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
-        processor_class.__init__(self, image_processor, tokenizer, chat_template=chat_template, **kwargs)
-
-    def __reduce__(self):  # the class is made here, so a pickle (datasets' worker processes) makes it again
-        return _rebuild_image_only, (processor_class, self.__dict__)
-
-    if processor_class not in _IMAGE_ONLY:
-        _IMAGE_ONLY[processor_class] = type(processor_class.__name__, (processor_class,), {
-            "__init__": __init__, "get_attributes": classmethod(lambda cls: list(attributes)),
-            "__reduce__": __reduce__, "__module__": __name__})
-    return _IMAGE_ONLY[processor_class]
-
-
-_IMAGE_ONLY: dict = {}
-
-
-def _rebuild_image_only(processor_class, state: dict):
-    cls = image_only_processor_class(processor_class)
-    processor = cls.__new__(cls)
-    processor.__dict__.update(state)
-    return processor
-
-
 def tiny_vlm_processor():
     """The built-in VLM's processor: the byte tokenizer with Qwen2-VL's special tokens and chat
     template, and Qwen2-VL's image processor (PIL) making every image a 56 x 56 one."""
     from transformers import Qwen2VLProcessor
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from .vision import image_only_processor_class
 
     tokenizer = byte_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})

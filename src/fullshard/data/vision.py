@@ -56,13 +56,40 @@ def load_processor(name: str, trust_remote_code: bool = False):
             reason = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
             needs = "" if is_torchvision_available() else " (torchvision is not installed: pip install torchvision)"
             raise ConfigError(f"model.name_or_path={name!r}: its processor cannot be loaded{needs}: {reason}") from None
-        from .builtin import image_only_processor_class
-
         processor = image_only_processor_class(cls).from_pretrained(name, trust_remote_code=trust_remote_code)
     if not is_multimodal(processor):
         raise ConfigError(f"model.name_or_path={name!r} is a vision-language model but its directory has no image "
                           "processor (preprocessor_config.json / processor_config.json): save the model's processor "
                           "with it (processor.save_pretrained)")
+    return processor
+
+
+def image_only_processor_class(processor_class):
+    """`processor_class` taking images and text only. transformers' Qwen2-VL family processors insist on
+    a video processor, which exists only with torchvision; this same-named subclass leaves it out, so
+    an image-only processor builds (and saves, as `processor_class`, the family's own name) without it."""
+    attributes = [a for a in processor_class.get_attributes() if "video" not in a]
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        processor_class.__init__(self, image_processor, tokenizer, chat_template=chat_template, **kwargs)
+
+    def __reduce__(self):  # the class is made here, so a pickle (datasets' worker processes) makes it again
+        return _rebuild_image_only, (processor_class, self.__dict__)
+
+    if processor_class not in _IMAGE_ONLY:
+        _IMAGE_ONLY[processor_class] = type(processor_class.__name__, (processor_class,), {
+            "__init__": __init__, "get_attributes": classmethod(lambda cls: list(attributes)),
+            "__reduce__": __reduce__, "__module__": __name__})
+    return _IMAGE_ONLY[processor_class]
+
+
+_IMAGE_ONLY: dict = {}
+
+
+def _rebuild_image_only(processor_class, state: dict):
+    cls = image_only_processor_class(processor_class)
+    processor = cls.__new__(cls)
+    processor.__dict__.update(state)
     return processor
 
 
