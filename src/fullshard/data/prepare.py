@@ -28,7 +28,7 @@ from ..log import warn_rank0
 from .chat import chat_template_of
 from .pack import COLUMNS, IMAGES, Packer
 from .sources import Source, load_records, locate, resolve_source
-from .tokenize import RecordError, Tokenize, layouts
+from .tokenize import RecordError, Tokenize, layouts, optional_fields
 from .vision import VisionTokenize, is_multimodal, processor_id
 
 CACHE_VERSION = 4  # 2: a document's first token is no target; 3: info.json counts truncated records; 4: images
@@ -65,7 +65,7 @@ def cache_key(source: Source, tokenizer, section, exact: bool = True, rope=None)
     """Tokenizer + data + packing; `exact=False` identifies the data by file names and sizes only.
     Images are named by the records, so the data's files stand for them too."""
     recipe = {"version": CACHE_VERSION, "data": source.stamp(exact), "tokenizer": tokenizer_id(tokenizer),
-              "format": section.format, "fields": layouts(section), "seq_len": section.seq_len,
+              "format": section.format, "fields": [layouts(section), optional_fields(section)], "seq_len": section.seq_len,
               "overlong": section.overlong, "packing": section.packing,
               "chat_template": chat_template_of(tokenizer, section.chat_template) if section.format == "chat" else None}
     if vision_records(tokenizer, section):
@@ -167,7 +167,7 @@ def _num_proc(section, rows: int) -> int | None:
 def _build(source: Source, tokenizer, section, cache_dir: Path, target: Path, rope=None) -> None:
     """Tokenize and pack into a temporary directory, then rename it to `target` (atomic on one filesystem)."""
     TOKENIZE_RUNS["count"] += 1
-    records = load_records(source, cache_dir, layouts(section))
+    records = load_records(source, cache_dir, layouts(section), optional=optional_fields(section))
     if vision_records(tokenizer, section):
         base = Path(source.path) if Path(source.path).is_dir() else Path(source.path).parent
         tokenize = VisionTokenize(tokenizer, section, base, rope)
