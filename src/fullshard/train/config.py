@@ -49,6 +49,8 @@ BUILTIN_MODELS = {
                        num_key_value_heads=2, tie_word_embeddings=False),
     "micro-llama": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                         num_key_value_heads=2, tie_word_embeddings=False),
+    # a Qwen2-VL (data/builtin.py): its language model's sizes; without data.path it trains on generated pictures
+    "tiny-qwen2-vl": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2),
 }
 
 
@@ -57,7 +59,7 @@ class ModelSection:
     """The model to train."""
 
     name_or_path: str = "tiny-llama"
-    """a built-in config (tiny-llama, micro-llama: random weights, byte tokenizer), a local HF directory or a Hub id"""
+    """a built-in config (tiny-llama, micro-llama: random weights, byte tokenizer; tiny-qwen2-vl: a vision-language model), a local HF directory or a Hub id"""
     dtype: str = "fp32"
     """dtype of the sharded master weights (fp32, bf16, fp16)"""
     trust_remote_code: bool = False
@@ -93,7 +95,9 @@ class DataSection:
     chat_template: Optional[str] = None
     """a Jinja chat template, or a file holding one; unset: the tokenizer's"""
     overlong: Literal["drop", "truncate"] = "drop"
-    """a conversation (or, unpacked, a document) longer than seq_len: drop it, or keep its first seq_len tokens"""
+    """a conversation (or, unpacked, a document) longer than seq_len: drop it, or keep its first seq_len tokens (with images: up to the first image it would split)"""
+    bad_images: Literal["error", "drop"] = "error"
+    """an image-text record with a missing or unreadable image, or image tokens that do not match its images: stop naming it, or drop and count it"""
     seq_len: int = 128
     """tokens per packed row"""
     packing: bool = True

@@ -153,7 +153,7 @@ def estimate_memory(model: nn.Module, plan: ShardingPlan, shard_size: int, micro
                         ALLOCATOR_BLOCK if device_type != "cpu" else 1, split,
                         expert_units(model, ep_size, shard_size * cp_size))
     seq_len = -(-seq_len // cp_size)  # this rank's part of each sequence
-    config, compute_bytes, tokens = model.config, compute_dtype.itemsize, micro_batch_size * seq_len
+    config, compute_bytes, tokens = model.config.get_text_config(), compute_dtype.itemsize, micro_batch_size * seq_len
     head = chunked_head(model, loss_chunk_tokens, tp_assignments or {})
     activations = activation_bytes(config, micro_batch_size, seq_len, compute_bytes, activation_checkpointing,
                                    chunked_loss=head is not None)

@@ -157,14 +157,12 @@ def build_meta_model(config: TrainConfig):
     name = config.model.name_or_path
     directory = resolve_model_dir(name)
     if directory is None:
-        from transformers import LlamaConfig, LlamaForCausalLM
+        from ..data.builtin import builtin_model_config, builtin_tokenizer
 
-        from .data import byte_tokenizer
-
-        hf_config = LlamaConfig(vocab_size=len(byte_tokenizer()), max_position_embeddings=config.data.seq_len,
-                                **BUILTIN_MODELS[name])
+        hf_config, model_class = builtin_model_config(name, builtin_tokenizer(name), config.data.seq_len,
+                                                      BUILTIN_MODELS[name])
         with meta_init():
-            return LlamaForCausalLM(hf_config)
+            return model_class(hf_config)
     hf_config = load_hf_config(directory, config.model.trust_remote_code, name)
     # the model class is transformers' own (config.architectures); init_empty_model(trust_remote_code=True)
     # would pass the flag on to the model's __init__
