@@ -6,8 +6,10 @@ process before any rank starts, so a mistake is one line naming the key instead 
 Hub id (resolved from the local cache when offline, downloaded once otherwise), built on the meta
 device from its config (no weights read) so the sharding plan is validated against the real module
 names, and its attention implementation against packing. `build_meta_model` is the same model for
-`fullshard plan`. The output paths and the run directory's rules (one live run, one run's
-checkpoints) are `rundir`'s.
+`fullshard plan`. None of it writes anything, so a refused run leaves nothing behind.
+`check_resumed_checkpoint` then holds the checkpoint the run would resume against that model and
+`train.steps` (run with the directory's lock held, after `rundir` settled whose checkpoints it keeps).
+The output paths and the run directory's rules (one live run, one run's checkpoints) are `rundir`'s.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from ..packed_attention import attention_path, use_attention
 from .config import BUILTIN_MODELS, TrainConfig
 
 
-def check_before_launch(config: TrainConfig, world_size: int) -> None:
+def check_before_launch(config: TrainConfig, world_size: int):
+    """Every check of `config` that needs no run directory; returns the model on meta (LoRA applied)."""
     config.accumulation_steps(world_size)
     _check_resume(config.checkpoint.resume)
     _check_data(config)
@@ -38,6 +41,49 @@ def check_before_launch(config: TrainConfig, world_size: int) -> None:
     except PlanError as err:
         raise PlanError(f"fsdp.plan: {err}") from None
     _check_parallel(model, config.fsdp)
+    return model
+
+
+NEW_RUN = "another train.output_dir, or checkpoint.resume=none with checkpoint.overwrite=true"
+
+
+def check_resumed_checkpoint(config: TrainConfig, model) -> None:
+    """The checkpoint this run would resume (`checkpoint.resume`: the newest in the run's own
+    directory, or the one named) must hold this model's weights by name and shape, and a step no
+    later than `train.steps`: else one line naming the first keys, their count and what to do.
+    One the ranks could not read is left to them (`auto` falls back past it, or names it)."""
+    from ..checkpoint import layout
+    from ..checkpoint.fit import weights_apart
+    from ..safe_dcp import read_dcp_metadata
+
+    resume = config.checkpoint.resume
+    if resume == "none":
+        return
+    if resume == "auto":
+        found = layout.complete_checkpoints(config.checkpoint_dir)
+        if not found:
+            return
+        checkpoint, start_anew = found[0], NEW_RUN
+    else:
+        checkpoint, start_anew = layout.resolve_checkpoint(resume), "checkpoint.resume=none"
+    try:
+        metadata = read_dcp_metadata(checkpoint / layout.STATE_DIR, CheckpointError)
+        step = int(layout.read_json(checkpoint / layout.TRAINER_STATE)["step"])
+    except (CheckpointError, KeyError, TypeError, ValueError):
+        return
+    where = f"checkpoint.resume={resume}"
+    missing, unexpected, reshaped = weights_apart(metadata, model.state_dict(), model)
+    if missing or unexpected or reshaped:
+        counts = ", ".join(f"{len(keys)} {what}" for keys, what in ((missing, "missing from it"), (unexpected, "only in it"),
+                                                                  (reshaped, "of another shape")) if keys)
+        keys = [*missing, *unexpected, *reshaped]
+        raise CheckpointError(f"{where}: checkpoint {checkpoint} does not fit this model ({counts}: "
+                              f"{', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''}): train the model it was trained "
+                              f"from (model.name_or_path, lora), or start a new run: {start_anew}")
+    if step > config.train.steps:
+        raise ConfigError(f"{where}: checkpoint {checkpoint} is at step {step}, past train.steps="
+                          f"{config.train.steps}: raise train.steps to at least {step} to continue it, or start a "
+                          f"new run: {start_anew}")
 
 
 def _check_parallel(model, fsdp) -> None:

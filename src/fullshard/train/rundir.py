@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+from contextlib import contextmanager
 import json
 import os
 import shutil
@@ -203,6 +204,23 @@ def remove_run(save_dir: Path, output_dir: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- write access
+
+
+@contextmanager
+def made_only_if_accepted(directory: Path):
+    """The directories of `directory`'s path that do not exist yet are removed again if the block
+    raises (a run refused under the lock), each only while empty: a refused run leaves nothing."""
+    missing = [p for p in (directory.absolute(), *directory.absolute().parents) if not p.exists()]
+    try:
+        yield
+    except BaseException:
+        for path in missing:  # deepest first
+            try:
+                path.rmdir()
+            except OSError:
+                break
+        raise
+
 
 
 def output_paths(config) -> list[tuple[str, Path]]:
