@@ -151,6 +151,90 @@ def test_config_errors_name_the_key(args, message, capsys):
     assert err.startswith("fullshard: error: ") and message in err and err.count("\n") == 1, err
 
 
+REFUSED = {
+    "batch arithmetic": ["--train.global_batch_size=6", "--train.micro_batch_size=2", "--nproc=2"],
+    "data path": ["--data.path=/no/such/data.jsonl"],
+    "model path": ["--model.name_or_path=/no/such/model"],
+    "mesh": ["--fsdp.dp_replicate=3", "--nproc=2"],
+    "plan entry": ["--fsdp.plan={mode: manual, modules: {'model.blocks.*': [free_full_weight]}}"],
+    "resume checkpoint": ["--checkpoint.resume=/no/such/ckpt"],
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_a_refused_run_leaves_nothing_behind(case, tmp_path, monkeypatch, capsys):
+    # before: the lock made train.output_dir first, and a refusal left it there, empty
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--model.name_or_path=micro-llama", "--train.output_dir=runs/new", *REFUSED[case]]) == 2
+    assert capsys.readouterr().err.startswith("fullshard: error: ")
+    assert list(tmp_path.iterdir()) == []
+
+
+def make_model_dir(directory, name: str):
+    """A zoo model (random weights) with the byte tokenizer, as a local HF directory."""
+    from fullshard.testing import build_model
+
+    tokenizer = byte_tokenizer()
+    build_model(name, vocab_size=len(tokenizer)).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def test_a_resume_that_cannot_work_is_refused_before_launch(tmp_path):
+    """A checkpoint that does not fit the model, or past train.steps, is one short line before torchrun starts."""
+    (tmp_path / "tiny.yaml").write_text(CONFIG)
+    make_model_dir(tmp_path / "qwen3", "qwen3")  # micro-llama's shapes, plus q_norm / k_norm in every layer
+    quick = ["--train.steps=2", "--checkpoint.export=false", "--train.plot=false", "--nproc=2"]
+    done = run_cli("train", "tiny.yaml", "--train.output_dir=out", *quick, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    logs = sorted((tmp_path / "out" / "logs").iterdir())
+    written = {path: path.stat().st_mtime_ns for path in logs}
+    new_run = "start a new run: another train.output_dir, or checkpoint.resume=none with checkpoint.overwrite=true"
+    for args, message in (
+            (["--train.output_dir=out", "--train.steps=1"],
+             f"fullshard: error: checkpoint.resume=auto: checkpoint out/checkpoints/step_2 is at step 2, past "
+             f"train.steps=1: raise train.steps to at least 2 to continue it, or {new_run}"),
+            (["--train.output_dir=out", "--model.name_or_path=qwen3"],
+             "fullshard: error: checkpoint.resume=auto: checkpoint out/checkpoints/step_2 does not fit this model (4 "
+             "missing from it: model.layers.0.self_attn.k_norm.weight, model.layers.0.self_attn.q_norm.weight, "
+             f"model.layers.1.self_attn.k_norm.weight, ...): use the model it was trained from, or {new_run}"),
+            (["--train.output_dir=elsewhere/new", "--model.name_or_path=qwen3", "--checkpoint.resume=out/checkpoints"],
+             "fullshard: error: checkpoint.resume=out/checkpoints: checkpoint out/checkpoints/step_2 does not fit this "
+             "model (4 missing from it: ")):
+        done = run_cli("train", "tiny.yaml", *quick, *args, cwd=tmp_path)
+        assert done.returncode == 2 and "launching" not in done.stdout, done.stdout + done.stderr
+        assert done.stderr.splitlines() == [done.stderr.strip()] and done.stderr.startswith(message), done.stderr
+        assert len(done.stderr) < 400
+    assert sorted((tmp_path / "out" / "logs").iterdir()) == logs and all(
+        path.stat().st_mtime_ns == mtime for path, mtime in written.items())  # no rank started
+    assert not (tmp_path / "elsewhere").exists()  # made for the refused run, removed with it
+    # the fitting model, with enough steps, resumes
+    done = run_cli("train", "tiny.yaml", "--train.output_dir=out", *quick, "--train.steps=3", cwd=tmp_path)
+    assert done.returncode == 0 and "(resumed from step 2)" in done.stdout + done.stderr, done.stdout + done.stderr
+
+
+def train_losses(directory) -> list[float]:
+    return [r["loss"] for r in read_metrics(directory / "metrics.jsonl") if r["kind"] == "train"]
+
+
+def test_activation_checkpointing_on_padded_rows_trains_as_without(tmp_path):
+    """One record per row (padded) through `fullshard train`: the same losses with and without activation
+    checkpointing, for the built-in Llama and a Qwen3 directory whose config says use_cache."""
+    (tmp_path / "tiny.yaml").write_text(CONFIG)
+    make_model_dir(tmp_path / "qwen3", "qwen3")
+    quick = ["--train.steps=2", "--checkpoint.export=false", "--train.plot=false", "--nproc=2", "--data.packing=false"]
+    for model in ("micro-llama", "qwen3"):
+        losses = []
+        for ac in ("false", "true"):
+            out = f"{model}-{ac}"
+            done = run_cli("train", "tiny.yaml", f"--model.name_or_path={model}", f"--train.output_dir={out}",
+                           f"--fsdp.activation_checkpointing={ac}", *quick, cwd=tmp_path)
+            assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+            assert "one record per row" in done.stdout + done.stderr
+            losses.append(train_losses(tmp_path / out))
+        assert len(losses[0]) == 2 and max(abs(a - b) for a, b in zip(*losses)) < 1e-6, (model, losses)
+
+
 def test_paths_checked_before_launch(tmp_path, capsys):
     (tmp_path / "file").write_text("x")
     (tmp_path / "ckpts" / "step_2").mkdir(parents=True)

@@ -78,8 +78,8 @@ def check_resumed_checkpoint(config: TrainConfig, model) -> None:
                                                                   (reshaped, "of another shape")) if keys)
         keys = [*missing, *unexpected, *reshaped]
         raise CheckpointError(f"{where}: checkpoint {checkpoint} does not fit this model ({counts}: "
-                              f"{', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''}): train the model it was trained "
-                              f"from (model.name_or_path, lora), or start a new run: {start_anew}")
+                              f"{', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''}): use the model it was trained "
+                              f"from, or start a new run: {start_anew}")
     if step > config.train.steps:
         raise ConfigError(f"{where}: checkpoint {checkpoint} is at step {step}, past train.steps="
                           f"{config.train.steps}: raise train.steps to at least {step} to continue it, or start a "
