@@ -208,9 +208,14 @@ def test_a_resume_that_cannot_work_is_refused_before_launch(tmp_path):
     assert sorted((tmp_path / "out" / "logs").iterdir()) == logs and all(
         path.stat().st_mtime_ns == mtime for path, mtime in written.items())  # no rank started
     assert not (tmp_path / "elsewhere").exists()  # made for the refused run, removed with it
-    # the fitting model, with enough steps, resumes
+    # the fitting model, with enough steps, resumes; rank 1, whose RNG file is gone, says it re-derives its
+    # RNG on the launcher's console (before: rank 0 alone spoke, and it had its file)
+    (tmp_path / "out" / "checkpoints" / "step_2" / "rng" / "rank_00001.pt").unlink()
     done = run_cli("train", "tiny.yaml", "--train.output_dir=out", *quick, "--train.steps=3", cwd=tmp_path)
-    assert done.returncode == 0 and "(resumed from step 2)" in done.stdout + done.stderr, done.stdout + done.stderr
+    assert done.returncode == 0 and "(resumed from step 2)" in done.stderr, done.stdout + done.stderr
+    assert ("[fullshard] rank 1: out/checkpoints/step_2/rng/rank_00001.pt is missing, so this rank re-seeded "
+            "python/numpy/torch RNGs with derived_seed(") in done.stderr, done.stderr
+    assert done.stderr.count("re-seeded") == 1, done.stderr  # only by the rank that did
 
 
 def train_losses(directory) -> list[float]:

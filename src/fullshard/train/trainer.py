@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from ..checkpoint import CheckpointManager, export_hf
 from ..data.builtin import special_token_ids
-from ..distributed import ParallelDims, barrier, get_rank, get_world_size, run_agreed
+from ..distributed import ParallelDims, barrier, broadcast_from_rank0, get_rank, get_world_size, run_agreed
 from ..dtypes import DTYPES
 from ..fsdp import reshard_all
 from ..log import log_rank0, warn_rank0
@@ -32,7 +32,7 @@ from .loss import causal_lm_loss_sum, target_count
 from .metrics import (NO_PLOT, MetricsLogger, Throughput, check_report_to, model_flops_per_token, peak_device_flops,
                       peak_memory_gb, plot_loss)
 from .pp_step import pipeline_evaluate, pipeline_of, pipeline_train_step
-from .rundir import claim_run_directory, lock_for_this_process
+from .rundir import claim_run_directory, lock_for_this_process, run_identity
 from .step import train_step
 from .stop import StopRequest
 
@@ -140,7 +140,7 @@ class Trainer:
         self.config = config
 
     def _resume(self, manager: CheckpointManager, model, optimizer, scheduler, strategy, data, batches) -> int:
-        resume = self.config.checkpoint.resume
+        resume = self._resume_from
         if resume == "none":
             return 0
         extra = manager.load(model, optimizer, scheduler, states={"strategy": strategy}, path=resume)
@@ -180,13 +180,14 @@ class Trainer:
 
     def _claim_directory(self) -> None:
         """Rank 0 (or the launcher before it) holds the output directory and settles whose
-        checkpoints it keeps, before anything of this run is written there."""
+        checkpoints it keeps, before anything of this run is written there; every rank learns what
+        to resume (workers torchrun restarted resume what their run saved)."""
         def claim():
             if self._lock is not None:
                 self._lock.acquire()
-            claim_run_directory(self.config)
+            return claim_run_directory(self.config)
 
-        run_agreed(claim, on_rank=0, error_type=ConfigError)
+        self._resume_from = broadcast_from_rank0(run_agreed(claim, on_rank=0, error_type=ConfigError))
 
     def _build(self, stop: StopRequest) -> "Run":
         """Everything a run needs, in order: the strategy (process group), data, model, optimizer,
@@ -234,7 +235,7 @@ class Trainer:
 
     def _extra_state(self, run: "Run", step: int) -> dict:
         return {"data": {"position": step, "fingerprint": run.data.fingerprint(), **run.batches.state_dict()},
-                "config": self.config.to_dict()}
+                "config": self.config.to_dict(), "run": run_identity()}
 
     def _train(self, run: "Run") -> dict:
         """The steps of this run: train, log, evaluate and checkpoint on the configured intervals."""
