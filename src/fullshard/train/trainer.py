@@ -109,6 +109,15 @@ def build_model(config: TrainConfig, strategy: FSDPStrategy, tokenizer) -> torch
     return strategy.prepare_model(model, is_training=True)
 
 
+def parameters_line(model: torch.nn.Module) -> str:
+    """"35,040 parameters", and where some are frozen (LoRA) how many of them train: "36,576
+    parameters, 1,536 trainable" (sharded or not: a DTensor counts its global elements)."""
+    total, params = parameter_counts(model)[0], list(model.parameters())
+    if all(p.requires_grad for p in params):
+        return f"{total:,} parameters"
+    return f"{total:,} parameters, {sum(p.numel() for p in params if p.requires_grad):,} trainable"
+
+
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, batches: list[dict], loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS) -> float | None:
     """Mean loss per target token over this rank's eval batches and every other rank's."""
@@ -222,7 +231,7 @@ class Trainer:
             end = min(end, start + config.train.stop_after)
         logger = MetricsLogger(config.output_dir, config.train.steps, start, enabled=rank == 0,
                                report_to=report_to, config=config.to_dict())
-        log_rank0(f"{config.model.name_or_path}: {parameter_counts(model)[0]:,} parameters, "
+        log_rank0(f"{config.model.name_or_path}: {parameters_line(model)}, "
                   f"{describe_mesh(dims)}, {data.describe()} of {config.data.seq_len} tokens, "
                   f"steps {start}..{end} of {config.train.steps}" + (f" (resumed from step {start})" if start else ""))
         log_rank0(attention_path(model, config.data.packing))
