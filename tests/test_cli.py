@@ -335,6 +335,21 @@ def test_hub_id_resolved_from_the_cache_offline(tmp_path):
     assert "Traceback" not in done.stderr
 
 
+@pytest.mark.parametrize("hub", [{"HF_HUB_OFFLINE": "1"}, {"HF_ENDPOINT": "http://127.0.0.1:9"}],
+                         ids=["offline", "unreachable"])
+def test_a_mistyped_model_name_with_no_hub_is_one_line(hub, tmp_path):
+    # before: the Hub client's error ("LocalEntryNotFoundError: Got: ConnectError: [Errno 111] Connection refused ...")
+    done = subprocess.run([sys.executable, "-m", "fullshard.cli", "train", "--model.name_or_path=Llama-micro"],
+                          env={**{k: v for k, v in clean_env().items() if k != "HF_HUB_OFFLINE"},
+                               "HF_HUB_CACHE": str(tmp_path / "hub"), **hub}, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    offline = " (HF_HUB_OFFLINE is set)" if "HF_HUB_OFFLINE" in hub else ""
+    assert done.returncode == 2 and done.stderr.splitlines() == [
+        "fullshard: error: model.name_or_path='Llama-micro' is not a local directory, not a built-in name (did you "
+        f"mean 'micro-llama'?), and the Hub is unreachable{offline}"], done.stderr
+    assert list(tmp_path.iterdir()) == [] or [p.name for p in tmp_path.iterdir()] == ["hub"]
+
+
 # ---------------------------------------------------------------------------------------------- inside the ranks
 
 

@@ -15,9 +15,10 @@ The output paths and the run directory's rules (one live run, one run's checkpoi
 from __future__ import annotations
 
 import difflib
+import re
 from pathlib import Path
 
-from ..errors import CheckpointError, ConfigError, FullshardError, PlanError
+from ..errors import CheckpointError, ConfigError, FullshardError, HubUnreachableError, PlanError
 from ..packed_attention import attention_path, use_attention
 from .config import BUILTIN_MODELS, TrainConfig
 
@@ -165,9 +166,29 @@ def resolve_model_dir(name: str) -> Path | None:
 
     try:
         return resolve_checkpoint_dir(name)
+    except HubUnreachableError:  # a mistyped name, likely: say what it is not, not the Hub client's error
+        from huggingface_hub import constants
+
+        offline = " (HF_HUB_OFFLINE is set)" if constants.HF_HUB_OFFLINE else ""
+        what = ("not in the local Hub cache" if "/" in name
+                else f"not a built-in name ({_near_builtin(name)})")
+        raise ConfigError(f"model.name_or_path={name!r} is not a local directory, {what}, and the Hub is "
+                          f"unreachable{offline}") from None
     except FullshardError as err:
         builtins = "" if "/" in name else f" (the built-in models are {', '.join(BUILTIN_MODELS)})"
         raise ConfigError(f"model.name_or_path={name!r}: {err}{builtins}") from None
+
+
+def _near_builtin(name: str) -> str:
+    """"did you mean 'micro-llama'?" for a name near a built-in one (case and word order aside), else
+    the built-in names."""
+    def words(text: str) -> str:
+        return "-".join(sorted(re.split(r"[-_/ .]+", text.lower())))
+
+    by_words = {words(builtin): builtin for builtin in BUILTIN_MODELS}
+    close = (difflib.get_close_matches(name.lower(), BUILTIN_MODELS, n=1, cutoff=0.6)
+             or [by_words[m] for m in difflib.get_close_matches(words(name), by_words, n=1, cutoff=0.6)])
+    return f"did you mean {close[0]!r}?" if close else f"the built-in names are {', '.join(BUILTIN_MODELS)}"
 
 
 def build_meta_model(config: TrainConfig):
