@@ -126,14 +126,16 @@ def cmd_train(argv: list[str]) -> int:
         return 0
     if under_launcher():
         return run_as_rank(config, args)
-    from .train.preflight import check_before_launch
-    from .train.rundir import RunLock, check_output_paths, claim_run_directory
+    from .train.preflight import check_before_launch, check_resumed_checkpoint
+    from .train.rundir import RunLock, check_output_paths, claim_run_directory, made_only_if_accepted
 
     world = args.nproc or config.train.nproc or default_nproc()
     check_output_paths(config)
-    with RunLock(config.output_dir) as lock:  # one live run per directory, until the ranks are gone
-        check_before_launch(config, world)
+    model = check_before_launch(config, world)  # writes nothing: a refused run leaves nothing behind
+    with made_only_if_accepted(config.output_dir), RunLock(config.output_dir) as lock:  # one live run per directory
         claim_run_directory(config)
+        check_resumed_checkpoint(config, model)
+        del model
         rank_args = ["train", *([args.config_path] if args.config_path else []), *args.overrides]
         return launch(world, rank_args, config.log_dir, config.checkpoint.on_stop_timeout_s, debug=args.debug,
                       lock_file=lock.path)

@@ -14,10 +14,16 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .errors import ConfigError, FullshardError
+
+# the functional all-gathers under their current names (torch 2.13 renamed them; the old names warn
+# FutureWarning there, and are the only ones older torch has)
+all_gather_single = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+all_gather_single_autograd = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
 
 BACKEND_FOR_DEVICE = {"cuda": "nccl", "cpu": "gloo", "xpu": "xccl", "hpu": "hccl"}
 

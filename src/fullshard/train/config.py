@@ -540,17 +540,44 @@ def _yaml_value(value) -> str:
 
 
 def _first_line(doc: str | None) -> str:
-    line = (doc or "").strip().split("\n")[0]
-    return "" if re.match(r"`?\w+`?: ", line) else line  # a docstring that opens with a key describes the key
+    """A section's line: the first sentence of its docstring's first paragraph, whole."""
+    paragraph = " ".join((doc or "").strip().split("\n\n")[0].split())
+    return "" if re.match(r"`?\w+`?: ", paragraph) else first_sentence(paragraph)
+
+
+def first_sentence(text: str) -> str:
+    """`text` up to the end of its first sentence (a '. ' outside parentheses and not after e.g. or
+    i.e.), without its final stop: never a cut inside a sentence."""
+    depth = 0
+    for index, char in enumerate(text):
+        depth += (char in "([") - (char in ")]")
+        if depth == 0 and text.startswith(". ", index) and not text[:index].endswith(("e.g", "i.e")):
+            return text[:index]
+    return text.rstrip(".")
+
+
+def docstring_entries(cls) -> dict[str, str]:
+    """`key: text` (or `a / b: text`) entries of a class docstring and its bases', each with its
+    continuation lines (indented further than the key), as one line."""
+    found: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        entry: list[str] | None = None
+        indent = 0
+        for line in (klass.__doc__ or "").splitlines():
+            match = re.match(r"^(\s*)`?([\w /`]+?)`?:\s+(.+)$", line)
+            if entry is not None and line.strip() and len(line) - len(line.lstrip()) > indent and not (
+                    match and len(match.group(1)) == indent):
+                entry.append(line.strip())
+                continue
+            entry = None
+            if match:
+                indent, entry = len(match.group(1)), [match.group(3)]
+                for key in match.group(2).replace("`", "").split("/"):
+                    found[key.strip()] = entry
+    return {key: " ".join(parts) for key, parts in found.items()}
 
 
 def _docstring_keys(cls) -> dict[str, str]:
-    """`key: text` (or `a / b: text`) lines of a class docstring and its bases', for keys defined
-    in a class whose source we do not own; the text is cut at its first clause."""
-    found: dict[str, str] = {}
-    for klass in reversed(cls.__mro__):
-        for match in re.finditer(r"^\s*`?([\w /`]+?)`?:\s+(.+)$", klass.__doc__ or "", re.M):
-            text = re.split(r"; |\. ", match.group(2))[0].rstrip(".;,")
-            for key in match.group(1).replace("`", "").split("/"):
-                found[key.strip()] = text
-    return found
+    """The first sentence of each docstring entry (`docstring_entries`): the help of keys defined
+    in a class whose source we do not own."""
+    return {key: first_sentence(text) for key, text in docstring_entries(cls).items()}

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from ..checkpoint import CheckpointManager, export_hf, source_dtype
 from ..data.builtin import builtin_model_config, builtin_tokenizer
 from ..data.vision import is_multimodal
-from ..distributed import ParallelDims, barrier, get_rank, get_world_size, run_agreed
+from ..distributed import ParallelDims, barrier, broadcast_from_rank0, get_rank, get_world_size, run_agreed
 from ..dtypes import DTYPES, dtype_name
 from ..fsdp import reshard_all
 from ..log import log_rank0, warn_rank0
@@ -33,7 +33,7 @@ from .loss import causal_lm_loss_sum, target_count
 from .metrics import (NO_PLOT, MetricsLogger, Throughput, check_report_to, model_flops_per_token, peak_device_flops,
                       peak_memory_gb, plot_loss)
 from .pp_step import pipeline_evaluate, pipeline_of, pipeline_train_step
-from .rundir import claim_run_directory, lock_for_this_process
+from .rundir import claim_run_directory, lock_for_this_process, run_identity
 from .step import train_step
 from .stop import StopRequest
 
@@ -143,6 +143,15 @@ def build_model(config: TrainConfig, strategy: FSDPStrategy, tokenizer) -> torch
     return strategy.prepare_model(model, is_training=True)
 
 
+def parameters_line(model: torch.nn.Module) -> str:
+    """"35,040 parameters", and where some are frozen (LoRA) how many of them train: "36,576
+    parameters, 1,536 trainable" (sharded or not: a DTensor counts its global elements)."""
+    total, params = parameter_counts(model)[0], list(model.parameters())
+    if all(p.requires_grad for p in params):
+        return f"{total:,} parameters"
+    return f"{total:,} parameters, {sum(p.numel() for p in params if p.requires_grad):,} trainable"
+
+
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, batches: list[dict], loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS) -> float | None:
     """Mean loss per target token over this rank's eval batches and every other rank's."""
@@ -176,7 +185,7 @@ class Trainer:
     def _resume(self, manager: CheckpointManager, model, optimizer, scheduler, strategy, data, batches) -> int:
         """The step this run starts at: where its own newest checkpoint left off, or 0 for a new
         run, which `checkpoint.init_from` starts from another run's weights."""
-        resume = self.config.checkpoint.resume
+        resume = self._resume_from
         extra = None
         if resume != "none":
             extra = manager.load(model, optimizer, scheduler, states={"strategy": strategy}, path=resume)
@@ -228,13 +237,14 @@ class Trainer:
 
     def _claim_directory(self) -> None:
         """Rank 0 (or the launcher before it) holds the output directory and settles whose
-        checkpoints it keeps, before anything of this run is written there."""
+        checkpoints it keeps, before anything of this run is written there; every rank learns what
+        to resume (workers torchrun restarted resume what their run saved)."""
         def claim():
             if self._lock is not None:
                 self._lock.acquire()
-            claim_run_directory(self.config)
+            return claim_run_directory(self.config)
 
-        run_agreed(claim, on_rank=0, error_type=ConfigError)
+        self._resume_from = broadcast_from_rank0(run_agreed(claim, on_rank=0, error_type=ConfigError))
 
     def _build(self, stop: StopRequest) -> "Run":
         """Everything a run needs, in order: the strategy (process group), data, model, optimizer,
@@ -272,7 +282,7 @@ class Trainer:
             end = min(end, start + config.train.stop_after)
         logger = MetricsLogger(config.output_dir, config.train.steps, start, enabled=rank == 0,
                                report_to=report_to, config=config.to_dict())
-        log_rank0(f"{config.model.name_or_path}: {parameter_counts(model)[0]:,} parameters, "
+        log_rank0(f"{config.model.name_or_path}: {parameters_line(model)}, "
                   f"{describe_mesh(dims)}, {data.describe()} of {config.data.seq_len} tokens, "
                   f"steps {start}..{end} of {config.train.steps}" + (f" (resumed from step {start})" if start else ""))
         log_rank0(attention_path(model, config.data.packing))
@@ -285,7 +295,7 @@ class Trainer:
 
     def _extra_state(self, run: "Run", step: int) -> dict:
         return {"data": {"position": step, "fingerprint": run.data.fingerprint(), **run.batches.state_dict()},
-                "config": self.config.to_dict()}
+                "config": self.config.to_dict(), "run": run_identity()}
 
     def _train(self, run: "Run") -> dict:
         """The steps of this run: train, log, evaluate and checkpoint on the configured intervals."""
