@@ -102,6 +102,11 @@ class MemoryEstimate:
         return "\n".join(f"{name.ljust(width)}  {value / 2**20:>10.2f} MiB" for name, value in self.rows())
 
 
+def text_config(config):
+    """The language model's config of a composite one (a VLM's `text_config`), else the config itself."""
+    return getattr(config, "get_text_config", lambda: config)()
+
+
 def layer_activation_values(config) -> int:
     """Values one decoder layer saves for backward, per token."""
     hidden, inter = config.hidden_size, config.intermediate_size
@@ -112,17 +117,20 @@ def layer_activation_values(config) -> int:
 
 
 def activation_bytes(config, micro_batch_size: int, seq_len: int, compute_bytes: int,
-                     activation_checkpointing: bool = False, chunked_loss: bool = False) -> int:
+                     activation_checkpointing: bool = False, chunked_loss: bool = False,
+                     layers: int | None = None, first: bool = True, last: bool = True) -> int:
     """What autograd saves for one micro-batch: the layers, the embedding and final norm (3H), the
     rotary cos/sin shared by the layers, the int64 ids, labels and positions, and the loss's fp32
-    log-softmax (4V bytes), or, chunked, the hidden states' gradient it holds (H values)."""
+    log-softmax (4V bytes), or, chunked, the hidden states' gradient it holds (H values). A pipeline
+    stage holds `layers` of them, the embedding only if `first`, the final norm and loss only if `last`."""
+    layers = config.num_hidden_layers if layers is None else layers
     per_layer = config.hidden_size if activation_checkpointing else layer_activation_values(config)
-    body = config.num_hidden_layers * per_layer
     rotary = 2 * (getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
     tokens = micro_batch_size * seq_len
-    norms = 1 if activation_checkpointing else 2 * config.num_hidden_layers + 1
-    loss = compute_bytes * config.hidden_size if chunked_loss else 4 * config.vocab_size
-    return tokens * (compute_bytes * (body + 3 * config.hidden_size + rotary) + 3 * 8 + loss
+    ends = (2 if first else 0) + (1 if last else 0)  # the embedding's output and its copy; the final norm's
+    norms = (0 if activation_checkpointing else 2 * layers) + (1 if last else 0)
+    loss = (compute_bytes * config.hidden_size if chunked_loss else 4 * config.vocab_size) if last else 0
+    return tokens * (compute_bytes * (layers * per_layer + ends * config.hidden_size + rotary) + 3 * 8 + loss
                      + norms * norm_upcast_bytes(config, compute_bytes))
 
 
@@ -136,7 +144,8 @@ def estimate_memory(model: nn.Module, plan: ShardingPlan, shard_size: int, micro
                     optimizer: str = "adamw", accumulation_steps: int | None = None,
                     device_type: str = "cuda", reduce_dtype: torch.dtype = torch.float32,
                     tp_assignments: dict[str, str] | None = None, tp_size: int = 1, cp_size: int = 1,
-                    ep_size: int = 1, loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS) -> MemoryEstimate:
+                    ep_size: int = 1, loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS,
+                    stage_rows: int | None = None, in_flight: int = 1) -> MemoryEstimate:
     """The estimate for `model` (real or on meta) sharded by `plan` over `shard_size` (dp_shard) x
     `cp_size` ranks, after the modules of `tp_assignments` (name -> TP style) are split `tp_size` ways.
     With `ep_size` > 1 each MoE experts module is a unit of its own that gathers only this rank's
@@ -153,11 +162,19 @@ def estimate_memory(model: nn.Module, plan: ShardingPlan, shard_size: int, micro
                         ALLOCATOR_BLOCK if device_type != "cpu" else 1, split,
                         expert_units(model, ep_size, shard_size * cp_size))
     seq_len = -(-seq_len // cp_size)  # this rank's part of each sequence
-    config, compute_bytes, tokens = model.config, compute_dtype.itemsize, micro_batch_size * seq_len
-    head = chunked_head(model, loss_chunk_tokens, tp_assignments or {})
-    activations = activation_bytes(config, micro_batch_size, seq_len, compute_bytes, activation_checkpointing,
-                                   chunked_loss=head is not None)
-    if head is None:
+    config, compute_bytes = text_config(model.config), compute_dtype.itemsize
+    stage = getattr(model, "fullshard_stage", None)  # a pipeline stage: its layers, ends and micro-batches
+    layers, first, last = (len(stage.layers), stage.first, stage.last) if stage else (None, True, True)
+    if stage is not None:
+        micro_batch_size, loss_chunk_tokens = stage_rows or micro_batch_size, 0  # the schedule's loss: whole logits
+    tokens = micro_batch_size * seq_len
+    head = chunked_head(model, loss_chunk_tokens, tp_assignments or {}) if last else None
+    activations = in_flight * activation_bytes(config, micro_batch_size, seq_len, compute_bytes,
+                                               activation_checkpointing, chunked_loss=head is not None,
+                                               layers=layers, first=first, last=last)
+    if not last:
+        loss = saved_loss = 0
+    elif head is None:
         loss, saved_loss = tokens * config.vocab_size * LOSS_TRANSIENT_BYTES_PER_LOGIT, tokens * config.vocab_size * 4
     else:
         # a chunk's logits; the head's gradient, made in the forward; the head unit's all-gather
@@ -299,3 +316,118 @@ def measured_peak_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, run,
     with tracker:
         run()
     return max(snapshot["Total"] for snapshot in tracker.get_tracker_snapshot("peak").values())
+
+
+# ---------------------------------------------------------------------------------------------- a run's plan
+
+
+@dataclass
+class StageEstimate:
+    """The estimate for one rank's share of a run: the whole model, or one pipeline stage."""
+
+    label: str
+    estimate: MemoryEstimate
+
+
+@dataclass
+class RunEstimate:
+    """Per-rank estimates of a training run: one for the whole model, or one per pipeline stage."""
+
+    stages: list[StageEstimate]
+    assumptions: str  # the dtypes and layout the estimate assumed, for the plan's header
+
+    @property
+    def per_rank(self) -> int:
+        """The largest rank's total: what every rank must fit."""
+        return max(s.estimate.total for s in self.stages)
+
+
+def training_dtypes(model: nn.Module, engine) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
+    """(master weights, compute, gradient reduce) dtypes of `model` trained under `engine`: the
+    masters, their gradients and the optimizer state keep the parameters' own dtype (the model is
+    built in `model.dtype`); FSDP computes in `mixed_precision` and, off (fp32), in the masters'
+    dtype, reducing in `reduce_dtype` only where mixed precision is on."""
+    from ..dtypes import DTYPES
+
+    trainable = [p for p in model.parameters() if p.requires_grad] or list(model.parameters())
+    master = trainable[0].dtype if trainable else torch.float32
+    if engine.mixed_precision == "fp32":
+        return master, master, master
+    return master, DTYPES[engine.mixed_precision], DTYPES[engine.reduce_dtype]
+
+
+def estimate_run(model: nn.Module, engine, world_size: int, micro_batch_size: int, seq_len: int, *,
+                 optimizer: str = "adamw", accumulation_steps: int | None = None, device_type: str = "cuda",
+                 loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS) -> RunEstimate:
+    """The per-rank memory of training `model` (real or on meta, in the dtype it trains in, LoRA
+    applied if it trains with it) under `engine` (an `EngineConfig` or its dict) on `world_size`
+    ranks, `micro_batch_size` x `seq_len` tokens per rank and micro-batch: one estimate, or one
+    per pipeline stage."""
+    from ..distributed import ParallelDims
+    from ..engine import EngineConfig
+    from ..plan import build_plan
+
+    engine = EngineConfig.from_any(engine)
+    dims = ParallelDims(engine.dp_replicate, engine.dp_shard, world_size, cp=engine.cp_size, tp=engine.tp_size,
+                        pp=engine.pp_size, ep=engine.ep_size)
+    master, compute, reduce = training_dtypes(model, engine)
+
+    def one(module: nn.Module, **stage) -> MemoryEstimate:
+        return estimate_memory(
+            module, build_plan(module, engine.plan), dims.dp_shard, micro_batch_size, seq_len, compute,
+            engine.activation_checkpointing, optimizer, accumulation_steps=accumulation_steps,
+            device_type=device_type, reduce_dtype=reduce,
+            tp_assignments=tp_assignments(module, engine.tp_plan, dims.tp), tp_size=dims.tp, cp_size=dims.cp,
+            ep_size=dims.ep, loss_chunk_tokens=loss_chunk_tokens, **stage)
+
+    assumptions = (f"master weights, gradients and {optimizer} state in {_name(master)}, compute in {_name(compute)}"
+                   + (f", gradients reduced in {_name(reduce)}" if reduce != compute else ""))
+    if dims.pp == 1:
+        return RunEstimate([StageEstimate("every rank", one(model))], assumptions)
+    from ..parallel.pp import microbatches_of
+
+    pipeline_micro = microbatches_of(dims.pp, engine.pp_microbatches)
+    rows = max(micro_batch_size // pipeline_micro, 1)
+    stages = []
+    for label, stage, index, count in pipeline_stages(model, engine):
+        # GPipe runs every micro-batch's forward before the first backward; 1F1B keeps at most as
+        # many in flight as there are stages after this one, itself included
+        flight = pipeline_micro if engine.pp_schedule == "GPipe" else min(pipeline_micro, count - index)
+        stages.append(StageEstimate(label, one(stage, stage_rows=rows, in_flight=flight)))
+    return RunEstimate(stages, assumptions + f", {engine.pp_schedule} over {pipeline_micro} pipeline micro-batches")
+
+
+def estimate_rank_bytes(model: nn.Module, engine, world_size: int, micro_batch_size: int, seq_len: int,
+                        **kwargs) -> int:
+    """The largest rank's estimated peak bytes (`estimate_run(...).per_rank`): what a GPU run compares
+    with `torch.cuda.max_memory_allocated()` (pass `device_type="cuda"`)."""
+    return estimate_run(model, engine, world_size, micro_batch_size, seq_len, **kwargs).per_rank
+
+
+def pipeline_stages(model: nn.Module, engine):
+    """(label, stage module, stage index, stage count) for each pipeline stage of `model`."""
+    from ..parallel.pp import build_stage, decoder_parts, held_ends, stage_layers
+
+    parts = decoder_parts(model)
+    ranges = stage_layers(model, parts, engine.pp_size * engine.pp_virtual_stages, engine.pp_layers_per_stage)
+    for index, layers in enumerate(ranges):
+        ends = [name for name, held in held_ends(parts, index, len(ranges)).items() if held]
+        stage = build_stage(model, parts, ranges, index)
+        params = sum(p.numel() for p in stage.parameters())
+        yield (f"stage {index} (pp rank {index % engine.pp_size}): layers {layers.start}-{layers.stop - 1}"
+               + (f" + {', '.join(ends)}" if ends else "") + f", {params:,} parameters"), stage, index, len(ranges)
+
+
+def tp_assignments(model: nn.Module, tp_plan, tp_size: int) -> dict[str, str]:
+    """Module name -> TP style, validated as the engine does (a `PlanError` naming the entry); none at tp 1."""
+    if tp_size == 1:
+        return {}
+    from ..parallel.tp import plan_assignments, resolve_tp_plan
+
+    return plan_assignments(model, resolve_tp_plan(model, tp_plan), tp_size)
+
+
+def _name(dtype: torch.dtype) -> str:
+    from ..dtypes import DTYPES
+
+    return next((name for name, d in DTYPES.items() if d == dtype), str(dtype))

@@ -125,10 +125,12 @@ def resolve_model_dir(name: str) -> Path | None:
 
 
 def build_meta_model(config: TrainConfig):
-    """The model of `config` on the meta device: a built-in Llama, or a directory's / Hub id's config."""
+    """The model of `config` on the meta device, in the dtype training keeps (`model.dtype`, whatever
+    the stored `torch_dtype`): a built-in Llama, or a directory's / Hub id's config."""
+    from ..dtypes import DTYPES
     from ..loading import init_empty_model, meta_init
 
-    name = config.model.name_or_path
+    name, dtype = config.model.name_or_path, DTYPES[config.model.dtype]
     directory = resolve_model_dir(name)
     if directory is None:
         from transformers import LlamaConfig, LlamaForCausalLM
@@ -138,11 +140,11 @@ def build_meta_model(config: TrainConfig):
         hf_config = LlamaConfig(vocab_size=len(byte_tokenizer()), max_position_embeddings=config.data.seq_len,
                                 **BUILTIN_MODELS[name])
         with meta_init():
-            return LlamaForCausalLM(hf_config)
+            return LlamaForCausalLM._from_config(hf_config, dtype=dtype)
     hf_config = load_hf_config(directory, config.model.trust_remote_code, name)
     # the model class is transformers' own (config.architectures); init_empty_model(trust_remote_code=True)
     # would pass the flag on to the model's __init__
-    return init_empty_model(hf_config)
+    return init_empty_model(hf_config, dtype=dtype)
 
 
 def load_hf_config(directory: Path, trust_remote_code: bool, name: str):
