@@ -64,10 +64,15 @@ class MemoryEstimate:
     saved_loss: int = 0  # the loss's share of `activations`, freed when the backward starts
     first_unit_gradients: int = 0  # the sharded gradients of the unit the backward starts with
     recompute: int = 0  # activation checkpointing: the layer being recomputed and its activations' gradients
+    offloaded: bool = False  # offload_params: the shards, their gradients and optimizer state live in host memory
+
+    @property
+    def device_gradients(self) -> int:
+        return 0 if self.offloaded else self.gradients
 
     @property
     def forward_peak(self) -> int:
-        grads = self.gradients if self.gradients_in_forward else 0
+        grads = self.device_gradients if self.gradients_in_forward else 0
         return self.largest_unit + self.activations + self.loss + grads
 
     @property
@@ -77,15 +82,16 @@ class MemoryEstimate:
         last layer prefetched) or at the end (every gradient, only the root unit gathered unless a
         layer is recomputed). One unit's gradient buffers and a recomputed layer's are the same at
         every layer: they add to both ends."""
-        grads_at_start = self.gradients if self.gradients_in_forward else self.first_unit_gradients
+        grads_at_start = self.device_gradients if self.gradients_in_forward else self.first_unit_gradients
         start = self.gathered + self.activations - self.saved_loss + grads_at_start
         # recomputing the first layer gathers its unit again while the root unit is gathered
-        end = (self.gathered if self.recompute else self.largest_unit) + self.gradients
+        end = (self.gathered if self.recompute else self.largest_unit) + self.device_gradients
         return self.unit_gradients + self.recompute + max(start, end)
 
     @property
     def total(self) -> int:
-        return self.parameters + self.optimizer + self.allocator + max(self.forward_peak, self.backward_peak)
+        held = 0 if self.offloaded else self.parameters + self.optimizer
+        return held + self.allocator + max(self.forward_peak, self.backward_peak)
 
     def rows(self) -> list[tuple[str, int]]:
         return [("parameters (shard)", self.parameters), ("gradients (shard)", self.gradients),
@@ -95,7 +101,8 @@ class MemoryEstimate:
                 ("one unit's unsharded gradients", self.unit_gradients),
                 ("recomputed layer and its gradients", self.recompute), ("allocator rounding", self.allocator),
                 ("at the end of the forward", self.forward_peak), ("in the backward", self.backward_peak),
-                ("total (parameters, optimizer, rounding, larger moment)", self.total)]
+                ("total (parameters, optimizer, rounding, larger moment)" if not self.offloaded else
+                 "total on the device (offloaded: gathered units, activations, rounding)", self.total)]
 
     def describe(self) -> str:
         width = max(len(name) for name, _ in self.rows())
@@ -373,12 +380,14 @@ def estimate_run(model: nn.Module, engine, world_size: int, micro_batch_size: in
     master, compute, reduce = training_dtypes(model, engine)
 
     def one(module: nn.Module, **stage) -> MemoryEstimate:
-        return estimate_memory(
+        estimate = estimate_memory(
             module, build_plan(module, engine.plan), dims.dp_shard, micro_batch_size, seq_len, compute,
             engine.activation_checkpointing, optimizer, accumulation_steps=accumulation_steps,
             device_type=device_type, reduce_dtype=reduce,
             tp_assignments=tp_assignments(module, engine.tp_plan, dims.tp), tp_size=dims.tp, cp_size=dims.cp,
             ep_size=dims.ep, loss_chunk_tokens=loss_chunk_tokens, **stage)
+        estimate.offloaded = engine.offload_params and device_type != "cpu"
+        return estimate
 
     assumptions = (f"master weights, gradients and {optimizer} state in {_name(master)}, compute in {_name(compute)}"
                    + (f", gradients reduced in {_name(reduce)}" if reduce != compute else ""))
@@ -431,3 +440,50 @@ def _name(dtype: torch.dtype) -> str:
     from ..dtypes import DTYPES
 
     return next((name for name, d in DTYPES.items() if d == dtype), str(dtype))
+
+
+# what torch.cuda.get_device_properties(...).total_memory reports for each card (the job's own CUDA
+# context, a few hundred MiB, comes out of it too); cpu: the host's memory, shared by its ranks
+DEVICES = {"h100": ("cuda", 79.19 * 2**30), "h200": ("cuda", 139.8 * 2**30), "a100-80g": ("cuda", 79.15 * 2**30),
+           "a100-40g": ("cuda", 39.39 * 2**30), "cpu": ("cpu", None), "cuda": ("cuda", None)}
+
+
+def device_capacity(device: str | None) -> tuple[str, int | None]:
+    """(device name, bytes one rank may use) for `--device`: a named card, `cuda` (this machine's
+    first GPU), `cpu` (the host's memory), or None (this machine's device)."""
+    from ..errors import ConfigError
+
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("--device=cuda plans for this machine's GPU, and it has none: name the card "
+                              f"(one of {', '.join(n for n in DEVICES if n not in ('cpu', 'cuda'))})")
+        return f"cuda ({torch.cuda.get_device_name(0)})", torch.cuda.get_device_properties(0).total_memory
+    if device == "cpu":
+        import os
+
+        return "cpu", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return device, int(DEVICES[device][1])
+
+
+def largest_micro_batch(model: nn.Module, engine, world_size: int, seq_len: int, capacity: int,
+                        limit: int = 1 << 14, **kwargs) -> int:
+    """The largest micro batch (rows of `seq_len` tokens; under pp a multiple of its pipeline
+    micro-batches) whose per-rank estimate fits `capacity` bytes; 0 if none does."""
+    from ..engine import EngineConfig
+    from ..parallel.pp import microbatches_of
+
+    engine = EngineConfig.from_any(engine)
+    step = microbatches_of(engine.pp_size, engine.pp_microbatches) if engine.pp_size > 1 else 1
+
+    def fits(multiple: int) -> bool:
+        return estimate_run(model, engine, world_size, multiple * step, seq_len, **kwargs).per_rank <= capacity
+
+    low, high = 0, 1
+    while high * step <= limit and fits(high):
+        low, high = high, high * 2
+    while high - low > 1:  # fits(low), not fits(high)
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low * step
