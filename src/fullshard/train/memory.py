@@ -64,6 +64,7 @@ class MemoryEstimate:
     saved_loss: int = 0  # the loss's share of `activations`, freed when the backward starts
     first_unit_gradients: int = 0  # the sharded gradients of the unit the backward starts with
     recompute: int = 0  # activation checkpointing: the layer being recomputed and its activations' gradients
+    input_unit_gradients: int = 0  # the sharded gradients of the unit the forward starts with (the embedding's)
     offloaded: bool = False  # offload_params: the shards, their gradients and optimizer state live in host memory
 
     @property
@@ -84,8 +85,10 @@ class MemoryEstimate:
         every layer: they add to both ends."""
         grads_at_start = self.device_gradients if self.gradients_in_forward else self.first_unit_gradients
         start = self.gathered + self.activations - self.saved_loss + grads_at_start
-        # recomputing the first layer gathers its unit again while the root unit is gathered
-        end = (self.gathered if self.recompute else self.largest_unit) + self.device_gradients
+        # recomputing the first layer gathers its unit again while the root unit is gathered, before
+        # the embedding's gradients exist
+        end = (self.gathered + self.device_gradients - self.input_unit_gradients * (not self.offloaded)
+               if self.recompute else self.largest_unit + self.device_gradients)
         return self.unit_gradients + self.recompute + max(start, end)
 
     @property
@@ -141,6 +144,26 @@ def activation_bytes(config, micro_batch_size: int, seq_len: int, compute_bytes:
                      + norms * norm_upcast_bytes(config, compute_bytes))
 
 
+def frozen_inputs(model: nn.Module) -> int:
+    """Values per token a decoder layer does not save because its Linear layers are frozen (LoRA's
+    base): a frozen Linear keeps no input for a weight gradient. Counted once per parent module and
+    input width (a shared input, as gate and up projections have, is one tensor), and not where an
+    adapter wraps the layer (its own input is saved)."""
+    from ..plan import find_blocks
+
+    layer = next((model.get_submodule(name) for name in find_blocks(model)
+                  if any(True for _ in model.get_submodule(name).parameters())), None)
+    if layer is None or all(p.requires_grad for p in layer.parameters()):
+        return 0
+    adapted = {id(m.base_layer) for m in layer.modules() if hasattr(m, "base_layer")}
+    widths = set()
+    for name, module in layer.named_modules():
+        if (type(module) is nn.Linear and id(module) not in adapted and not module.weight.requires_grad
+                and "lora_" not in name):
+            widths.add((name.rpartition(".")[0], module.in_features))
+    return sum(width for _, width in widths)
+
+
 def norm_upcast_bytes(config, compute_bytes: int) -> int:
     """RMSNorm computes in fp32: below fp32 each norm also saves its input's fp32 copy (4H bytes per token)."""
     return 4 * config.hidden_size if compute_bytes < 4 else 0
@@ -179,6 +202,9 @@ def estimate_memory(model: nn.Module, plan: ShardingPlan, shard_size: int, micro
     activations = in_flight * activation_bytes(config, micro_batch_size, seq_len, compute_bytes,
                                                activation_checkpointing, chunked_loss=head is not None,
                                                layers=layers, first=first, last=last)
+    if not activation_checkpointing:
+        held_layers = config.num_hidden_layers if layers is None else layers
+        activations -= in_flight * tokens * compute_bytes * held_layers * frozen_inputs(model)
     if not last:
         loss = saved_loss = 0
     elif head is None:
@@ -190,13 +216,14 @@ def estimate_memory(model: nn.Module, plan: ShardingPlan, shard_size: int, micro
         # (bench_loss measures these)
         chunk_bytes = CHUNK_BYTES_PER_LOGIT + (compute_bytes if compute_bytes < 4 else 0)
         head_bytes = sum(p.numel() for p in head.parameters()) * compute_bytes
-        loss = (min(loss_chunk_tokens, tokens) * config.vocab_size * chunk_bytes + 2 * head_bytes
+        trains_head = any(p.requires_grad for p in head.parameters())  # a frozen head (LoRA) gets no gradient
+        loss = (min(loss_chunk_tokens, tokens) * config.vocab_size * chunk_bytes + (1 + trains_head) * head_bytes
                 + tokens * config.hidden_size * compute_bytes)
         saved_loss = tokens * config.hidden_size * compute_bytes
-    # a checkpointed layer's backward recomputes its activations and then holds their gradients
-    # beside them: about two layers' worth in all, measured (bench_memory)
+    # a checkpointed layer's backward recomputes its activations, freeing them as their gradients
+    # arrive: about one layer's worth at its highest, measured (bench_memory)
     layer = compute_bytes * layer_activation_values(config) + 2 * norm_upcast_bytes(config, compute_bytes)
-    recompute = 2 * tokens * layer if activation_checkpointing else 0
+    recompute = tokens * layer if activation_checkpointing else 0
     full = sorted(units["full"].values(), reverse=True)
     largest = max(units["full"], key=units["full"].get)
     reduce_copy = reduce_dtype.itemsize if reduce_dtype != compute_dtype else 0
@@ -209,6 +236,7 @@ def estimate_memory(model: nn.Module, plan: ShardingPlan, shard_size: int, micro
         allocator=units["rounding"], gradients_in_forward=accumulation_steps is None or accumulation_steps > 1,
         largest_unit=full[0], saved_loss=saved_loss,
         first_unit_gradients=max(units["grad"].values(), default=0), recompute=recompute,
+        input_unit_gradients=next(iter(units["grad"].values()), 0),
     )
 
 
@@ -481,8 +509,10 @@ def largest_micro_batch(model: nn.Module, engine, world_size: int, seq_len: int,
         return estimate_run(model, engine, world_size, multiple * step, seq_len, **kwargs).per_rank <= capacity
 
     low, high = 0, 1
-    while high * step <= limit and fits(high):
+    while fits(high):
         low, high = high, high * 2
+        if high * step > limit:
+            return low * step  # at least this: more rows than anyone runs
     while high - low > 1:  # fits(low), not fits(high)
         middle = (low + high) // 2
         low, high = (middle, high) if fits(middle) else (low, middle)
