@@ -30,8 +30,8 @@ CONFIG = dict(vocab_size=512, hidden_size=256, intermediate_size=512, moe_interm
               num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=32, num_experts_per_tok=2,
               decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=256, tie_word_embeddings=False)
 MICRO, SEQ, WARMUP, STEPS, ROUNDS = 2, 128, 1, 3, 3  # per rank
-RUNS = {"fullshard ep 1": ("fullshard", 1), "fullshard ep 2": ("fullshard", 2), "fullshard ep 4": ("fullshard", 4),
-        "transformers ep 4": ("transformers", 4)}
+RUNS = {"fullshard ep 1": ("fullshard", 1), "transformers ep 1": ("transformers", 1), "fullshard ep 2": ("fullshard", 2),
+        "fullshard ep 4": ("fullshard", 4), "transformers ep 4": ("transformers", 4)}
 
 
 def _rss_mib(field: str = "VmRSS") -> float:
@@ -96,18 +96,22 @@ def train_step(model, optimizer, generator: torch.Generator) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def _run(kind: str, ep: int, path: str) -> dict:
-    import torch.distributed as dist
-
+def load_model(kind: str, ep: int, path: str):
+    """fullshard's sharded model, or transformers' own FSDP2 (and EP) through `DistributedConfig`."""
     if kind == "fullshard":
         from fullshard import FSDP2Engine, from_pretrained
 
-        model = from_pretrained(path, engine=FSDP2Engine({"mixed_precision": "fp32", "ep_size": ep}))
-    else:
-        from transformers import AutoModelForCausalLM
-        from transformers.distributed import DistributedConfig
+        return from_pretrained(path, engine=FSDP2Engine({"mixed_precision": "fp32", "ep_size": ep}))
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
 
-        model = AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(fsdp_size=4, ep_size=ep))
+    return AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(fsdp_size=4, ep_size=ep))
+
+
+def _run(kind: str, ep: int, path: str) -> dict:
+    import torch.distributed as dist
+
+    model = load_model(kind, ep, path)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     sent = SentBytes()

@@ -65,6 +65,10 @@ class MemoryEstimate:
     first_unit_gradients: int = 0  # the sharded gradients of the unit the backward starts with
     recompute: int = 0  # activation checkpointing: the layer being recomputed and its activations' gradients
     input_unit_gradients: int = 0  # the sharded gradients of the unit the forward starts with (the embedding's)
+    backward_gathered: int = 0  # the two largest units gathered in backward (a plain embedding is not)
+    in_flight: int = 0  # a pipeline stage: the micro-batches whose activations it holds at once (0: no pipeline)
+    pipeline_gradients: int = 0  # a pipeline stage: its whole gradients, unsharded until the last micro-batch
+    gradients_between_forwards: bool = False  # 1F1B: a later micro-batch's forward runs beside them
     offloaded: bool = False  # offload_params: the shards, their gradients and optimizer state live in host memory
 
     @property
@@ -74,6 +78,8 @@ class MemoryEstimate:
     @property
     def forward_peak(self) -> int:
         grads = self.device_gradients if self.gradients_in_forward else 0
+        if self.in_flight:
+            grads = self.pipeline_gradients if self.gradients_between_forwards else 0
         return self.largest_unit + self.activations + self.loss + grads
 
     @property
@@ -83,6 +89,12 @@ class MemoryEstimate:
         last layer prefetched) or at the end (every gradient, only the root unit gathered unless a
         layer is recomputed). One unit's gradient buffers and a recomputed layer's are the same at
         every layer: they add to both ends."""
+        if self.in_flight:
+            # the first micro-batch's backward: one unit's gradients beside every activation; after it,
+            # the stage's whole gradients (FSDP reduces them at the last one) beside the others'
+            start = self.backward_gathered + self.activations - self.saved_loss + self.largest_unit
+            after_first = self.gathered + self.activations * (self.in_flight - 1) // self.in_flight
+            return self.recompute + max(start, after_first + self.pipeline_gradients)
         grads_at_start = self.device_gradients if self.gradients_in_forward else self.first_unit_gradients
         start = self.gathered + self.activations - self.saved_loss + grads_at_start
         # recomputing the first layer gathers its unit again while the root unit is gathered, before
@@ -175,7 +187,8 @@ def estimate_memory(model: nn.Module, plan: ShardingPlan, shard_size: int, micro
                     device_type: str = "cuda", reduce_dtype: torch.dtype = torch.float32,
                     tp_assignments: dict[str, str] | None = None, tp_size: int = 1, cp_size: int = 1,
                     ep_size: int = 1, loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS,
-                    stage_rows: int | None = None, in_flight: int = 1) -> MemoryEstimate:
+                    stage_rows: int | None = None, in_flight: int = 1,
+                    all_forwards_first: bool = False) -> MemoryEstimate:
     """The estimate for `model` (real or on meta) sharded by `plan` over `shard_size` (dp_shard) x
     `cp_size` ranks, after the modules of `tp_assignments` (name -> TP style) are split `tp_size` ways.
     With `ep_size` > 1 each MoE experts module is a unit of its own that gathers only this rank's
@@ -205,6 +218,14 @@ def estimate_memory(model: nn.Module, plan: ShardingPlan, shard_size: int, micro
     if not activation_checkpointing:
         held_layers = config.num_hidden_layers if layers is None else layers
         activations -= in_flight * tokens * compute_bytes * held_layers * frozen_inputs(model)
+    if stage is not None:
+        # the schedule keeps, until each micro-batch's backward, the output a stage sends and its
+        # gradient's buffer (2H per token), the input it receives with its gradient and copies, and
+        # on the last stage the logits and their loss's few extra buffers (about 8H in all, measured
+        # at pp 2: bench_memory)
+        kept = ((0 if last else 2) + (0 if first else 8)) * config.hidden_size * compute_bytes
+        kept += config.vocab_size * compute_bytes if last else 0
+        activations += in_flight * tokens * kept
     if not last:
         loss = saved_loss = 0
     elif head is None:
@@ -237,6 +258,10 @@ def estimate_memory(model: nn.Module, plan: ShardingPlan, shard_size: int, micro
         largest_unit=full[0], saved_loss=saved_loss,
         first_unit_gradients=max(units["grad"].values(), default=0), recompute=recompute,
         input_unit_gradients=next(iter(units["grad"].values()), 0),
+        backward_gathered=sum(sorted(units["backward_full"].values(), reverse=True)[:2]),
+        in_flight=in_flight if stage is not None else 0,
+        pipeline_gradients=units["trainable_numel"] * compute_bytes if stage is not None else 0,
+        gradients_between_forwards=stage is not None and not all_forwards_first,
     )
 
 
@@ -302,7 +327,8 @@ def _unit_bytes(model: nn.Module, plan: ShardingPlan, shard_size: int, compute_d
     """Per FSDP unit: its all-gathered bytes in the compute dtype (a tp rank gathers its 1/tp), its
     element count and this rank's gradient shard; over the model: this rank's parameter shard and
     the allocator's rounding."""
-    out = {"full": {}, "numel": {}, "grad": {}, "shard": 0, "rounding": 0}
+    out = {"full": {}, "numel": {}, "grad": {}, "shard": 0, "rounding": 0, "trainable_numel": 0, "backward_full": {}}
+    modules = dict(model.named_modules())
     for name, full_param in model.named_parameters():
         param = split.local(name, full_param)
         per_rank = shard_bytes(param, shard_size)[1]
@@ -313,7 +339,10 @@ def _unit_bytes(model: nn.Module, plan: ShardingPlan, shard_size: int, compute_d
         out["shard"] += per_rank
         out["full"][unit] = out["full"].get(unit, 0) + gathered * compute_dtype.itemsize
         out["numel"][unit] = out["numel"].get(unit, 0) + gathered
+        if type(modules.get(name.rpartition(".")[0])) is not nn.Embedding:  # FSDP does not gather those for backward
+            out["backward_full"][unit] = out["backward_full"].get(unit, 0) + gathered * compute_dtype.itemsize
         if full_param.requires_grad:
+            out["trainable_numel"] += param.numel()
             out["grad"][unit] = out["grad"].get(unit, 0) + per_rank
         copies = 1 + (1 + OPTIMIZER_STATES[optimizer]) * full_param.requires_grad  # the weight, its gradient and moments
         out["rounding"] += copies * (-(-per_rank // block) * block - per_rank)
@@ -430,7 +459,8 @@ def estimate_run(model: nn.Module, engine, world_size: int, micro_batch_size: in
         # GPipe runs every micro-batch's forward before the first backward; 1F1B keeps at most as
         # many in flight as there are stages after this one, itself included
         flight = pipeline_micro if engine.pp_schedule == "GPipe" else min(pipeline_micro, count - index)
-        stages.append(StageEstimate(label, one(stage, stage_rows=rows, in_flight=flight)))
+        stages.append(StageEstimate(label, one(stage, stage_rows=rows, in_flight=flight,
+                                               all_forwards_first=engine.pp_schedule == "GPipe")))
     return RunEstimate(stages, assumptions + f", {engine.pp_schedule} over {pipeline_micro} pipeline micro-batches")
 
 
