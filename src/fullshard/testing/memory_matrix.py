@@ -123,6 +123,9 @@ def measure_cell(name: str) -> dict:
         batch = {"input_ids": ids, "labels": ids}
         if dims.cp > 1:
             batch = context_parallel_batch(batch, dims.coordinates(dist.get_rank())["cp"], dims.cp)
+            # one document per row, no mask: CPU's SDPA with a document mask takes the math path, which
+            # saves every head's [seq, seq] probabilities; a GPU's kernels save none (what the plan counts)
+            batch.pop("position_ids")
         return [batch]
 
     step_fn(strategy, model, optimizer, None, batches(0))  # the optimizer state exists from here on

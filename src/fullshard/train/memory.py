@@ -129,27 +129,30 @@ def text_config(config):
     return getattr(config, "get_text_config", lambda: config)()
 
 
-def layer_activation_values(config, tp: int = 1) -> int:
+def layer_activation_values(config, tp: int = 1, cp: int = 1) -> int:
     """Values one decoder layer saves for backward, per token: 6H around its two norms (inputs,
     normalised values, the projections' shared input), which every tp rank holds whole, and the
     attention's queries and output, keys and values, and the MLP's four intermediates, which a tp
-    rank holds 1/tp of (its heads, its slice of the MLP width)."""
+    rank holds 1/tp of (its heads, its slice of the MLP width). Under cp the attention repeats the
+    key/value heads to the query heads before its all-to-all: keys and values are H wide."""
     hidden, inter = config.hidden_size, config.intermediate_size
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or hidden // heads
-    return 6 * hidden + (2 * hidden + 2 * kv_heads * head_dim + 4 * inter) // tp
+    kv = hidden if cp > 1 and kv_heads < heads else kv_heads * head_dim
+    return 6 * hidden + (2 * hidden + 2 * kv + 4 * inter) // tp
 
 
 def activation_bytes(config, micro_batch_size: int, seq_len: int, compute_bytes: int,
                      activation_checkpointing: bool = False, chunked_loss: bool = False,
-                     layers: int | None = None, first: bool = True, last: bool = True, tp: int = 1) -> int:
+                     layers: int | None = None, first: bool = True, last: bool = True, tp: int = 1,
+                     cp: int = 1) -> int:
     """What autograd saves for one micro-batch: the layers, the embedding and final norm (3H), the
     rotary cos/sin shared by the layers, the int64 ids, labels and positions, and the loss's fp32
     log-softmax (4V bytes), or, chunked, the hidden states' gradient it holds (H values). A pipeline
     stage holds `layers` of them, the embedding only if `first`, the final norm and loss only if `last`."""
     layers = config.num_hidden_layers if layers is None else layers
-    per_layer = config.hidden_size if activation_checkpointing else layer_activation_values(config, tp)
+    per_layer = config.hidden_size if activation_checkpointing else layer_activation_values(config, tp, cp)
     rotary = 2 * (getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
     tokens = micro_batch_size * seq_len
     ends = (2 if first else 0) + (1 if last else 0)  # the embedding's output and its copy; the final norm's
@@ -219,7 +222,7 @@ def estimate_memory(model: nn.Module, plan: ShardingPlan, shard_size: int, micro
     head = chunked_head(model, loss_chunk_tokens, tp_assignments or {}) if last else None
     activations = in_flight * activation_bytes(config, micro_batch_size, seq_len, compute_bytes,
                                                activation_checkpointing, chunked_loss=head is not None,
-                                               layers=layers, first=first, last=last, tp=layer_tp)
+                                               layers=layers, first=first, last=last, tp=layer_tp, cp=cp_size)
     if not activation_checkpointing:
         held_layers = config.num_hidden_layers if layers is None else layers
         activations -= in_flight * tokens * compute_bytes * held_layers * frozen_inputs(model)
@@ -248,7 +251,7 @@ def estimate_memory(model: nn.Module, plan: ShardingPlan, shard_size: int, micro
         saved_loss = tokens * config.hidden_size * compute_bytes
     # a checkpointed layer's backward recomputes its activations, freeing them as their gradients
     # arrive: about one layer's worth at its highest, measured (bench_memory)
-    layer = compute_bytes * layer_activation_values(config, layer_tp) + 2 * norm_upcast_bytes(config, compute_bytes)
+    layer = compute_bytes * layer_activation_values(config, layer_tp, cp_size) + 2 * norm_upcast_bytes(config, compute_bytes)
     recompute = tokens * layer if activation_checkpointing else 0
     full = sorted(units["full"].values(), reverse=True)
     largest = max(units["full"], key=units["full"].get)
