@@ -223,6 +223,12 @@ def estimate_memory(model: nn.Module, plan: ShardingPlan, shard_size: int, micro
     activations = in_flight * activation_bytes(config, micro_batch_size, seq_len, compute_bytes,
                                                activation_checkpointing, chunked_loss=head is not None,
                                                layers=layers, first=first, last=last, tp=layer_tp, cp=cp_size)
+    experts = expert_units(model, ep_size, shard_size * cp_size)
+    if experts and not activation_checkpointing:
+        # the dispatch keeps the rows the all-to-all brought (top-k per token) as its experts' input
+        top_k = getattr(config, "num_experts_per_tok", 1) or 1
+        activations += in_flight * tokens * len({unit for unit, _, _ in experts.values()}) * top_k \
+            * config.hidden_size * compute_bytes
     if not activation_checkpointing:
         held_layers = config.num_hidden_layers if layers is None else layers
         activations -= in_flight * tokens * compute_bytes * held_layers * frozen_inputs(model)
@@ -251,7 +257,8 @@ def estimate_memory(model: nn.Module, plan: ShardingPlan, shard_size: int, micro
         saved_loss = tokens * config.hidden_size * compute_bytes
     # a checkpointed layer's backward recomputes its activations, freeing them as their gradients
     # arrive: about one layer's worth at its highest, measured (bench_memory)
-    layer = compute_bytes * layer_activation_values(config, layer_tp, cp_size) + 2 * norm_upcast_bytes(config, compute_bytes)
+    layer = (compute_bytes * layer_activation_values(config, layer_tp, cp_size)
+             + 2 * norm_upcast_bytes(config, compute_bytes))
     recompute = tokens * layer if activation_checkpointing else 0
     full = sorted(units["full"].values(), reverse=True)
     largest = max(units["full"], key=units["full"].get)
