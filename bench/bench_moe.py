@@ -164,10 +164,13 @@ def main() -> None:
              f"({loads[0]:.1f} before the first run; the rest is this benchmark's own 4 ranks on 2 cores): the time "
              "ratios carry that noise; bytes sent are exact.\n\n")
     body += markdown_table(["run", "tokens/s", "x ep 1", "RSS growth MiB", "x ep 1", "sent MiB/step", "x ep 1"], rows)
-    ours, peer = results["fullshard ep 4"], results["transformers ep 4"]
-    body += (f"\n\nfullshard ep 4 / transformers ep 4: tokens/s {ours['tokens_per_s'] / peer['tokens_per_s']:.2f}, "
-             f"RSS growth {ours['rss_growth_mib'] / peer['rss_growth_mib']:.2f}, "
-             f"sent {ours['sent_mib_per_step'] / peer['sent_mib_per_step']:.2f}.\n")
+    body += "\n"
+    for ep in (1, 4):  # the same layout side by side: plain FSDP at ep 1, native EP at ep 4
+        ours, peer = results[f"fullshard ep {ep}"], results[f"transformers ep {ep}"]
+        body += (f"\nfullshard ep {ep} / transformers ep {ep}: tokens/s "
+                 f"{ours['tokens_per_s'] / peer['tokens_per_s']:.2f}, "
+                 f"RSS growth {ours['rss_growth_mib'] / peer['rss_growth_mib']:.2f}, "
+                 f"sent {ours['sent_mib_per_step'] / peer['sent_mib_per_step']:.2f}.\n")
     write_section("moe", body)
 
 
