@@ -134,13 +134,14 @@ def layer_activation_values(config, tp: int = 1, cp: int = 1) -> int:
     normalised values, the projections' shared input), which every tp rank holds whole, and the
     attention's queries and output, keys and values, and the MLP's four intermediates, which a tp
     rank holds 1/tp of (its heads, its slice of the MLP width). Under cp the attention repeats the
-    key/value heads to the query heads before its all-to-all: keys and values are H wide."""
+    key/value heads to the query heads before its all-to-all (keys and values H wide), and its
+    all-to-alls keep about 3H more (2-3H measured at cp 2: bench_memory)."""
     hidden, inter = config.hidden_size, config.intermediate_size
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or hidden // heads
     kv = hidden if cp > 1 and kv_heads < heads else kv_heads * head_dim
-    return 6 * hidden + (2 * hidden + 2 * kv + 4 * inter) // tp
+    return 6 * hidden + (2 * hidden + 2 * kv + 4 * inter) // tp + (3 * hidden // tp if cp > 1 else 0)
 
 
 def activation_bytes(config, micro_batch_size: int, seq_len: int, compute_bytes: int,
