@@ -25,12 +25,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from .checkpoint.export import GatheredTensor, export_hf, gather_full, staging_dir
-from .distributed import broadcast_from_rank0, get_rank, run_agreed
+from .checkpoint.export import first_holder, gather_full, hub_recipe, merge_lora, staging_dir, write_export
+from .distributed import broadcast_from_rank0, get_rank, get_world_size, run_agreed
 from .errors import CheckpointError, ConfigError
 from .fsdp import reshard_all
+from .tensors import holds_part
 
 PEFT_PREFIX = "base_model.model."
 BASE_LAYER = ".base_layer"
@@ -199,13 +201,18 @@ def save_adapter(peft_model, output_dir: str | os.PathLike, adapter_name: str = 
     sharded = {k: v for k, v in peft_model.state_dict().items() if "lora_" in k or k.endswith("bias")}
     selected = get_peft_model_state_dict(peft_model, state_dict=sharded, adapter_name=adapter_name,
                                          save_embedding_layers=False)
+    staged = holds_part(peft_model)  # pipeline stages: each holds its own layers' adapters
     keep = get_rank() == 0
     tensors = {}
     for key, tensor in selected.items():
         full = gather_full(tensor)
-        if keep:
+        if keep or (staged and first_holder(tensor)):
             tensors[key] = full.to("cpu").contiguous()
         del full
+    if staged:  # every stage's first rank hands its adapters (small) to rank 0
+        parts = [None] * get_world_size() if keep else None
+        dist.gather_object(tensors, parts, dst=0)
+        tensors = {key: value for part in parts or [] for key, value in part.items()}
     staging = Path(broadcast_from_rank0(str(staging_dir(output_dir)) if keep else None))
 
     def write() -> None:
@@ -247,20 +254,6 @@ def base_name(state_name: str) -> str:
     return state_name.removeprefix(PEFT_PREFIX).replace(BASE_LAYER + ".", ".")
 
 
-def merge_lora(base: torch.Tensor, terms: list[tuple[torch.Tensor | None, torch.Tensor, float]],
-               fan_in_fan_out: bool) -> torch.Tensor:
-    """`base` with LoRA terms merged in, as PEFT's `Linear.merge` does: W + transpose(B @ A) * scaling
-    per adapter (a bias term has no A: b * scaling), the delta in fp32 then cast to W's dtype. The live
-    export and the offline one (from a checkpoint) both merge here, so they write the same bits."""
-    from peft.utils.other import transpose
-
-    merged = base.detach().clone()
-    for a, b, scaling in terms:
-        delta = b.float() if a is None else transpose(b.float() @ a.float(), fan_in_fan_out)
-        merged += (delta * scaling).to(merged.dtype)
-    return merged
-
-
 def _unmergeable(peft_model, layers: dict) -> list[str]:
     """Why each layer's adapters cannot be merged into plain weights (empty when all can)."""
     from peft.utils import ModulesToSaveWrapper
@@ -281,17 +274,35 @@ def _unmergeable(peft_model, layers: dict) -> list[str]:
     return problems
 
 
-def merge_recipe(peft_model, state_keys) -> dict:
-    """How to write the merged model from the PEFT model's state (live or in a checkpoint):
-    `names` maps each output name (the base model's, tied aliases left out) to its state key, and
-    `merges` gives the LoRA terms `[A key or None, B key, scaling]` to add to an output tensor.
-    Plain LoRA on linear layers only: anything else is refused by name with a CheckpointError."""
+def _lora_layers(peft_model) -> tuple[dict[str, dict], list[str]]:
+    """Each LoRA layer by name: its active adapters' scaling and `lora_B` leaves, and whether it
+    transposes (`fan_in_fan_out`); and what cannot be merged. A model split over ranks (pipeline
+    stages) knows only its own layers, so there every rank's are gathered (a collective)."""
     from peft.tuners.lora import LoraLayer
 
+    modules = {name: m for name, m in peft_model.named_modules() if isinstance(m, LoraLayer)}
+    layers = {name: {"fan_in_fan_out": bool(getattr(layer, "fan_in_fan_out", False)),
+                     "adapters": {a: (layer.scaling[a], [n for n, _ in layer.lora_B[a].named_parameters()])
+                                  for a in layer.active_adapters if a in layer.lora_A}}
+              for name, layer in modules.items()}
+    problems = _unmergeable(peft_model, modules)
+    if holds_part(peft_model):
+        gathered: list = [None] * get_world_size()
+        dist.all_gather_object(gathered, (layers, problems))
+        layers = {name: layer for part, _ in gathered for name, layer in part.items()}
+        problems = sorted({problem for _, part in gathered for problem in part})
+    return layers, problems
+
+
+def merge_recipe(peft_model, state_keys: dict) -> dict:
+    """How to write the merged model from the PEFT model's state (`state_keys`: state key -> tensor
+    or shape, live or in a checkpoint): `names` maps each output name (the base model's, in the
+    Hub's layout, tied aliases left out) to its state key, `views` a Hub tensor's region of it, and
+    `merges` gives the LoRA terms `[A key or None, B key, scaling]` to add to an output tensor.
+    Plain LoRA on linear layers only: anything else is refused by name with a CheckpointError."""
     from .checkpoint.export import alias_names
 
-    layers = {name: m for name, m in peft_model.named_modules() if isinstance(m, LoraLayer)}
-    problems = _unmergeable(peft_model, layers)
+    layers, problems = _lora_layers(peft_model)
     if problems:
         raise CheckpointError(f"cannot export LoRA merged into the base weights: only plain LoRA on linear layers "
                               f"merges, not {', '.join(problems)}")
@@ -306,37 +317,15 @@ def merge_recipe(peft_model, state_keys) -> dict:
             continue
         layer, out = layers[layer_name], base_name(key)
         names[out] = key
-        adapters = [a for a in layer.active_adapters if a in layer.lora_A]
-        if leaf == "weight":
-            terms = [[f"{layer_name}.lora_A.{a}.weight", f"{layer_name}.lora_B.{a}.weight", layer.scaling[a]]
-                     for a in adapters]
-        else:
-            terms = [[None, f"{layer_name}.lora_B.{a}.{leaf}", layer.scaling[a]] for a in adapters
-                     if getattr(layer.lora_B[a], leaf, None) is not None]
+        terms = [[f"{layer_name}.lora_A.{a}.weight" if leaf == "weight" else None,
+                  f"{layer_name}.lora_B.{a}.{leaf}", scaling]
+                 for a, (scaling, b_leaves) in layer["adapters"].items() if leaf == "weight" or leaf in b_leaves]
         if terms:
-            merges[out] = {"terms": terms, "fan_in_fan_out": bool(layer.fan_in_fan_out)}
+            merges[out] = {"terms": terms, "fan_in_fan_out": layer["fan_in_fan_out"]}
     adapter = peft_model.active_adapter
-    return {"names": names, "merges": merges, "adapter": {"name": adapter, "files": adapter_file_names(state_keys, adapter)}}
-
-
-def merged_state(peft_model) -> dict[str, torch.Tensor | GatheredTensor]:
-    """The base model's state dict under its own names, every LoRA layer's weight merged lazily
-    (one layer gathered at a time, by `merge_lora`). DoRA and other variants are refused by name."""
-    state = peft_model.state_dict()
-    recipe = merge_recipe(peft_model, state)
-    out: dict[str, torch.Tensor | GatheredTensor] = {}
-    for name, key in recipe["names"].items():
-        merge = recipe["merges"].get(name)
-        if merge is None:
-            out[name] = state[key]
-            continue
-
-        def gather(key=key, merge=merge) -> torch.Tensor:
-            terms = [(None if a is None else gather_full(state[a]), gather_full(state[b]), s) for a, b, s in merge["terms"]]
-            return merge_lora(gather_full(state[key]), terms, merge["fan_in_fan_out"])
-
-        out[name] = GatheredTensor(tuple(state[key].shape), state[key].dtype, gather)
-    return out
+    shapes = {k: tuple(getattr(v, "shape", v)) for k, v in state_keys.items()}
+    recipe = hub_recipe(peft_model.get_base_model(), names, merges, shapes)
+    return {**recipe, "adapter": {"name": adapter, "files": adapter_file_names(state_keys, adapter)}}
 
 
 def export_merged(peft_model, output_dir: str | os.PathLike, tokenizer=None, dtype=None,
@@ -346,10 +335,10 @@ def export_merged(peft_model, output_dir: str | os.PathLike, tokenizer=None, dty
     if not is_peft_model(peft_model):
         raise TypeError(f"export_merged needs a peft.PeftModel, got {type(peft_model).__name__}")
     reshard_all(peft_model)
-    state = merged_state(peft_model)
-    return export_hf(peft_model.get_base_model(), output_dir, tokenizer=tokenizer, dtype=dtype,
-                     max_shard_size=max_shard_size, tensors=state)
+    state = peft_model.state_dict()
+    return write_export(peft_model.get_base_model(), output_dir, state, merge_recipe(peft_model, state),
+                        tokenizer=tokenizer, dtype=dtype, max_shard_size=max_shard_size)
 
 
 __all__ = ["LoraCheckpointView", "apply_lora", "base_name", "export_merged", "is_peft_model", "lora_checkpoint_view",
-           "lora_config", "merge_lora", "merge_recipe", "merged_state", "save_adapter"]
+           "lora_config", "merge_lora", "merge_recipe", "save_adapter"]

@@ -216,7 +216,7 @@ def estimate_memory(model: nn.Module, plan: ShardingPlan, shard_size: int, micro
     stage = getattr(model, "fullshard_stage", None)  # a pipeline stage: its layers, ends and micro-batches
     layers, first, last = (len(stage.layers), stage.first, stage.last) if stage else (None, True, True)
     if stage is not None:
-        micro_batch_size, loss_chunk_tokens = stage_rows or micro_batch_size, 0  # the schedule's loss: whole logits
+        micro_batch_size = stage_rows or micro_batch_size  # one pipeline micro-batch
     tokens = micro_batch_size * seq_len
     # the layers' projections split over tp (the auto plan's are): their activations are split too
     layer_tp = tp_size if any(".layers." in f".{name}." for name in (tp_assignments or {})) else 1
@@ -236,10 +236,10 @@ def estimate_memory(model: nn.Module, plan: ShardingPlan, shard_size: int, micro
     if stage is not None:
         # the schedule keeps, until each micro-batch's backward, the output a stage sends and its
         # gradient's buffer (2H per token), the input it receives with its gradient and copies, and
-        # on the last stage the logits and their loss's few extra buffers (about 8H in all, measured
-        # at pp 2: bench_memory)
+        # on the last stage the loss's few extra buffers (about 8H in all, measured at pp 2:
+        # bench_memory), and its whole logits where the loss is not chunked
         kept = ((0 if last else 2) + (0 if first else 8)) * config.hidden_size * compute_bytes
-        kept += config.vocab_size * compute_bytes if last else 0
+        kept += config.vocab_size * compute_bytes if last and head is None else 0
         activations += in_flight * tokens * kept
     if not last:
         loss = saved_loss = 0
@@ -253,7 +253,9 @@ def estimate_memory(model: nn.Module, plan: ShardingPlan, shard_size: int, micro
         chunk_bytes = CHUNK_BYTES_PER_LOGIT + (compute_bytes if compute_bytes < 4 else 0)
         head_bytes = sum(p.numel() for p in head.parameters()) * compute_bytes
         trains_head = any(p.requires_grad for p in head.parameters())  # a frozen head (LoRA) gets no gradient
-        loss = (min(loss_chunk_tokens, tokens) * config.vocab_size * chunk_bytes + (1 + trains_head) * head_bytes
+        # each micro-batch in flight on a pipeline stage holds the head gradient its forward made
+        loss = (min(loss_chunk_tokens, tokens) * config.vocab_size * chunk_bytes
+                + (1 + trains_head * in_flight) * head_bytes
                 + tokens * config.hidden_size * compute_bytes)
         saved_loss = tokens * config.hidden_size * compute_bytes
     # a checkpointed layer's backward recomputes its activations, freeing them as their gradients
