@@ -201,30 +201,8 @@ def cmd_plan(argv: list[str]) -> int:
               "slice of the split ones):\n" + describe_tp(model, assignments, dims.tp))
     if dims.ep > 1:
         print("\n" + describe_expert_parallel(model, dims.ep, dims.efsdp))
-    stored = stored_dtype(config)
-    print(f"\nper-rank memory estimate (micro batch {micro} x {seq_len} tokens over cp {dims.cp}, "
-          f"activation checkpointing {fsdp.activation_checkpointing}, "
-          f"loss chunks of {config.train.loss_chunk_tokens or 'all the'} tokens, "
-          f"{accumulation or 'unknown'} micro-batch(es) per step, {device}):\n"
-          f"assumed: {run.assumptions} (model.dtype={config.model.dtype}, fsdp.mixed_precision={fsdp.mixed_precision}"
-          + (f"; config.json's torch_dtype {stored} is only what is read from disk" if stored else "") + ")"
-          + ("; LoRA: the frozen base has no gradients or optimizer state" if config.lora.enabled else "")
-          + ("; offload_params: parameters, gradients and optimizer state in host memory, not counted on the device"
-             if fsdp.offload_params and DEVICES[device][0] != "cpu" else ""))
-    for stage in run.stages:
-        if len(run.stages) > 1:
-            print(f"\n{stage.label}:")
-        print(stage.estimate.describe())
-    if len(run.stages) > 1:
-        largest = max(run.stages, key=lambda s: s.estimate.total)
-        print(f"\nlargest per-rank total: {largest.label.split(':')[0]}, {largest.estimate.total / 2**20:,.2f} MiB")
-    if capacity is not None:
-        fits = run.per_rank <= capacity
-        print(f"\nfits: {run.per_rank / 2**30:.1f} of {capacity / 2**30:.1f} GiB ({device})" if fits else
-              f"\ndoes NOT fit: {run.per_rank / 2**30:.1f} of {capacity / 2**30:.1f} GiB ({device})")
-        best = largest_micro_batch(model, fsdp, nproc, seq_len, capacity, **options)
-        print(f"largest micro batch that fits at {seq_len} tokens: {best}" if best else
-              f"no micro batch fits at {seq_len} tokens: shard over more ranks, checkpoint activations or offload")
+    print_estimate(config, run, device, capacity, micro, seq_len, accumulation,
+                   lambda: largest_micro_batch(model, fsdp, nproc, seq_len, capacity, **options))
     return 0
 
 
@@ -277,6 +255,36 @@ def joined_overrides(argv: list[str]) -> list[str]:
         out.append(arg)
         i += 1
     return out
+
+
+def print_estimate(config, run, device: str, capacity: int | None, micro: int, seq_len: int,
+                   accumulation: int | None, largest) -> None:
+    """The estimate's header (what it assumed), each rank's (or stage's) rows, and whether it fits."""
+    fsdp = config.fsdp
+    stored = stored_dtype(config)
+    print(f"\nper-rank memory estimate (micro batch {micro} x {seq_len} tokens over cp {dims.cp}, "
+          f"activation checkpointing {fsdp.activation_checkpointing}, "
+          f"loss chunks of {config.train.loss_chunk_tokens or 'all the'} tokens, "
+          f"{accumulation or 'unknown'} micro-batch(es) per step, {device}):\n"
+          f"assumed: {run.assumptions} (model.dtype={config.model.dtype}, fsdp.mixed_precision={fsdp.mixed_precision}"
+          + (f"; config.json's torch_dtype {stored} is only what is read from disk" if stored else "") + ")"
+          + ("; LoRA: the frozen base has no gradients or optimizer state" if config.lora.enabled else "")
+          + ("; offload_params: parameters, gradients and optimizer state in host memory, not counted on the device"
+             if fsdp.offload_params and not device.startswith("cpu") else ""))
+    for stage in run.stages:
+        if len(run.stages) > 1:
+            print(f"\n{stage.label}:")
+        print(stage.estimate.describe())
+    if len(run.stages) > 1:
+        largest = max(run.stages, key=lambda s: s.estimate.total)
+        print(f"\nlargest per-rank total: {largest.label.split(':')[0]}, {largest.estimate.total / 2**20:,.2f} MiB")
+    if capacity is not None:
+        fits = run.per_rank <= capacity
+        print(f"\nfits: {run.per_rank / 2**30:.1f} of {capacity / 2**30:.1f} GiB ({device})" if fits else
+              f"\ndoes NOT fit: {run.per_rank / 2**30:.1f} of {capacity / 2**30:.1f} GiB ({device})")
+        best = largest()
+        print(f"largest micro batch that fits at {seq_len} tokens: {best}" if best else
+              f"no micro batch fits at {seq_len} tokens: shard over more ranks, checkpoint activations or offload")
 
 
 def describe_tp(model, assignments: dict[str, str], tp_size: int) -> str:

@@ -203,10 +203,8 @@ def estimate_memory(model: nn.Module, plan: ShardingPlan, shard_size: int, micro
     where no other rank holds them (ep = dp_shard x cp) they are not gathered at all, only cast to the
     compute dtype if it differs.
 
-    `accumulation_steps` None (unknown) counts the gradients through the forward, as when
-    micro-batches accumulate; `device_type` "cpu" has no allocator rounding; `loss_chunk_tokens`
-    is `train.loss_chunk_tokens`.
-    """
+    `accumulation_steps` None (unknown) counts the gradients through the forward; `device_type`
+    "cpu" has no allocator rounding. A pipeline stage (`estimate_run`) is `stage_rows` x `seq_len`."""
     split = TensorParallelSplit(model, tp_assignments or {}, tp_size)
     units = _unit_bytes(model, plan, shard_size * cp_size, compute_dtype, optimizer,
                         ALLOCATOR_BLOCK if device_type != "cpu" else 1, split,
@@ -224,40 +222,10 @@ def estimate_memory(model: nn.Module, plan: ShardingPlan, shard_size: int, micro
     activations = in_flight * activation_bytes(config, micro_batch_size, seq_len, compute_bytes,
                                                activation_checkpointing, chunked_loss=head is not None,
                                                layers=layers, first=first, last=last, tp=layer_tp, cp=cp_size)
-    experts = expert_units(model, ep_size, shard_size * cp_size)
-    if experts and not activation_checkpointing:
-        # the dispatch keeps the rows the all-to-all brought (top-k per token) as its experts' input
-        top_k = getattr(config, "num_experts_per_tok", 1) or 1
-        activations += in_flight * tokens * len({unit for unit, _, _ in experts.values()}) * top_k \
-            * config.hidden_size * compute_bytes
-    if not activation_checkpointing:
-        held_layers = config.num_hidden_layers if layers is None else layers
-        activations -= in_flight * tokens * compute_bytes * held_layers * frozen_inputs(model)
-    if stage is not None:
-        # the schedule keeps, until each micro-batch's backward, the output a stage sends and its
-        # gradient's buffer (2H per token), the input it receives with its gradient and copies, and
-        # on the last stage the loss's few extra buffers (about 8H in all, measured at pp 2:
-        # bench_memory), and its whole logits where the loss is not chunked
-        kept = ((0 if last else 2) + (0 if first else 8)) * config.hidden_size * compute_bytes
-        kept += config.vocab_size * compute_bytes if last and head is None else 0
-        activations += in_flight * tokens * kept
-    if not last:
-        loss = saved_loss = 0
-    elif head is None:
-        loss, saved_loss = tokens * config.vocab_size * LOSS_TRANSIENT_BYTES_PER_LOGIT, tokens * config.vocab_size * 4
-    else:
-        # a chunk's logits; the head's gradient, made in the forward; the head unit's all-gather
-        # buffer, which FSDP frees only when the root's forward ends; and a second copy of the hidden
-        # states' gradient (the one it saves), live while the final norm's backward takes it on
-        # (bench_loss measures these)
-        chunk_bytes = CHUNK_BYTES_PER_LOGIT + (compute_bytes if compute_bytes < 4 else 0)
-        head_bytes = sum(p.numel() for p in head.parameters()) * compute_bytes
-        trains_head = any(p.requires_grad for p in head.parameters())  # a frozen head (LoRA) gets no gradient
-        # each micro-batch in flight on a pipeline stage holds the head gradient its forward made
-        loss = (min(loss_chunk_tokens, tokens) * config.vocab_size * chunk_bytes
-                + (1 + trains_head * in_flight) * head_bytes
-                + tokens * config.hidden_size * compute_bytes)
-        saved_loss = tokens * config.hidden_size * compute_bytes
+    activations += in_flight * tokens * compute_bytes * layout_values(
+        model, config, expert_units(model, ep_size, shard_size * cp_size), activation_checkpointing, layers,
+        first, last, stage is not None, head is None)
+    loss, saved_loss = loss_bytes(config, head, tokens, compute_bytes, loss_chunk_tokens, in_flight) if last else (0, 0)
     # a checkpointed layer's backward recomputes its activations, freeing them as their gradients
     # arrive: about one layer's worth at its highest, measured (bench_memory)
     layer = (compute_bytes * layer_activation_values(config, layer_tp, cp_size)
@@ -269,8 +237,7 @@ def estimate_memory(model: nn.Module, plan: ShardingPlan, shard_size: int, micro
     trainable = sum(units["grad"].values())
     return MemoryEstimate(
         parameters=units["shard"], gradients=trainable, optimizer=OPTIMIZER_STATES[optimizer] * trainable,
-        gathered=sum(full[:2]), activations=activations,
-        loss=loss,
+        gathered=sum(full[:2]), activations=activations, loss=loss,
         unit_gradients=units["numel"][largest] * reduce_copy + full[0] + units["grad"].get(largest, 0),
         allocator=units["rounding"], gradients_in_forward=accumulation_steps is None or accumulation_steps > 1,
         largest_unit=full[0], saved_loss=saved_loss,
@@ -281,6 +248,43 @@ def estimate_memory(model: nn.Module, plan: ShardingPlan, shard_size: int, micro
         pipeline_gradients=units["trainable_numel"] * compute_bytes if stage is not None else 0,
         gradients_between_forwards=stage is not None and not all_forwards_first,
     )
+
+
+def layout_values(model: nn.Module, config, experts: dict, activation_checkpointing: bool, layers: int | None,
+                  first: bool, last: bool, pipelined: bool, whole_logits: bool) -> int:
+    """Values per token that the layout adds to (or, frozen, takes from) what the layers save."""
+    values = 0
+    if experts and not activation_checkpointing:
+        # the dispatch keeps the rows the all-to-all brought (top-k per token) as its experts' input
+        top_k = getattr(config, "num_experts_per_tok", 1) or 1
+        values += len({unit for unit, _, _ in experts.values()}) * top_k * config.hidden_size
+    if not activation_checkpointing:
+        values -= (config.num_hidden_layers if layers is None else layers) * frozen_inputs(model)
+    if pipelined:
+        # the schedule keeps, until each micro-batch's backward, the output a stage sends and its
+        # gradient's buffer (2H per token), the input it receives with its gradient and copies, and
+        # on the last stage the loss's few extra buffers (about 6H in all, measured at pp 2:
+        # bench_memory), and its whole logits where the loss is not chunked
+        values += ((0 if last else 2) + (0 if first else 6)) * config.hidden_size
+        values += config.vocab_size if last and whole_logits else 0
+    return values
+
+
+def loss_bytes(config, head: nn.Module | None, tokens: int, compute_bytes: int, loss_chunk_tokens: int,
+               in_flight: int = 1) -> tuple[int, int]:
+    """(the loss's buffers beyond what it saves, what it saves) for `tokens` tokens: whole logits, or chunked."""
+    if head is None:
+        return tokens * config.vocab_size * LOSS_TRANSIENT_BYTES_PER_LOGIT, tokens * config.vocab_size * 4
+    # a chunk's logits; the head's gradient, made in the forward (each micro-batch in flight on a
+    # pipeline stage holds its own); the head unit's all-gather buffer, which FSDP frees only when
+    # the root's forward ends; and a second copy of the hidden states' gradient (the one it saves),
+    # live while the final norm's backward takes it on (bench_loss measures these)
+    chunk_bytes = CHUNK_BYTES_PER_LOGIT + (compute_bytes if compute_bytes < 4 else 0)
+    head_bytes = sum(p.numel() for p in head.parameters()) * compute_bytes
+    trains_head = any(p.requires_grad for p in head.parameters())  # a frozen head (LoRA) gets no gradient
+    loss = (min(loss_chunk_tokens, tokens) * config.vocab_size * chunk_bytes + (1 + trains_head * in_flight) * head_bytes
+            + tokens * config.hidden_size * compute_bytes)
+    return loss, tokens * config.hidden_size * compute_bytes
 
 
 def chunked_head(model: nn.Module, loss_chunk_tokens: int, tp_assignments: dict[str, str]) -> nn.Linear | None:
