@@ -219,10 +219,12 @@ def _near_builtin(name: str) -> str:
 
 
 def build_meta_model(config: TrainConfig):
-    """The model of `config` on the meta device: a built-in Llama, or a directory's / Hub id's config."""
+    """The model of `config` on the meta device, in the dtype training keeps (`model.dtype`, whatever
+    the stored `torch_dtype`): a built-in Llama, or a directory's / Hub id's config."""
+    from ..dtypes import DTYPES
     from ..loading import init_empty_model, meta_init
 
-    name = config.model.name_or_path
+    name, dtype = config.model.name_or_path, DTYPES[config.model.dtype]
     directory = resolve_model_dir(name)
     if directory is None:
         from ..data.builtin import builtin_model_config, builtin_tokenizer
@@ -230,11 +232,11 @@ def build_meta_model(config: TrainConfig):
         hf_config, model_class = builtin_model_config(name, builtin_tokenizer(name), config.data.seq_len,
                                                       BUILTIN_MODELS[name])
         with meta_init():
-            return model_class(hf_config)
+            return model_class._from_config(hf_config, dtype=dtype)
     hf_config = load_hf_config(directory, config.model.trust_remote_code, name)
     # the model class is transformers' own (config.architectures); init_empty_model(trust_remote_code=True)
     # would pass the flag on to the model's __init__
-    return init_empty_model(hf_config)
+    return init_empty_model(hf_config, dtype=dtype)
 
 
 def load_hf_config(directory: Path, trust_remote_code: bool, name: str):
