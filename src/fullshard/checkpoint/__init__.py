@@ -22,10 +22,10 @@ from pathlib import Path
 from .export import export_hf, source_dtype
 from .layout import complete_checkpoints, resolve_checkpoint
 from .manager import CheckpointManager
-from .offline import export_checkpoint
+from .offline import checkpoint_hf_weights, export_checkpoint
 from .read import UnreadableCheckpoint
 
-__all__ = ["CheckpointManager", "UnreadableCheckpoint", "complete_checkpoints", "export_checkpoint", "export_hf",
+__all__ = ["CheckpointManager", "UnreadableCheckpoint", "checkpoint_hf_weights", "complete_checkpoints", "export_checkpoint", "export_hf",
            "load_ckpt", "resolve_checkpoint", "save_ckpt", "save_model", "source_dtype"]
 
 
