@@ -32,7 +32,7 @@ def _generate_checks(out: str) -> dict:
     from transformers import AutoModelForCausalLM
 
     from fullshard import FSDP2Engine, export_hf
-    from fullshard.generate import generate
+    from fullshard import generate
 
     rank, result = dist.get_rank(), {}
     model = FSDP2Engine().shard_model(build_model(NAME))

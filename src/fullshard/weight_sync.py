@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._provisional_buckets import hf_weight_buckets  # PROVISIONAL: hubexport
+from .weights import hf_weight_buckets
 from .distributed import all_ranks_agree_ok, current_device, get_rank
 from .errors import WeightSyncError
 from .tensors import named_state_tensors
