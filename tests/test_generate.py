@@ -92,3 +92,52 @@ def test_generate_greedy_at_world_2_equals_transformers(tmp_path):
         assert abs(result["loss_after"][0] - result["loss_after"][1]) < 1e-5, result["loss_after"]
     assert results[0]["length"] == 3 < results[1]["length"], (results[0]["length"], results[1]["length"])
     assert results[0]["empty_shape"][0] == 0
+
+
+TEMPLATE = ("{% for m in messages %}<user>{{ m['content'] }}</user>{% endfor %}"
+            "{% if add_generation_prompt %}<bot>{% endif %}")
+PROMPTS_CLI = ["1 plus 2 is", "counting: 3 4", "hi"]
+
+
+def _save_checkpoint(model_dir: str, save_dir: str) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from fullshard import CheckpointManager, FSDP2Engine
+
+    model = FSDP2Engine().shard_model(AutoModelForCausalLM.from_pretrained(model_dir))
+    CheckpointManager(save_dir).save(1, model, tokenizer=AutoTokenizer.from_pretrained(model_dir))
+
+
+def test_fullshard_generate_command_from_a_directory_and_a_checkpoint(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from fullshard.data.builtin import byte_tokenizer, special_token_ids
+
+    tokenizer = byte_tokenizer()
+    tokenizer.chat_template = TEMPLATE
+    model = build_model(NAME, vocab_size=len(tokenizer), **special_token_ids(tokenizer)).eval()
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    run_distributed(_save_checkpoint, 1, str(tmp_path / "model"), str(tmp_path / "ckpts"))
+
+    expected = []
+    for prompt in PROMPTS_CLI:  # what one process of plain transformers completes, chat template applied
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                             add_generation_prompt=True)
+        ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+                             pad_token_id=tokenizer.pad_token_id)
+        expected.append(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src"), OMP_NUM_THREADS="1",
+               CUDA_VISIBLE_DEVICES="")
+    for source in (tmp_path / "model", tmp_path / "ckpts"):
+        args = [sys.executable, "-m", "fullshard.cli", "generate", str(source), "--nproc", "2", "--max-new-tokens", "6"]
+        for prompt in PROMPTS_CLI:
+            args += ["--prompt", prompt]
+        done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+        for prompt, completion in zip(PROMPTS_CLI, expected):
+            assert f"### {prompt}\n{completion}\n" in done.stdout, (source, prompt, completion, done.stdout[-2000:])

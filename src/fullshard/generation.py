@@ -73,3 +73,77 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
         sequences = output.sequences if hasattr(output, "sequences") else output
         return sequences[:0]
     return output
+
+
+# ------------------------------------------------------------------------------ `fullshard generate`
+
+
+@contextlib.contextmanager
+def model_directory(path: str):
+    """An HF directory (or Hub id) as it is; a training checkpoint (or a save directory's newest) exported
+    by rank 0 into a temporary directory, removed after the block."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from .checkpoint import export_checkpoint
+    from .checkpoint.layout import is_complete
+    from .distributed import barrier, broadcast_from_rank0, get_rank, run_agreed
+    from .errors import CheckpointError
+
+    local = Path(path)
+    checkpoint = local.is_dir() and (is_complete(local) or not (local / "config.json").is_file())
+    if not checkpoint:
+        yield path
+        return
+    temporary = broadcast_from_rank0(tempfile.mkdtemp(prefix="fullshard-generate-") if get_rank() == 0 else None)
+    try:
+        run_agreed(lambda: export_checkpoint(path, Path(temporary) / "hf"), on_rank=0, error_type=CheckpointError)
+        yield str(Path(temporary) / "hf")
+    finally:
+        barrier()
+        if get_rank() == 0:
+            shutil.rmtree(temporary, ignore_errors=True)
+
+
+def prompt_text(tokenizer, prompt: str) -> str:
+    """The prompt as the model saw prompts in training: a user turn of its chat template, if it has one."""
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                             add_generation_prompt=True)
+    return prompt
+
+
+def generate_text(path: str, prompts: list[str], *, max_new_tokens: int = 64, do_sample: bool = False,
+                  temperature: float = 1.0, seed: int = 0) -> list[str]:
+    """Every rank: load `path` sharded, complete its share of `prompts`, and return (rank 0 also prints)
+    every completion, in the prompts' order."""
+    import torch.distributed as dist
+    from transformers import AutoTokenizer
+
+    from .distributed import get_rank, init_distributed
+    from .pretrained import from_pretrained
+
+    init_distributed()
+    rank, world = get_rank(), get_world_size()
+    torch.manual_seed(seed + rank)
+    with model_directory(path) as directory:
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+        model = from_pretrained(directory)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    mine = list(range(rank, len(prompts), world))
+    texts = [prompt_text(tokenizer, prompts[i]) for i in mine]
+    encoded = tokenizer(texts or [""], return_tensors="pt", padding=True, add_special_tokens=not tokenizer.chat_template)
+    ids, mask = (encoded["input_ids"], encoded["attention_mask"]) if texts else (encoded["input_ids"][:0], None)
+    sampling = dict(do_sample=True, temperature=temperature) if do_sample else dict(do_sample=False)
+    output = generate(model, ids, mask, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, **sampling)
+    completions = tokenizer.batch_decode(output[:, ids.shape[1]:], skip_special_tokens=True)
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, list(zip(mine, completions)))
+    ordered = [text for _, text in sorted(pair for part in everyone for pair in part)]
+    if rank == 0:
+        for prompt, completion in zip(prompts, ordered):
+            print(f"### {prompt}\n{completion}\n", flush=True)
+    return ordered
