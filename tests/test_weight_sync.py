@@ -178,10 +178,16 @@ def test_a_corrupted_bucket_names_the_tensor():
 
     pairs = [("a.weight", torch.randn(3, 5)), ("b.bias", torch.arange(7, dtype=torch.int64)),
              ("c.weight", torch.randn(4, dtype=torch.bfloat16))]
-    header, payload = pack_bucket(pairs, torch.device("cpu"))
+    kept = torch.full((1000,), 7, dtype=torch.uint8)  # a buffer kept from an earlier bucket, dirty
+    header, payload = pack_bucket(pairs, torch.device("cpu"), kept)
+    assert payload.data_ptr() == kept.data_ptr()
     unpacked = unpack_bucket(header, payload.clone())
     assert [n for n, _ in unpacked] == [n for n, _ in pairs]
     assert all(torch.equal(a, b) and a.dtype == b.dtype for (_, a), (_, b) in zip(unpacked, pairs))
+    lone = [("d.weight", torch.randn(4, 8))]  # one tensor: sent from where it lies
+    lone_header, lone_payload = pack_bucket(lone, torch.device("cpu"), kept)
+    assert lone_payload.data_ptr() == lone[0][1].data_ptr()
+    assert torch.equal(unpack_bucket(lone_header, lone_payload)[0][1], lone[0][1])
     offset = json.loads(header)["offsets"][1]
     payload[offset + 3] ^= 1
     with pytest.raises(WeightSyncError, match="checksum mismatch for 'b.bias'"):

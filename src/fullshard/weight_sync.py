@@ -62,16 +62,41 @@ def _padded(nbytes: int) -> int:
 
 
 def _checksums(payload: torch.Tensor, header: dict) -> list[int]:
-    """Each tensor's bytes summed as int32 words (its padding is zero): one number per tensor, so a
-    mismatch names the tensor; a sum runs at memory speed, on the buffer's device."""
-    sums = [payload[offset:offset + _padded(nbytes)].view(torch.int32).sum(dtype=torch.int64)
+    """Each tensor's bytes summed as int64 words, wrapping (its padding is zero): one number per
+    tensor, so a mismatch names the tensor; the sum runs at memory speed, on the buffer's device."""
+    sums = [payload[offset:offset + _padded(nbytes)].view(torch.int64).sum()
             for offset, nbytes in zip(header["offsets"], header["nbytes"])]
     return torch.stack(sums).tolist() if sums else []
 
 
-def pack_bucket(pairs: list[tuple[str, torch.Tensor]], device: torch.device) -> tuple[bytes, torch.Tensor]:
+def _buffer(reused: torch.Tensor | None, nbytes: int, device: torch.device) -> torch.Tensor:
+    """`nbytes` of a byte buffer kept between buckets and pushes: fresh memory costs a page fault per
+    page on first touch, which on a CPU host takes longer than the copy into it."""
+    if reused is None or reused.numel() < nbytes or reused.device != device:
+        reused = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return reused
+
+
+def packed_bytes(pairs: list[tuple[str, torch.Tensor]]) -> int:
+    """The payload's size: every tensor's bytes, each padded to `ALIGN`."""
+    return sum(_padded(t.numel() * t.element_size()) for _, t in pairs)
+
+
+def sent_in_place(pairs: list[tuple[str, torch.Tensor]], device: torch.device) -> bool:
+    """A bucket of one tensor is sent from where the tensor lies (no copy) when its bytes allow."""
+    if len(pairs) != 1:
+        return False
+    tensor = pairs[0][1]
+    nbytes = tensor.numel() * tensor.element_size()
+    return (tensor.is_contiguous() and tensor.device == device and nbytes == _padded(nbytes)
+            and tensor.data_ptr() % ALIGN == 0)
+
+
+def pack_bucket(pairs: list[tuple[str, torch.Tensor]], device: torch.device,
+                buffer: torch.Tensor | None = None) -> tuple[bytes, torch.Tensor]:
     """A bucket as (header, payload): the payload one flat byte buffer holding every tensor, each
-    aligned, the header JSON with names, shapes, dtypes, offsets and checksums."""
+    aligned (the start of `buffer` when it is large enough), the header JSON with names, shapes,
+    dtypes, offsets and checksums."""
     header = {"names": [], "shapes": [], "dtypes": [], "offsets": [], "nbytes": []}
     offset = 0
     for name, tensor in pairs:
@@ -79,15 +104,14 @@ def pack_bucket(pairs: list[tuple[str, torch.Tensor]], device: torch.device) -> 
         for key, value in zip(header, (name, list(tensor.shape), str(tensor.dtype).removeprefix("torch."), offset, nbytes)):
             header[key].append(value)
         offset += _padded(nbytes)
-    lone = pairs[0][1].detach() if len(pairs) == 1 else None
-    if lone is not None and lone.is_contiguous() and lone.device == device and offset == header["nbytes"][0]:
-        payload = lone.reshape(-1).view(torch.uint8)  # a bucket of one tensor is sent from where it lies
-        header["checksums"] = _checksums(payload, header)
-        return json.dumps(header).encode(), payload
-    payload = torch.zeros(offset, dtype=torch.uint8, device=device)
-    for (_, tensor), start, nbytes in zip(pairs, header["offsets"], header["nbytes"]):
-        if nbytes:
-            payload[start:start + nbytes].copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
+    if sent_in_place(pairs, device):
+        payload = pairs[0][1].detach().reshape(-1).view(torch.uint8)
+    else:
+        payload = _buffer(buffer, offset, device)[:offset]
+        for (_, tensor), start, nbytes in zip(pairs, header["offsets"], header["nbytes"]):
+            payload[start + nbytes:start + _padded(nbytes)].zero_()
+            if nbytes:
+                payload[start:start + nbytes].copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
     header["checksums"] = _checksums(payload, header)
     return json.dumps(header).encode(), payload
 
@@ -186,6 +210,7 @@ class WeightSync:
         self.num_engines, self.device, self.timeout_s = num_engines, device, timeout_s
         self.version = 0
         self.broken = ""  # why the connection cannot be used any more
+        self.buffer: torch.Tensor | None = None  # packing (trainer) or receiving (engine) buffer, kept
 
     # -------------------------------------------------------------- rendezvous
 
@@ -250,8 +275,8 @@ class WeightSync:
         return cls("engine", store, group, engine_rank + 1, num_engines, device, timeout_s)
 
     def close(self) -> None:
-        """Drop the group and the store (the trainer's rank 0 hosts the store: close it last)."""
-        self.group = self.store = None
+        """Drop the group, the store (the trainer's rank 0 hosts it: close it last) and the buffer."""
+        self.group = self.store = self.buffer = None
         self.broken = self.broken or "closed"
 
     # -------------------------------------------------------------- collectives of the sync's group
@@ -345,7 +370,9 @@ class WeightSync:
         return tensors, nbytes, (f"weight sync push {self.version}: " + "; ".join(errors)) if errors else ""
 
     def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> list:
-        header, payload = pack_bucket(bucket, self.device)
+        if not sent_in_place(bucket, self.device):
+            self.buffer = _buffer(self.buffer, packed_bytes(bucket), self.device)
+        header, payload = pack_bucket(bucket, self.device, self.buffer)
         header_tensor = torch.frombuffer(bytearray(header), dtype=torch.uint8).to(self.device)
         return [*self._control(BUCKET, len(header), payload.numel()),
                 (self._broadcast(header_tensor), header_tensor), (self._broadcast(payload), payload)]
@@ -419,7 +446,8 @@ class WeightSync:
                     failure = f"received {tensors} tensors / {nbytes} bytes, the trainer sent {header_len} / {payload_len}"
                 return tensors, nbytes, failure
             header = torch.empty(header_len, dtype=torch.uint8, device=self.device)
-            payload = torch.empty(payload_len, dtype=torch.uint8, device=self.device)
+            self.buffer = _buffer(self.buffer, payload_len, self.device)
+            payload = self.buffer[:payload_len]
             self._broadcast(header).wait()
             self._broadcast(payload).wait()
             if failure:
