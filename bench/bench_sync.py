@@ -13,7 +13,7 @@ from when the trainer ranks and the engine are all ready until the engine has ac
 rise of the process's resident set (the kernel's high-water mark, reset before each method).
 Each method runs 3 rounds; the table has the fastest round and the largest rise.
 
-Run alone: .venv/bin/python bench/bench_sync.py [--hidden 768 --layers 6 --vocab 32000 --bucket-mib 16]
+Run alone: .venv/bin/python bench/bench_sync.py [--hidden 768 --layers 6 --vocab 32000 --bucket-mib 16 128]
 """
 
 from __future__ import annotations
@@ -34,8 +34,17 @@ from bench.report import markdown_table, release_free_heap, write_section  # noq
 
 HOST = "127.0.0.1"
 MiB = 2**20
-METHODS = ["fullshard WeightSync.push", "(a) per parameter full_tensor + broadcast", "(b) full state dict, then sent",
-           "raw broadcast of the same bytes"]
+PUSH = "fullshard WeightSync.push"
+METHODS = ["(a) per parameter full_tensor + broadcast", "(b) full state dict, then sent", "raw broadcast of the same bytes"]
+
+
+def methods(args) -> list[str]:
+    """WeightSync.push once per bucket size asked for, then the recipes it is measured against."""
+    return [f"{PUSH}, {mib} MiB buckets" for mib in args.bucket_mib] + METHODS
+
+
+def bucket_bytes(method: str) -> int:
+    return int(method.rsplit(", ", 1)[1].split()[0]) * MiB
 ROUNDS = 3
 
 
@@ -87,16 +96,16 @@ def trainer_method(method: str, model, sync, args, raw: torch.Tensor | None) -> 
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     rank0 = dist.get_rank() == 0
-    if method == METHODS[0]:
-        sync.push(model, bucket_bytes=args.bucket_mib * MiB)
+    if method.startswith(PUSH):
+        sync.push(model, bucket_bytes=bucket_bytes(method))
         return
-    if method == METHODS[1]:
+    if method == METHODS[0]:
         for _, tensor in model.state_dict().items():
             full = tensor.full_tensor()
             if rank0:
                 _broadcast(sync.group, full)
             del full
-    elif method == METHODS[2]:
+    elif method == METHODS[1]:
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if rank0:
             for tensor in state.values():
@@ -120,9 +129,9 @@ def trainer_main(rank: int, args, ports: dict, results) -> None:
     sync = WeightSync.trainer(HOST, ports["sync"], num_engines=1, timeout_s=600)
     nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     raw = torch.ones(nbytes, dtype=torch.uint8) if rank == 0 else None
-    measured = {m: {"seconds": float("inf"), "trainer_rise_mib": 0.0} for m in METHODS}
+    measured = {m: {"seconds": float("inf"), "trainer_rise_mib": 0.0} for m in methods(args)}
     for _ in range(ROUNDS):
-        for method in METHODS:
+        for method in methods(args):
             with PeakRise() as peak:
                 dist.barrier()
                 if rank == 0:
@@ -141,10 +150,10 @@ def trainer_main(rank: int, args, ports: dict, results) -> None:
 
 
 def engine_method(method: str, model, sync, loader, raw: torch.Tensor) -> None:
-    if method == METHODS[0]:
+    if method.startswith(PUSH):
         sync.pull(loader)
         return
-    if method == METHODS[3]:
+    if method == METHODS[2]:
         _broadcast(sync.group, raw)
     else:
         with torch.no_grad():
@@ -164,9 +173,9 @@ def engine_main(args, ports: dict, results) -> None:
     loader = weight_loader(model)
     sync = WeightSync.engine(HOST, ports["sync"], engine_rank=0, num_engines=1, timeout_s=600)
     raw = torch.empty(sum(t.numel() * t.element_size() for t in model.state_dict().values()), dtype=torch.uint8)
-    measured = {m: 0.0 for m in METHODS}
+    measured = {m: 0.0 for m in methods(args)}
     for _ in range(ROUNDS):
-        for method in METHODS:
+        for method in methods(args):
             with PeakRise() as peak:
                 _ack(sync.group)
                 engine_method(method, model, sync, loader, raw)
@@ -209,19 +218,22 @@ def run(args) -> dict:
 
 def report(found: dict, args, load: tuple[str, str]) -> str:
     trainer, engine = found["trainer"], found["engine"]
-    push, per_param, raw = trainer[METHODS[0]], trainer[METHODS[1]], trainer[METHODS[3]]
-    rows = [[m, f"{trainer[m]['seconds']:.2f}", f"{trainer[m]['seconds'] / push['seconds']:.2f}",
-             f"{trainer[m]['trainer_rise_mib']:,.0f}", f"{engine[m]:,.0f}"] for m in METHODS]
-    table = markdown_table(["method", "seconds", "x WeightSync's", "trainer rank 0 peak rise MiB",
+    per_param, raw = trainer[METHODS[0]], trainer[METHODS[2]]
+    pushes = [m for m in methods(args) if m.startswith(PUSH)]
+    fastest = min(pushes, key=lambda m: trainer[m]["seconds"])
+    rows = [[m, f"{trainer[m]['seconds']:.2f}", f"{per_param['seconds'] / trainer[m]['seconds']:.2f}",
+             f"{trainer[m]['trainer_rise_mib']:,.0f}", f"{engine[m]:,.0f}"] for m in methods(args)]
+    table = markdown_table(["method", "seconds", "speed x (a)", "trainer rank 0 peak rise MiB",
                             "engine peak rise MiB"], rows)
+    ratios = "; ".join(f"{m.split(', ')[1]}: {per_param['seconds'] / trainer[m]['seconds']:.2f}x as fast as (a), "
+                       f"{trainer[m]['trainer_rise_mib'] / max(per_param['trainer_rise_mib'], 1):.2f}x its trainer "
+                       f"peak rise, {trainer[m]['seconds'] / raw['seconds']:.1f}x the raw broadcast's time"
+                       for m in pushes)
     return (f"### Weight sync to an inference engine (CPU / gloo)\n\n"
             f"`bench/bench_sync.py`: a Llama of {found['bytes'] / 1e6:,.0f} MB (fp32; hidden {args.hidden}, "
-            f"{args.layers} layers, vocab {args.vocab}) sharded over 2 trainer ranks, one engine process; "
-            f"WeightSync buckets of {args.bucket_mib} MiB; best of {ROUNDS} rounds, largest memory rise.\n\n"
-            f"{table}\n\n"
-            f"WeightSync.push is {per_param['seconds'] / push['seconds']:.2f}x as fast as (a) with "
-            f"{push['trainer_rise_mib'] / max(per_param['trainer_rise_mib'], 1):.2f}x its trainer peak rise, and takes "
-            f"{push['seconds'] / raw['seconds']:.2f}x the raw broadcast's time. "
+            f"{args.layers} layers, vocab {args.vocab}, largest tensor {args.vocab * args.hidden * 4 / 1e6:.0f} MB) "
+            f"sharded over 2 trainer ranks, one engine process; best of {ROUNDS} rounds, largest memory rise.\n\n"
+            f"{table}\n\nWeightSync.push with {ratios}. Fastest: {fastest.split(', ')[1]}. "
             f"Load (`uptime`) before: {load[0]}; after: {load[1]}.")
 
 
@@ -234,7 +246,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=768)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--bucket-mib", type=int, default=16)
+    parser.add_argument("--bucket-mib", type=int, nargs="+", default=[16, 128])
     parser.add_argument("--no-write", action="store_true", help="print the table, leave BENCHMARKS.md alone")
     args = parser.parse_args()
     before = uptime()
