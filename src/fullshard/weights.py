@@ -8,7 +8,8 @@ HSDP rows, TP or EP splits, per-expert modules or pipeline stages held by other 
 
 One collective per bucket: up front every rank says (one object all-gather) which region of each
 state tensor it holds; then for each bucket every rank packs the regions it is the first holder
-of, cast to the written dtype, into its slot of one buffer, one `all_gather_into_tensor` (in place)
+of, cast to the written dtype, into its slot of one buffer, one all-gather (in place; on gloo one
+broadcast per rank, `distributed.all_gather_slots`)
 fills every slot, and the whole tensors are put together from it. A rank holds at most the
 gathered buffer and the bucket's tensors (each at most `bucket_bytes`; a tensor bigger than that is
 a bucket of its own) beyond what it already had, and nothing of the model, its optimizer or its
@@ -28,7 +29,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from .checkpoint.export import (HubView, export_recipe, merge_lora, recipe_entries, recipe_view, source_dtype,
                                 written_dtype)
 from .checkpoint.offline import checkpoint_hf_weights
-from .distributed import current_device, get_rank, get_world_size
+from .distributed import all_gather_slots, current_device, get_rank, get_world_size
 from .dtypes import resolve_dtype
 from .errors import CheckpointError
 from .fsdp import reshard_all
@@ -217,7 +218,7 @@ def _gather_bucket(bucket: list[StreamUnit], state: dict, device: torch.device) 
             packed.copy_(local_tensor(state[item.key]).detach())
             position += _aligned(nbytes)
     if world > 1 and slot:
-        dist.all_gather_into_tensor(gathered, gathered[rank * slot:(rank + 1) * slot])
+        all_gather_slots(gathered, slot)
     wholes = [[torch.empty(i.shape, dtype=i.dtype, device=device) for i in u.inputs] for u in bucket]
     for source in range(world):
         position = source * slot
