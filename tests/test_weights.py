@@ -346,3 +346,29 @@ def test_stream_memory_stays_within_two_buckets_and_the_largest_tensor(monkeypat
         assert r["model_bytes"] >= 200 * 10**6 and r["count"] == 3 * 9 + 3, r
         assert r["stream_peak"] <= 2 * 16 * MiB + r["largest"], r
         assert r["full_peak"] >= 0.9 * r["model_bytes"], r
+
+
+# ------------------------------------------------------------------ one process
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_one_process_export_and_stream_are_save_pretrained_bit_for_bit(tmp_path, name):
+    import fullshard
+    from fullshard.checkpoint import export_hf
+
+    model = build_model(name)
+    export_hf(model, tmp_path / "ours")
+    model.save_pretrained(tmp_path / "theirs")
+    assert differences(read_dir(tmp_path / "ours"), read_dir(tmp_path / "theirs")) == []
+    assert differences(dict(fullshard.hf_weights(model, bucket_bytes=1024)), read_dir(tmp_path / "theirs")) == []
+
+
+def test_bad_stream_arguments_are_named():
+    import fullshard
+
+    model = build_model("llama")
+    with pytest.raises(ValueError, match="lora must be 'merge' or 'adapter', got 'merged'"):
+        next(fullshard.hf_weights(model, lora="merged"))
+    with pytest.raises(ValueError, match="lora='adapter' needs a peft.PeftModel, got LlamaForCausalLM"):
+        next(fullshard.hf_weights(model, lora="adapter"))
+    with pytest.raises(ValueError, match="bucket_bytes must be positive"):
+        next(fullshard.hf_weights(model, bucket_bytes=0))

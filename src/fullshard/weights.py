@@ -26,8 +26,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from .checkpoint.export import (HubView, export_recipe, merge_lora, recipe_entries, recipe_view, source_dtype,
-                                written_dtype)
+from .checkpoint.export import HubView, export_recipe, merge_lora, recipe_entries, recipe_view, source_dtype
 from .checkpoint.offline import checkpoint_hf_weights
 from .distributed import all_gather_slots, current_device, get_rank, get_world_size
 from .dtypes import resolve_dtype

@@ -9,8 +9,9 @@ sharded model or, offline in one process, from a checkpoint. One module per conc
 - `fit`: the checkpoint's keys against the model's, optimizer's and states': refused, fresh, or kept
 - `manager`: save (sync / async), commit, rotation, load (with `auto` fallback)
 - `async_exit`: an async save pending at `destroy_process_group` or at exit is committed or reported
-- `export`: the live export (`export_hf`), the safetensors stream writer, the plain export recipe
-- `offline`: the recipe a save records and the offline export that follows it (LoRA merged)
+- `export`: the live export (`export_hf`) in the Hub layout, the safetensors stream writer, the export recipe
+- `offline`: the recipe a save records and the offline export that follows it (LoRA merged), and
+  `checkpoint_hf_weights`, the same tensors one at a time
 - `rng`: per-rank RNG state, restored or re-derived
 """
 

@@ -1,11 +1,17 @@
 """Write a plain Hugging Face directory (safetensors + index + config) from a sharded model or checkpoint.
 
+The files hold what transformers' `save_pretrained` writes: the Hub's names and layout, from a
+recipe (`export_recipe`; `fullshard.lora.merge_recipe` for LoRA merged) mapping each Hub tensor to
+the state tensor it is, or the region of it (one expert of a fused MoE tensor), by transformers'
+own conversion run backwards (`fullshard.loading.convert.hub_views`). The same recipe drives the
+offline export and the weight stream (`fullshard.weights`), so all three give the same tensors.
+
 No rank ever holds the whole model. Live, every file is created at its final size first (a
 safetensors header follows from names, shapes and dtypes alone), then every rank writes its own
-rows of each row-sharded (FSDP) tensor straight into place, cast to the written dtype: no gather,
-and each rank writes 1/N of the bytes. Tensors in other layouts (TP, merged LoRA weights) are
-gathered one at a time and written by the rank the file is dealt to. Offline, one process
-streams the DCP checkpoint tensor by tensor, with no process group.
+rows of each row-sharded (FSDP, EP) tensor straight into every Hub tensor they overlap, cast to the
+written dtype: no gather, and each rank writes 1/N of the bytes. Tensors in other layouts (TP,
+merged LoRA weights) are gathered one state tensor at a time and written by the rank they are dealt
+to. Offline, one process streams the DCP checkpoint tensor by tensor, with no process group.
 """
 
 from __future__ import annotations
