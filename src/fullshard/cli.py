@@ -1,4 +1,4 @@
-"""The `fullshard` command: `train`, `plan` and `export`.
+"""The `fullshard` command: `train`, `plan`, `export` and `generate`.
 
 `fullshard train` reads and checks the whole config in the launching process (`train.preflight`),
 then starts the ranks under torchrun (`fullshard.launch`), which also turns Ctrl-C into a clean
@@ -24,6 +24,7 @@ USAGE = """fullshard train [CONFIG.yaml] [--section.key=value ...] [--nproc N] [
        fullshard plan [MODEL_OR_CONFIG] [--section.key=value ...] [--nproc N] [--micro-batch-size B] [--seq-len S]
                       [--device h100|h200|a100-80g|a100-40g|cpu|cuda]
        fullshard export CHECKPOINT_DIR OUTPUT_DIR [--dtype bf16|fp16|fp32]
+       fullshard generate MODEL_DIR_OR_CHECKPOINT --prompt TEXT [--prompt TEXT ...] [--nproc N] [--max-new-tokens N]
        fullshard --version"""
 
 TRAIN_HELP = """usage: fullshard train [CONFIG.yaml] [--section.key=value ...] [--nproc N] [--print-config] [--debug]
@@ -330,7 +331,48 @@ def cmd_export(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "plan": cmd_plan, "export": cmd_export}
+# ---------------------------------------------------------------------------------------------- generate
+
+
+def generate_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fullshard generate", description=(
+        "Complete prompts with a model sharded over --nproc ranks (fullshard.generate): a Hugging Face "
+        "directory, or a training checkpoint (or a save directory: its newest complete checkpoint). The "
+        "tokenizer's chat template, when it has one, wraps each prompt as a user turn."))
+    parser.add_argument("path", help="a Hugging Face model directory or a training checkpoint")
+    parser.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for several)")
+    parser.add_argument("--nproc", type=int, default=None, help="ranks the model is sharded over (default: one "
+                        "per GPU, else 2)")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--sample", action="store_true", help="sample (default: greedy)")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def cmd_generate(argv: list[str]) -> int:
+    args = generate_parser().parse_args(argv)
+    if args.nproc is not None and args.nproc < 1:
+        return fail(f"--nproc must be a positive integer, got {args.nproc}")
+    if under_launcher():
+        from .generation import generate_text
+
+        log_dir = os.environ.get(LOG_DIR_ENV, os.path.join(os.getcwd(), ".fullshard-generate-logs"))
+        return run_rank(lambda: generate_text(args.path, args.prompt, max_new_tokens=args.max_new_tokens,
+                                              do_sample=args.sample, temperature=args.temperature, seed=args.seed),
+                        log_dir)
+    import tempfile
+
+    # the ranks get the line without --nproc, which torchrun's own parser would take for its option
+    rank_args = ["generate", args.path, "--max-new-tokens", str(args.max_new_tokens), "--temperature",
+                 str(args.temperature), "--seed", str(args.seed), *(["--sample"] if args.sample else [])]
+    for prompt in args.prompt:
+        rank_args.append(f"--prompt={prompt}")
+    with tempfile.TemporaryDirectory(prefix="fullshard-generate-") as log_dir:
+        return launch(args.nproc or default_nproc(), rank_args, log_dir, stop_timeout_s=5.0)
+
+
+COMMANDS = {"train": cmd_train, "plan": cmd_plan, "export": cmd_export, "generate": cmd_generate}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -275,6 +275,21 @@ def build_mesh(dp_replicate: int = 1, dp_shard: int = -1, device_type: str | Non
     return dims.build_mesh(device_type)
 
 
+def all_gather_slots(buffer: torch.Tensor, slot: int, group=None) -> None:
+    """Every rank's `slot` bytes of `buffer` (rank r's at `r * slot`) in place on every rank: one
+    `all_gather_into_tensor`, except on gloo, whose all-gather moves bytes several times slower than
+    its broadcast (measured here: 64 MiB over 2 CPU ranks, 0.33 s against 0.05 s for one broadcast
+    per rank), so there each rank's slot is broadcast from it, all in flight together."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if "gloo" not in str(dist.get_backend(group)) or buffer.device.type != "cpu":
+        dist.all_gather_into_tensor(buffer, buffer[rank * slot:(rank + 1) * slot], group=group)
+        return
+    works = [dist.broadcast(buffer[r * slot:(r + 1) * slot], src=dist.get_global_rank(group, r) if group else r,
+                            group=group, async_op=True) for r in range(world)]
+    for work in works:
+        work.wait()
+
+
 def shard_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The sub-mesh that parameters are sharded over (the last dim of an HSDP mesh)."""
     return mesh[mesh.mesh_dim_names[-1]] if mesh.ndim > 1 else mesh

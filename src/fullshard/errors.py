@@ -29,3 +29,8 @@ class HubUnreachableError(LoadError):
 
 class CheckpointError(FullshardError, RuntimeError):
     """A training checkpoint that cannot be saved, found or resumed; the message names the path."""
+
+
+class WeightSyncError(FullshardError, RuntimeError):
+    """Weights that could not reach an inference engine (`fullshard.WeightSync`): the message names the
+    tensor or the engine."""
