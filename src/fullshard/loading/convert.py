@@ -16,6 +16,7 @@ form fall back to converting the whole tensor (reported as such), never to a wro
 
 from __future__ import annotations
 
+import contextlib
 import re
 from dataclasses import dataclass, field
 
@@ -179,7 +180,27 @@ def transformers_conversions(model, key_mapping: dict[str, str] | None = None) -
         return []
     if not isinstance(model, PreTrainedModel):
         return []
-    return get_model_conversion_mapping(model, key_mapping)
+    with user_classes(model):
+        return get_model_conversion_mapping(model, key_mapping)
+
+
+@contextlib.contextmanager
+def user_classes(model):
+    """Every module shown under the class the user built while transformers looks mappings up by class
+    name: `fully_shard` swaps in `FSDPQwen2VLForConditionalGeneration`, whose name maps to nothing, and
+    the model-type fallback lacks a VLM's renames (`model.embed_tokens` -> `model.language_model....`)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    swapped = []
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            swapped.append((module, type(module)))
+            module.__class__ = next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))
+    try:
+        yield
+    finally:
+        for module, cls in swapped:
+            module.__class__ = cls
 
 
 def plan_keys(reader: TensorReader, model_keys: dict[str, object], conversions: list,
