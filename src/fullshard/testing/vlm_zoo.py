@@ -32,6 +32,7 @@ SIZES = (
     (8, ("head_dim", "kv_channels", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "patch_size")),
     (16, ("q_lora_rank", "kv_lora_rank")),
     (IMAGE, ("image_size",)),
+    ((IMAGE // 8) ** 2, ("mm_tokens_per_image", "num_image_tokens", "image_seq_length")),  # one per patch
 )
 SIZE = {key: value for value, keys in SIZES for key in keys}
 IMAGE_TOKEN_KEYS = ("image_token_id", "image_token_index", "image_token")
