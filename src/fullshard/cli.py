@@ -154,6 +154,7 @@ def cmd_plan(argv: list[str]) -> int:
     from .distributed import detect_device_type
     from .dtypes import DTYPES
     from .plan import build_plan
+    from .towers import freeze
     from .strategy import batch_arithmetic, describe_mesh
     from .parallel.ep import describe_expert_parallel
     from .train.memory import estimate_memory
@@ -169,6 +170,7 @@ def cmd_plan(argv: list[str]) -> int:
     config, model = plan_config_and_model(args)
     nproc = args.nproc or config.train.nproc or default_nproc()
     dims = config.parallel_dims(nproc)
+    freeze(model, config.freeze)  # the table shows frozen towers as the run will have them
     plan = build_plan(model, config.fsdp.plan)
     assignments = tp_assignments(model, config.fsdp.tp_plan, dims.tp)
     precision, fsdp = config.fsdp.mixed_precision, config.fsdp

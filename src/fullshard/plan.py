@@ -209,7 +209,11 @@ class ShardingPlan:
         if towers:
             blocks = find_blocks(model)
             for word in ("vision", "projector", "language"):
-                parts = [f"{t} ({sum(_is_within(b, t) for b in blocks)} blocks)" for t in towers.of(word)]
+                trains = {t: any(p.requires_grad for n, p in model.named_parameters() if _is_within(_module_of(n), t)
+                                 and not any(_is_within(_module_of(n), q) for q in towers.projector if q != t))
+                          for t in towers.of(word)}
+                parts = [f"{t} ({sum(_is_within(b, t) for b in blocks)} blocks{'' if trains[t] else ', frozen'})"
+                         for t in towers.of(word)]
                 lines.append(f"{word}: {', '.join(parts) or '-'}")
         for names in tensor_aliases(model).values():  # the guarantee a plan keeps, said where it is kept
             if len(names) > 1:

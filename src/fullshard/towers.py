@@ -146,7 +146,8 @@ def freeze_targets(model: nn.Module, spec) -> list[str]:
             regex = glob_regex(entry)
             matched = [n for n in names if regex.match(n) or any(regex.match(n[:i]) for i in _dots(n))]
             if not matched:
-                raise ConfigError(f"freeze: pattern {entry!r} matches no module or parameter of {type(model).__name__}")
+                raise ConfigError(f"freeze: {entry!r} is none of the words {list(WORDS)} and, as a pattern, matches no module "
+                                  f"or parameter of {type(model).__name__}")
         frozen += matched
     return list(dict.fromkeys(frozen))
 

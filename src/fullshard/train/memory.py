@@ -153,7 +153,9 @@ def estimate_memory(model: nn.Module, plan: ShardingPlan, shard_size: int, micro
                         ALLOCATOR_BLOCK if device_type != "cpu" else 1, split,
                         expert_units(model, ep_size, shard_size * cp_size))
     seq_len = -(-seq_len // cp_size)  # this rank's part of each sequence
-    config, compute_bytes, tokens = model.config, compute_dtype.itemsize, micro_batch_size * seq_len
+    # a VLM's activations are its language model's (the vision tower's, per image, are not counted)
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    compute_bytes, tokens = compute_dtype.itemsize, micro_batch_size * seq_len
     head = chunked_head(model, loss_chunk_tokens, tp_assignments or {})
     activations = activation_bytes(config, micro_batch_size, seq_len, compute_bytes, activation_checkpointing,
                                    chunked_loss=head is not None)
