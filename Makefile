@@ -24,7 +24,9 @@ clean:
 	rm -rf .venv runs out
 
 # On a GPU machine whose Python already has torch (CUDA): install fullshard into it (and torchtitan, pinned to
-# that torch, for the peer) and write the GPU section of BENCHMARKS.md. `python bench/gpu.py --dry-run` checks it on CPU.
+# that torch, for the peer), write the GPU section of BENCHMARKS.md (NCCL, bf16, the memory plan against
+# the allocator's peak), then run the suite's GPU tests. `python bench/gpu.py --dry-run` checks it on CPU.
 bench-gpu:
 	python3 -m pip install -q --no-deps --no-build-isolation -e .
-	python3 bench/gpu.py
+	python3 bench/gpu.py --json bench-gpu.json
+	python3 -m pytest -q -rs tests/test_strategy.py -k gpu

@@ -13,7 +13,9 @@ Peers, each on the same model size, sequence length, batch and optimizer (AdamW,
   (installed from PyPI first when missing; a machine with no registry reports why it is absent).
 
 MFU is tokens/s x (6N + 12 L H S) / peak bf16 FLOP/s (`fullshard.train.metrics`). Each peer runs in
-the same process one after another, with the allocator's peak reset between them.
+the same process one after another, with the allocator's peak reset between them. For fullshard's rows
+the memory plan's per-rank estimate (`fullshard.train.memory.estimate_memory`, what `fullshard plan`
+prints) stands beside `torch.cuda.max_memory_allocated` over the timed steps.
 """
 
 from __future__ import annotations
@@ -46,17 +48,29 @@ PEERS = ("fullshard", "fullshard-compiled", "fully_shard", "fully_shard-compiled
 def _llama(shape: dict, device: torch.device) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(0)
-    with device:
-        return LlamaForCausalLM(LlamaConfig(**shape["model"], attn_implementation="sdpa"))
+    torch.manual_seed(0)  # built on the host, then moved: every buffer lands on the device, whatever the version
+    model = LlamaForCausalLM(LlamaConfig(**shape["model"], attn_implementation="sdpa", use_cache=False))
+    return model.to(device)
 
 
 def _fullshard(shape: dict, device: torch.device, compile: bool):
     from fullshard import FSDP2Engine, create_optimizer
 
     engine = FSDP2Engine({"mixed_precision": "bf16", **({"compile": True} if compile else {})})
-    model = engine.prepare_model(_llama(shape, device))
-    return model, create_optimizer(model, lr=1e-4, fused=device.type == "cuda")
+    model = _llama(shape, device)
+    estimate = _memory_estimate(model, engine, shape, device)
+    model = engine.prepare_model(model)
+    return model, create_optimizer(model, lr=1e-4, fused=device.type == "cuda"), estimate
+
+
+def _memory_estimate(model, engine, shape: dict, device: torch.device) -> int:
+    """The plan's per-rank bytes for this loop: one micro-batch per step, the model's own (unchunked) loss."""
+    from fullshard.plan import build_plan
+    from fullshard.train.memory import estimate_memory
+
+    estimate = estimate_memory(model, build_plan(model, engine.config.plan), 1, shape["micro"], shape["seq"],
+                               torch.bfloat16, accumulation_steps=1, device_type=device.type, loss_chunk_tokens=0)
+    return estimate.total
 
 
 def _plain_fully_shard(shape: dict, device: torch.device, compile: bool):
@@ -69,7 +83,7 @@ def _plain_fully_shard(shape: dict, device: torch.device, compile: bool):
             layer.compile()
         fully_shard(layer, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda"), None
 
 
 def _torchtitan(shape: dict, device: torch.device, compile: bool):
@@ -102,7 +116,7 @@ def _torchtitan(shape: dict, device: torch.device, compile: bool):
             loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
             return type("Out", (), {"loss": loss})
 
-    return Wrapped(), torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    return Wrapped(), torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda"), None
 
 
 def _import_torchtitan(install: bool):
@@ -113,7 +127,9 @@ def _import_torchtitan(install: bool):
             raise
         # a bare GPU machine: fetch the peer from PyPI with torch pinned to the installed build
         torch_pin = f"torch=={torch.__version__.split('+')[0]}"
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", torch_pin, "torchtitan"], check=False, timeout=900)
+        # (no retries: a machine with no registry says so in seconds, not minutes)
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--retries", "0", "--timeout", "10", torch_pin,
+                        "torchtitan"], check=False, timeout=900)
         module = importlib.import_module("torchtitan.models.llama3")
     return module
 
@@ -132,7 +148,7 @@ def measure(peer: str, shape: dict, device: torch.device) -> dict:
     from fullshard.optim import clip_grad_norm
     from fullshard.train.metrics import flops_per_token, peak_device_flops
 
-    model, optimizer = BUILDERS[peer](shape, device)
+    model, optimizer, estimate = BUILDERS[peer](shape, device)
     ids = torch.randint(0, shape["model"]["vocab_size"], (shape["micro"], shape["seq"]), device=device)
 
     def step() -> float:
@@ -160,7 +176,8 @@ def measure(peer: str, shape: dict, device: torch.device) -> dict:
     result = {"peer": peer, "params": params, "tokens_per_s": tokens_per_s, "loss": loss,
               "mfu": tokens_per_s * flops_per_token(params - embedding, m["num_hidden_layers"], m["hidden_size"],
                                                     shape["seq"]) / peak if peak else None,
-              "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None}
+              "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+              "estimate_gib": estimate / 2**30 if estimate is not None else None}
     del model, optimizer
     gc.collect()
     if device.type == "cuda":
@@ -193,13 +210,22 @@ def table(results: list[dict]) -> str:
     rows = []
     for r in results:
         if "error" in r:
-            rows.append([r["peer"], "-", "-", "-", "-", "-", r["error"]])
+            rows.append([r["peer"], "-", "-", "-", "-", "-", "-", r["error"]])
             continue
         ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}" if base else "-"
         rows.append([r["peer"], f"{r['params'] / 1e9:.2f}B", f"{r['tokens_per_s']:,.0f}", ratio,
                      f"{100 * r['mfu']:.1f}%" if r["mfu"] else "n/a",
-                     f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else "n/a", ""])
-    return markdown_table(["peer", "params", "tokens/s", "x fullshard", "MFU", "peak GiB", "note"], rows)
+                     f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else "n/a", _estimate_cell(r), ""])
+    return markdown_table(["peer", "params", "tokens/s", "x fullshard", "MFU", "peak GiB",
+                           "plan's estimate GiB (/ peak)", "note"], rows)
+
+
+def _estimate_cell(r: dict) -> str:
+    if r.get("estimate_gib") is None:
+        return "-"
+    if not r.get("peak_mem_gib"):
+        return f"{r['estimate_gib']:.1f}"
+    return f"{r['estimate_gib']:.1f} ({r['estimate_gib'] / r['peak_mem_gib']:.2f})"
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -220,7 +246,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         Path(args.json).write_text(json.dumps(results, indent=1))
     if not args.dry_run:
         s = FULL
-        body = (f"One {torch.cuda.get_device_name()}, Llama-shaped model (random weights), micro batch {s['micro']} x "
+        import torch.distributed as dist
+
+        body = (f"One {torch.cuda.get_device_name()} (torch {torch.__version__}, process group "
+                f"{dist.get_backend() if dist.is_initialized() else 'none'}), Llama-shaped model (random weights), micro batch {s['micro']} x "
                 f"{s['seq']} tokens, bf16 compute, fp32 master weights, AdamW (fused), clip 1.0, {s['steps']} timed "
                 f"steps after {s['warmup']} warm-up. Ratios are tokens/s against fullshard (eager) in the same run.\n\n")
         write_section("train-gpu", body + table(results))

@@ -294,11 +294,11 @@ def test_lora_config_errors_name_the_key():
     with pytest.raises(ValueError, match="bad LoRA config"):
         lora_config({"r": 4, "no_such_field": 1})
     # a merge that would be wrong is refused, naming the layers
-    from fullshard.lora import apply_lora, merged_state
+    from fullshard.lora import apply_lora, merge_recipe
 
     dora = apply_lora(build_model("llama"), {"r": 2, "target_modules": ["q_proj"], "use_dora": True})
     with pytest.raises(CheckpointError, match=r"layers\.0\.self_attn\.q_proj \(DoRA"):
-        merged_state(dora)
+        merge_recipe(dora, dora.state_dict())
 
 
 def test_offline_export_of_an_unmergeable_lora_checkpoint_is_refused(tmp_path):

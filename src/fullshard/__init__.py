@@ -23,6 +23,7 @@ _EXPORTS = {
     **dict.fromkeys(["ShardingPlan", "UnitSpec", "auto_plan", "build_plan", "find_blocks", "get_transformer_layer_cls"], "plan"),
     **dict.fromkeys(["from_pretrained"], "pretrained"),
     **dict.fromkeys(["FSDPStrategy"], "strategy"),
+    **dict.fromkeys(["checkpoint_hf_weights", "hf_weight_buckets", "hf_weights"], "weights"),
 }
 
 __all__ = sorted(_EXPORTS)

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .checkpoint.export import GatheredTensor, export_hf, gather_full, staging_dir
+from .checkpoint.export import gather_full, hub_recipe, merge_lora, staging_dir, write_export
 from .distributed import broadcast_from_rank0, get_rank, run_agreed
 from .errors import CheckpointError, ConfigError
 from .fsdp import reshard_all
@@ -247,20 +247,6 @@ def base_name(state_name: str) -> str:
     return state_name.removeprefix(PEFT_PREFIX).replace(BASE_LAYER + ".", ".")
 
 
-def merge_lora(base: torch.Tensor, terms: list[tuple[torch.Tensor | None, torch.Tensor, float]],
-               fan_in_fan_out: bool) -> torch.Tensor:
-    """`base` with LoRA terms merged in, as PEFT's `Linear.merge` does: W + transpose(B @ A) * scaling
-    per adapter (a bias term has no A: b * scaling), the delta in fp32 then cast to W's dtype. The live
-    export and the offline one (from a checkpoint) both merge here, so they write the same bits."""
-    from peft.utils.other import transpose
-
-    merged = base.detach().clone()
-    for a, b, scaling in terms:
-        delta = b.float() if a is None else transpose(b.float() @ a.float(), fan_in_fan_out)
-        merged += (delta * scaling).to(merged.dtype)
-    return merged
-
-
 def _unmergeable(peft_model, layers: dict) -> list[str]:
     """Why each layer's adapters cannot be merged into plain weights (empty when all can)."""
     from peft.utils import ModulesToSaveWrapper
@@ -281,9 +267,10 @@ def _unmergeable(peft_model, layers: dict) -> list[str]:
     return problems
 
 
-def merge_recipe(peft_model, state_keys) -> dict:
-    """How to write the merged model from the PEFT model's state (live or in a checkpoint):
-    `names` maps each output name (the base model's, tied aliases left out) to its state key, and
+def merge_recipe(peft_model, state_keys: dict) -> dict:
+    """How to write the merged model from the PEFT model's state (`state_keys`: state key -> tensor
+    or shape, live or in a checkpoint): `names` maps each output name (the base model's, in the
+    Hub's layout, tied aliases left out) to its state key, `views` a Hub tensor's region of it, and
     `merges` gives the LoRA terms `[A key or None, B key, scaling]` to add to an output tensor.
     Plain LoRA on linear layers only: anything else is refused by name with a CheckpointError."""
     from peft.tuners.lora import LoraLayer
@@ -316,27 +303,9 @@ def merge_recipe(peft_model, state_keys) -> dict:
         if terms:
             merges[out] = {"terms": terms, "fan_in_fan_out": bool(layer.fan_in_fan_out)}
     adapter = peft_model.active_adapter
-    return {"names": names, "merges": merges, "adapter": {"name": adapter, "files": adapter_file_names(state_keys, adapter)}}
-
-
-def merged_state(peft_model) -> dict[str, torch.Tensor | GatheredTensor]:
-    """The base model's state dict under its own names, every LoRA layer's weight merged lazily
-    (one layer gathered at a time, by `merge_lora`). DoRA and other variants are refused by name."""
-    state = peft_model.state_dict()
-    recipe = merge_recipe(peft_model, state)
-    out: dict[str, torch.Tensor | GatheredTensor] = {}
-    for name, key in recipe["names"].items():
-        merge = recipe["merges"].get(name)
-        if merge is None:
-            out[name] = state[key]
-            continue
-
-        def gather(key=key, merge=merge) -> torch.Tensor:
-            terms = [(None if a is None else gather_full(state[a]), gather_full(state[b]), s) for a, b, s in merge["terms"]]
-            return merge_lora(gather_full(state[key]), terms, merge["fan_in_fan_out"])
-
-        out[name] = GatheredTensor(tuple(state[key].shape), state[key].dtype, gather)
-    return out
+    shapes = {k: tuple(getattr(v, "shape", v)) for k, v in state_keys.items()}
+    recipe = hub_recipe(peft_model.get_base_model(), names, merges, shapes)
+    return {**recipe, "adapter": {"name": adapter, "files": adapter_file_names(state_keys, adapter)}}
 
 
 def export_merged(peft_model, output_dir: str | os.PathLike, tokenizer=None, dtype=None,
@@ -346,10 +315,10 @@ def export_merged(peft_model, output_dir: str | os.PathLike, tokenizer=None, dty
     if not is_peft_model(peft_model):
         raise TypeError(f"export_merged needs a peft.PeftModel, got {type(peft_model).__name__}")
     reshard_all(peft_model)
-    state = merged_state(peft_model)
-    return export_hf(peft_model.get_base_model(), output_dir, tokenizer=tokenizer, dtype=dtype,
-                     max_shard_size=max_shard_size, tensors=state)
+    state = peft_model.state_dict()
+    return write_export(peft_model.get_base_model(), output_dir, state, merge_recipe(peft_model, state),
+                        tokenizer=tokenizer, dtype=dtype, max_shard_size=max_shard_size)
 
 
 __all__ = ["LoraCheckpointView", "apply_lora", "base_name", "export_merged", "is_peft_model", "lora_checkpoint_view",
-           "lora_config", "merge_lora", "merge_recipe", "merged_state", "save_adapter"]
+           "lora_config", "merge_lora", "merge_recipe", "save_adapter"]

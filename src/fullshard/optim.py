@@ -229,8 +229,8 @@ def grad_norm_and_sum(params: Iterable[torch.Tensor], norm_type: float = 2.0, va
     powers = _local_norm_powers(_grads(params), norm_type, world, _unique_grads(params)) if fusable else None
     if powers is None:
         return global_grad_norm(params, norm_type, across), None if values is None else _over_world(values)
-    buffer = torch.cat([powers.reshape(1).double(), torch.zeros(0) if values is None
-                        else values.detach().reshape(-1).to(powers.device, torch.float64)])
+    extra = [] if values is None else [values.detach().reshape(-1).to(powers.device, torch.float64)]
+    buffer = torch.cat([powers.reshape(1).double(), *extra])
     buffer = _over_world(buffer)
     norm = buffer[0].pow(1.0 / norm_type).float()
     return norm, None if values is None else buffer[1:].to(values.device, values.dtype).reshape(values.shape)

@@ -9,8 +9,9 @@ sharded model or, offline in one process, from a checkpoint. One module per conc
 - `fit`: the checkpoint's keys against the model's, optimizer's and states': refused, fresh, or kept
 - `manager`: save (sync / async), commit, rotation, load (with `auto` fallback)
 - `async_exit`: an async save pending at `destroy_process_group` or at exit is committed or reported
-- `export`: the live export (`export_hf`), the safetensors stream writer, the plain export recipe
-- `offline`: the recipe a save records and the offline export that follows it (LoRA merged)
+- `export`: the live export (`export_hf`) in the Hub layout, the safetensors stream writer, the export recipe
+- `offline`: the recipe a save records and the offline export that follows it (LoRA merged), and
+  `checkpoint_hf_weights`, the same tensors one at a time
 - `rng`: per-rank RNG state, restored or re-derived
 """
 
@@ -22,10 +23,10 @@ from pathlib import Path
 from .export import export_hf, source_dtype
 from .layout import complete_checkpoints, resolve_checkpoint
 from .manager import CheckpointManager
-from .offline import export_checkpoint
+from .offline import checkpoint_hf_weights, export_checkpoint
 from .read import UnreadableCheckpoint
 
-__all__ = ["CheckpointManager", "UnreadableCheckpoint", "complete_checkpoints", "export_checkpoint", "export_hf",
+__all__ = ["CheckpointManager", "UnreadableCheckpoint", "checkpoint_hf_weights", "complete_checkpoints", "export_checkpoint", "export_hf",
            "load_ckpt", "resolve_checkpoint", "save_ckpt", "save_model", "source_dtype"]
 
 

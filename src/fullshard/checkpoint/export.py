@@ -1,11 +1,17 @@
 """Write a plain Hugging Face directory (safetensors + index + config) from a sharded model or checkpoint.
 
+The files hold what transformers' `save_pretrained` writes: the Hub's names and layout, from a
+recipe (`export_recipe`; `fullshard.lora.merge_recipe` for LoRA merged) mapping each Hub tensor to
+the state tensor it is, or the region of it (one expert of a fused MoE tensor), by transformers'
+own conversion run backwards (`fullshard.loading.convert.hub_views`). The same recipe drives the
+offline export and the weight stream (`fullshard.weights`), so all three give the same tensors.
+
 No rank ever holds the whole model. Live, every file is created at its final size first (a
 safetensors header follows from names, shapes and dtypes alone), then every rank writes its own
-rows of each row-sharded (FSDP) tensor straight into place, cast to the written dtype: no gather,
-and each rank writes 1/N of the bytes. Tensors in other layouts (TP, merged LoRA weights) are
-gathered one at a time and written by the rank the file is dealt to. Offline, one process
-streams the DCP checkpoint tensor by tensor, with no process group.
+rows of each row-sharded (FSDP, EP) tensor straight into every Hub tensor they overlap, cast to the
+written dtype: no gather, and each rank writes 1/N of the bytes. Tensors in other layouts (TP,
+merged LoRA weights) are gathered one state tensor at a time and written by the rank they are dealt
+to. Offline, one process streams the DCP checkpoint tensor by tensor, with no process group.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from ..distributed import all_ranks_agree_ok, broadcast_from_rank0, get_rank, ge
 from ..dtypes import SAFETENSORS_NAMES, dtype_name, resolve_dtype
 from ..errors import CheckpointError
 from ..fsdp import model_class_name, reshard_all
+from ..loading.convert import HubView, hub_views
 from ..tensors import holds_part, replicated, tensor_aliases
 from . import layout
 
@@ -81,11 +88,56 @@ def alias_names(model: torch.nn.Module) -> set[str]:
     return aliases
 
 
-def export_recipe(model: torch.nn.Module, state_keys) -> dict:
-    """What an export writes from a model's state: output name -> state key (aliases left out).
-    A LoRA model's recipe (`fullshard.lora.merge_recipe`) also merges adapters; this is the plain one."""
+def hub_recipe(model: torch.nn.Module, names: dict[str, str], merges: dict, shapes) -> dict:
+    """A recipe in the Hub's layout: `names` (the model's own output name -> state key) and `merges`
+    (output name -> LoRA terms) renamed and split as transformers' `save_pretrained` writes them
+    (`fullshard.loading.convert.hub_views`); `views` gives, for a Hub tensor that is a region of its
+    state tensor (one expert of a fused tensor), its sizes, strides and offset in it."""
+    try:
+        views = hub_views(model, {out: tuple(shapes[key]) for out, key in names.items()})
+    except ValueError as err:
+        raise CheckpointError(f"cannot export {model_class_name(model)} in the Hub layout: {err}") from None
+    recipe: dict = {"names": {}, "merges": {}, "views": {}}
+    for hub_name, view in views.items():
+        recipe["names"][hub_name] = names[view.source]
+        if view.source in merges:
+            recipe["merges"][hub_name] = merges[view.source]
+        if view.view is not None:
+            recipe["views"][hub_name] = [list(view.view[0]), list(view.view[1]), view.view[2]]
+    return recipe
+
+
+def export_recipe(model: torch.nn.Module, shapes) -> dict:
+    """What an export writes from a model's state (`shapes`: state key -> anything with a `.shape`, or
+    the shape): Hub name -> state key (tied aliases left out), and where a Hub tensor is a region of
+    its state tensor, the region. A LoRA model's recipe (`fullshard.lora.merge_recipe`) also merges
+    adapters; this is the plain one."""
     aliases = alias_names(model)
-    return {"names": {k: k for k in state_keys if k not in aliases}, "merges": {}}
+    shapes = {k: tuple(getattr(v, "shape", v)) for k, v in shapes.items()}
+    return hub_recipe(model, {k: k for k in shapes if k not in aliases}, {}, shapes)
+
+
+def recipe_view(recipe: dict, name: str) -> HubView:
+    """Where the Hub tensor `name` of a recipe lies in its state tensor."""
+    view = recipe.get("views", {}).get(name)
+    return HubView(recipe["names"][name], None if view is None else (tuple(view[0]), tuple(view[1]), int(view[2])))
+
+
+def merge_lora(base: torch.Tensor, terms: list[tuple[torch.Tensor | None, torch.Tensor, float]],
+               fan_in_fan_out: bool) -> torch.Tensor:
+    """`base` with LoRA terms merged in, as PEFT's `Linear.merge` does: W + transpose(B @ A) * scaling
+    per adapter (a bias term has no A: b * scaling), the delta in fp32 then cast to W's dtype, into a
+    new tensor. The live export, the weight stream and the offline export all merge here, so they
+    give the same bits."""
+    merged = base.detach().clone()
+    for a, b, scaling in terms:
+        if a is None:
+            delta = b.float()
+        else:
+            delta = b.float() @ a.float()
+            delta = delta.T if fan_in_fan_out else delta
+        merged += (delta * scaling).to(merged.dtype)
+    return merged
 
 
 def config_json(model: torch.nn.Module) -> str | None:
@@ -113,8 +165,9 @@ class Entry:
         return numel * self.dtype.itemsize
 
 
-def written_dtype(stored: torch.dtype, dtype: torch.dtype) -> torch.dtype:
-    return dtype if stored.is_floating_point else stored
+def written_dtype(stored: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
+    """What a stored tensor is written as: floating point cast to `dtype` (None: as stored), the rest as stored."""
+    return dtype if stored.is_floating_point and dtype is not None else stored
 
 
 def plan_files(entries: list[Entry], max_bytes: int) -> list[tuple[str, list[Entry]]]:
@@ -226,27 +279,53 @@ def finish_directory(staging: Path, output_dir: Path, files: list[tuple[str, lis
     layout.discard(staging, background=True)
 
 
-@dataclass
-class GatheredTensor:
-    """A tensor an export computes rather than reads: its shape and dtype up front (for the file
-    headers) and `gather`, a collective every rank calls, returning the full tensor (e.g. a base
-    weight with its LoRA adapter merged in, built one layer at a time)."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    gather: Callable[[], torch.Tensor]
-
-
-def gather_full(tensor: torch.Tensor | GatheredTensor) -> torch.Tensor:
+def gather_full(tensor: torch.Tensor) -> torch.Tensor:
     """One tensor, whole, on every rank (a collective for DTensors): the unit export works in."""
-    if isinstance(tensor, GatheredTensor):
-        return tensor.gather().detach()
     if not isinstance(tensor, DTensor):
         return tensor.detach()
     mesh_device = tensor.device_mesh.device_type
     if tensor.device.type != mesh_device:  # CPU-offloaded shards of an accelerator mesh
         tensor = tensor.to(mesh_device)
     return replicated(tensor).detach()
+
+
+def merged_full(state: dict, key: str, merge: dict | None) -> torch.Tensor:
+    """The whole state tensor `key`, with a recipe's LoRA terms merged in (a collective per tensor
+    read): what the export writes where its rows cannot be written in place."""
+    if merge is None:
+        return gather_full(state[key])
+    terms = [(None if a is None else gather_full(state[a]), gather_full(state[b]), s) for a, b, s in merge["terms"]]
+    return merge_lora(gather_full(state[key]), terms, merge["fan_in_fan_out"])
+
+
+@dataclass
+class Unit:
+    """The Hub tensors one state tensor gives (itself, renamed, or its regions: one per expert of a
+    fused tensor), gathered or written together; `merge` the LoRA terms merged into it first."""
+
+    key: str
+    outputs: list[tuple[Entry, HubView]]
+    merge: dict | None
+
+
+def export_units(recipe: dict, entries: list[Entry]) -> list[Unit]:
+    """The entries grouped by the state tensor they come from, in the order of their first entry."""
+    units: dict[str, Unit] = {}
+    for entry in entries:
+        view = recipe_view(recipe, entry.name)
+        unit = units.setdefault(view.source, Unit(view.source, [], recipe["merges"].get(entry.name)))
+        unit.outputs.append((entry, view))
+    return list(units.values())
+
+
+def recipe_entries(recipe: dict, state: dict, out_dtype: torch.dtype) -> list[Entry]:
+    """The Hub tensors a recipe writes from `state` (this rank's part of it): name, shape, dtype written."""
+    entries = []
+    for name, key in recipe["names"].items():
+        view = recipe_view(recipe, name)
+        shape = view.view[0] if view.view is not None else tuple(state[key].shape)
+        entries.append(Entry(name, tuple(shape), written_dtype(state[key].dtype, out_dtype)))
+    return entries
 
 
 def own_rows(tensor) -> tuple[int, torch.Tensor | None] | None:
@@ -355,61 +434,118 @@ def create_files(headers: dict[Path, tuple[bytes, int]]) -> None:
             handle.truncate(size)
 
 
+def contiguous_region(view: HubView, numel: int) -> tuple[int, int] | None:
+    """The flat range of its (contiguous) state tensor a Hub tensor covers, or None where it is not
+    one run of elements (then the unit is gathered whole)."""
+    if view.view is None:
+        return 0, numel
+    shape, stride, offset = view.view
+    expected, size = [], 1
+    for dim in reversed(shape):
+        expected.insert(0, size)
+        size *= dim
+    same = all(a == b for a, b, n in zip(stride, expected, shape) if n > 1)
+    return (offset, offset + size) if same else None
+
+
+def write_own_rows(writer: RegionWriter, unit: Unit, places: dict, rows: tuple[int, torch.Tensor | None],
+                   full_shape: tuple[int, ...]) -> None:
+    """This rank's rows of a row-sharded state tensor into every Hub tensor of its unit that they
+    overlap (each Hub tensor one run of the state tensor's elements), cast to the written dtype."""
+    first, local = rows
+    if local is None or not local.numel():
+        return
+    row_numel = local.numel() // local.shape[0] if local.dim() else 1
+    held_lo = first * row_numel
+    flat = local.reshape(-1)
+    numel = 1
+    for dim in full_shape:
+        numel *= dim
+    for entry, view in unit.outputs:
+        region_lo, region_hi = contiguous_region(view, numel)
+        lo, hi = max(region_lo, held_lo), min(region_hi, held_lo + flat.numel())
+        if lo < hi:
+            path, offset = places[entry.name]
+            piece = flat[lo - held_lo:hi - held_lo].to("cpu", entry.dtype)
+            writer.write(path, offset + (lo - region_lo) * entry.dtype.itemsize, piece)
+
+
+def in_place(unit: Unit, tensor) -> tuple[int, torch.Tensor | None] | None:
+    """`own_rows` of the unit's state tensor where every Hub tensor of the unit can be written from
+    them (no merge, each one run of elements); None where the unit is gathered whole."""
+    if unit.merge is not None:
+        return None
+    rows = own_rows(tensor)
+    numel = tensor.numel()
+    if rows is None or any(contiguous_region(view, numel) is None for _, view in unit.outputs):
+        return None
+    return rows
+
+
+def write_units(writer: RegionWriter, units: list[Unit], state: dict, places: dict, staged: bool) -> None:
+    """Every unit this rank holds into the files: row-sharded ones by every rank's own rows, no gather;
+    any other layout gathered whole (a collective) and written by the rank it is dealt to (a stage's
+    first rank where ranks hold different parts); a rank whose writing failed keeps gathering."""
+    rank, world = get_rank(), get_world_size()
+    for number, unit in enumerate(units):
+        tensor = state.get(unit.key)
+        if tensor is None:  # held by another pipeline stage or ep rank, which writes it
+            continue
+        rows = in_place(unit, tensor)
+        if rows is not None:
+            write_own_rows(writer, unit, places, rows, tuple(tensor.shape))
+            continue
+        full = merged_full(state, unit.key, unit.merge).contiguous()
+        if first_holder(tensor) if staged else number % world == rank:
+            for entry, view in unit.outputs:
+                writer.write(*places[entry.name], view.of(full).to("cpu", entry.dtype))
+        del full
+
+
 def export_hf(model: torch.nn.Module, output_dir: str | os.PathLike, tokenizer=None,
-              dtype: torch.dtype | str | None = None, max_shard_size: int | str = DEFAULT_SHARD_SIZE,
-              tensors: dict[str, torch.Tensor | GatheredTensor] | None = None) -> Path:
+              dtype: torch.dtype | str | None = None, max_shard_size: int | str = DEFAULT_SHARD_SIZE) -> Path:
     """Write a sharded (or plain) model as a directory `from_pretrained` loads; call on every rank.
 
-    dtype defaults to the dtype the model was loaded from (`source_dtype`); tied weights are
-    written once under their canonical name. `tensors` replaces the model's state dict as what is
-    written (same order and names as the files should have), e.g. `fullshard.lora.merged_state`.
+    The files hold what transformers' `save_pretrained` writes for the same model: its names and
+    layout (fused MoE experts one key per expert; `export_recipe`), tied weights once under their
+    canonical name. dtype defaults to the dtype the model was loaded from (`source_dtype`).
     """
+    reshard_all(model)
+    state = model.state_dict()
+    return write_export(model, output_dir, state, export_recipe(model, state), tokenizer, dtype, max_shard_size)
+
+
+def write_export(model: torch.nn.Module, output_dir: str | os.PathLike, state: dict, recipe: dict, tokenizer=None,
+                 dtype: torch.dtype | str | None = None, max_shard_size: int | str = DEFAULT_SHARD_SIZE) -> Path:
+    """`export_hf` of `state` (a state dict, sharded or not) following `recipe` (`export_recipe`, or
+    `fullshard.lora.merge_recipe` for a LoRA model merged): every rank calls it."""
     output_dir = Path(output_dir)
     config = config_json(model)
     if config is None:
         raise CheckpointError(f"{type(model).__name__} has no Hugging Face config: export_hf needs a transformers model")
     out_dtype = resolve_dtype(dtype) or source_dtype(model)
     max_bytes = parse_size(max_shard_size)
-    reshard_all(model)
-    state = model.state_dict() if tensors is None else tensors
-    aliases = alias_names(model)
-    entries = [Entry(k, tuple(t.shape), written_dtype(t.dtype, out_dtype)) for k, t in state.items() if k not in aliases]
+    entries = recipe_entries(recipe, state, out_dtype)
+    units = export_units(recipe, entries)
     staged = holds_part(model)
     if staged:
         entries = every_rank_part(entries, lambda entry: entry.name)
     files = plan_files(entries, max_bytes)
     staging = Path(broadcast_from_rank0(str(staging_dir(output_dir)) if get_rank() == 0 else None))
-    rank, world = get_rank(), get_world_size()
     layouts = [(staging / fname, group, *safetensors_header(group)) for fname, group in files]
     headers = {path: (lead, len(lead) + sum(e.nbytes for e in group)) for path, group, lead, _ in layouts}
+    places = {entry.name: (path, offset) for path, group, _, offsets in layouts for entry, offset in zip(group, offsets)}
     run_agreed(lambda: staging.mkdir(parents=True) or create_files(headers), on_rank=0, error_type=CheckpointError)
     writer = RegionWriter()
     try:
-        for number, (path, group, _, offsets) in enumerate(layouts):
-            for entry, offset in zip(group, offsets):
-                tensor = state.get(entry.name)
-                if tensor is None:  # held by another pipeline stage or ep rank, which writes it
-                    continue
-                rows = own_rows(tensor)
-                if rows is not None:  # every rank writes its own rows: no gather at all
-                    first, local = rows
-                    if local is not None and local.numel():
-                        row_bytes = entry.nbytes // entry.shape[0] if first else 0  # a replicated scalar has no rows
-                        writer.write(path, offset + first * row_bytes, local.to("cpu", entry.dtype))
-                    continue
-                # any other layout is gathered whole on every rank (a collective), and the rank the
-                # file is dealt to writes it; a rank whose writing failed keeps gathering, so none hangs
-                full = gather_full(tensor)
-                if (first_holder(tensor) if staged else number % world == rank):
-                    writer.write(path, offset, full.to("cpu", entry.dtype))
-                del full
+        write_units(writer, units, state, places, staged)
         error = writer.finish()
         all_ranks_agree_ok(not error, error, CheckpointError)
         run_agreed(lambda: finish_directory(staging, output_dir, files, export_config(config, model_class_name(model), out_dtype),
                                              generation_config_json(model), tokenizer), on_rank=0, error_type=CheckpointError)
     except BaseException:
         writer.finish(sync=False)
-        if rank == 0:
+        if get_rank() == 0:
             shutil.rmtree(staging, ignore_errors=True)
         raise
     return output_dir

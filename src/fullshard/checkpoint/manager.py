@@ -190,13 +190,14 @@ class CheckpointManager:
         reshard_all(model)
         model_state, optim_state = get_state_dict(model, optimizer if optimizer is not None else [],
                                                   options=_options())
-        keys = every_rank_part(list(model_state)) if holds_part(model) else list(model_state)  # the recipe names all
+        shapes = [(k, tuple(v.shape)) for k, v in model_state.items()]
+        shapes = dict(every_rank_part(shapes, lambda item: item[0]) if holds_part(model) else shapes)  # the recipe names all
         if get_rank() == 0:
             trainer_state = {"format": layout.FORMAT_VERSION, "step": step, "world_size": get_world_size(),
                              "base_seed": torch.initial_seed(), "has_optimizer": optimizer is not None,
                              "states": sorted(states or {}), "extra_state": extra_state}
             layout.write_file(tmp / layout.TRAINER_STATE, json.dumps(trainer_state, indent=2))
-            layout.write_file(tmp / layout.MODEL_META, json.dumps(model_meta(model, keys), indent=2))
+            layout.write_file(tmp / layout.MODEL_META, json.dumps(model_meta(model, shapes), indent=2))
             _write_model_files(tmp, model, tokenizer)
             if scheduler is not None:
                 layout.write_file(tmp / layout.SCHEDULER, _torch_bytes(scheduler.state_dict()))

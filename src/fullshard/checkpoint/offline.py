@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -21,17 +22,18 @@ from ..errors import CheckpointError
 from ..fsdp import model_class_name
 from . import layout
 from .export import (DEFAULT_SHARD_SIZE, Entry, SafetensorsStream, export_config, export_recipe, finish_directory,
-                     parse_size, plan_files, source_dtype, staging_dir, written_dtype)
+                     merge_lora, parse_size, plan_files, recipe_view, source_dtype, staging_dir, written_dtype)
 from .read import CheckpointReader
 
 
-def model_meta(model: torch.nn.Module, state_keys) -> dict:
-    """What an offline export needs to know of the model: class, source dtype and the export recipe."""
+def model_meta(model: torch.nn.Module, shapes: dict) -> dict:
+    """What an offline export needs to know of the model: class, source dtype and the export recipe
+    (`shapes`: every state key of the whole model -> its shape)."""
     from ..lora import is_peft_model, merge_recipe  # lora imports checkpoint.export: not at import time
 
     base = model.get_base_model() if is_peft_model(model) else model
     try:
-        recipe = merge_recipe(model, state_keys) if base is not model else export_recipe(model, state_keys)
+        recipe = merge_recipe(model, shapes) if base is not model else export_recipe(model, shapes)
     except CheckpointError as err:  # training goes on; only the export is refused, by name
         recipe = {"refused": str(err)}
     return {"format": layout.FORMAT_VERSION, "class_name": model_class_name(base),
@@ -63,15 +65,41 @@ def _read(reader: CheckpointReader, keys: list[str]) -> dict[str, torch.Tensor]:
     return {key: state[f"model.{key}"] for key in keys}
 
 
-def _output_tensor(reader: CheckpointReader, recipe: dict, name: str) -> torch.Tensor:
+def _state_tensor(reader: CheckpointReader, recipe: dict, name: str) -> torch.Tensor:
+    """The whole state tensor the Hub tensor `name` comes from, its LoRA terms merged in."""
     key, merge = recipe["names"][name], recipe["merges"].get(name)
     if merge is None:
         return _read(reader, [key])[key]
-    from ..lora import merge_lora
-
     terms = merge["terms"]
     read = _read(reader, [key, *(k for a, b, _ in terms for k in (a, b) if k is not None)])
     return merge_lora(read[key], [(read.get(a), read[b], s) for a, b, s in terms], merge["fan_in_fan_out"])
+
+
+def _hub_tensors(checkpoint: Path, recipe: dict, out_dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every Hub tensor of the recipe, in its order, cast to `out_dtype` (floating point only); a
+    state tensor split into several (a fused MoE tensor, one per expert) is read once for all of them."""
+    reader = CheckpointReader(checkpoint)
+    held: tuple[str | None, torch.Tensor | None] = (None, None)
+    for name in recipe["names"]:
+        view = recipe_view(recipe, name)
+        if held[0] != view.source:
+            held = (None, None)  # the previous state tensor goes before the next is read
+            state = _state_tensor(reader, recipe, name)
+            held = (view.source, state.to(written_dtype(state.dtype, out_dtype)))
+            del state
+        yield name, view.of(held[1])
+
+
+def checkpoint_hf_weights(path: str | os.PathLike, *, dtype: torch.dtype | str | None = None
+                          ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The Hugging Face weights of a fullshard checkpoint (any world size), `(name, tensor)` one at a
+    time, in this one process with no process group: exactly what `export_checkpoint` writes (and
+    `hf_weights` yields from the live model): Hub names and layout, a LoRA run merged, cast to
+    `dtype` (default: the dtype the model was loaded from)."""
+    checkpoint = layout.resolve_checkpoint(path)
+    meta = layout.read_json(checkpoint / layout.MODEL_META)
+    recipe = _recipe(checkpoint, meta)
+    yield from _hub_tensors(checkpoint, recipe, resolve_dtype(dtype) or resolve_dtype(meta["dtype"]))
 
 
 def _write_adapter(reader: CheckpointReader, recipe: dict, staging: Path) -> None:
@@ -108,16 +136,19 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, output_dir: str | os.Pa
         item = index.get(f"model.{key}")
         if item is None or not hasattr(item, "size"):
             raise CheckpointError(f"{checkpoint}: tensor {key!r} is listed in {layout.MODEL_META} but not in the DCP index")
-        entries.append(Entry(name, tuple(item.size), written_dtype(item.properties.dtype, out_dtype)))
+        view = recipe_view(recipe, name).view
+        entries.append(Entry(name, tuple(view[0] if view else item.size), written_dtype(item.properties.dtype, out_dtype)))
     files = plan_files(entries, parse_size(max_shard_size))
     output_dir = Path(output_dir)
     staging = staging_dir(output_dir)
     staging.mkdir(parents=True)
     try:
+        tensors = _hub_tensors(checkpoint, recipe, out_dtype)
         for fname, group in files:
             stream = SafetensorsStream(staging / fname, group)
             for entry in group:
-                stream.write(entry.name, _output_tensor(reader, recipe, entry.name).to(entry.dtype))
+                name, tensor = next(tensors)
+                stream.write(name, tensor)
             stream.close()
         if recipe.get("adapter"):
             _write_adapter(reader, recipe, staging)

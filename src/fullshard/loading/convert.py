@@ -21,6 +21,7 @@ import re
 from dataclasses import dataclass, field
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from .readers import TensorReader
 
@@ -284,3 +285,64 @@ def ignored_unexpected(model, keys: list[str], has_buffer_named) -> list[str]:
         return []
     regex = re.compile("|".join(f"({p})" for p in patterns))
     return [k for k in keys if regex.search(k)]
+
+
+# --------------------------------------------------------------------------------- the other direction
+
+
+@dataclass(frozen=True)
+class HubView:
+    """A Hub checkpoint tensor as a region of one model tensor: `model[...]` taken with these sizes,
+    strides and storage offset over the model tensor's contiguous layout (an expert's `gate_proj`
+    inside a fused `gate_up_proj`). Whole tensors under a new name have `view` None."""
+
+    source: str
+    view: tuple[tuple[int, ...], tuple[int, ...], int] | None = None
+
+    def of(self, full: torch.Tensor) -> torch.Tensor:
+        """This region of the whole model tensor (contiguous), a view of it."""
+        return full if self.view is None else full.as_strided(*self.view)
+
+
+class _ContiguousKeepsViews(TorchFunctionMode):
+    """`.contiguous()` hands back the tensor itself: the reversed conversions copy a region (a chunk of
+    a fused `gate_up_proj`) before splitting it further, which on meta tensors would lose where the
+    region came from; kept a view, every Hub tensor stays a view of its model tensor."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.contiguous:
+            return args[0]
+        return func(*args, **(kwargs or {}))
+
+
+def hub_views(model, shapes: dict[str, tuple[int, ...]]) -> dict[str, HubView]:
+    """The Hub checkpoint's names of the model tensors `shapes` (state name -> shape): what
+    transformers' `save_pretrained` writes, by its own conversion mapping run backwards
+    (`revert_weight_conversion`: renames, fused MoE experts split one key per expert).
+
+    The reversal runs on meta tensors, where the split comes out as views: each Hub tensor's strides
+    and offset inside its model tensor say which region it is, so an export writes (and a stream
+    gathers) the model's own rows without building the Hub tensors first. A conversion whose
+    result is not a region of one model tensor raises ValueError naming it."""
+    try:
+        from transformers import PreTrainedModel
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:
+        return {name: HubView(name) for name in shapes}
+    if not isinstance(model, PreTrainedModel) or not shapes:
+        return {name: HubView(name) for name in shapes}
+    meta = {name: torch.empty(shape, device="meta") for name, shape in shapes.items()}
+    by_id = {id(tensor): name for name, tensor in meta.items()}
+    views = {}
+    with _ContiguousKeepsViews():
+        reverted = revert_weight_conversion(model, dict(meta))
+    for hub_name, tensor in reverted.items():
+        base = tensor if tensor._base is None else tensor._base
+        source = by_id.get(id(base))
+        if source is None:
+            raise ValueError(f"transformers' conversion gives the Hub tensor {hub_name!r} as a new tensor, "
+                             "not a region of one model tensor; fullshard cannot write it in place")
+        whole = tensor is base
+        views[hub_name] = HubView(source, None if whole else (tuple(tensor.shape), tuple(tensor.stride()),
+                                                              tensor.storage_offset()))
+    return views
