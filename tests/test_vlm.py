@@ -246,3 +246,108 @@ def test_vlm_checkpoints_load_into_shards_like_transformers(tmp_path):
     results = run_distributed(_load_checks, 2, directories, timeout=600)
     problems = [f"rank {rank} {label}: {p}" for rank, r in enumerate(results) for label, ps in r.items() for p in ps]
     assert not problems, "\n".join(problems)
+
+
+EXPORTED = ("qwen2_vl", "llava", "gemma3", "qwen3_vl_moe")
+
+
+def _train_and_save(directories: dict, checkpoint_root: str) -> dict:
+    """Per model: load save_pretrained's directory sharded, train two steps (one rank with an image,
+    then none), save a DCP checkpoint, train a third step; export; logits of the sharded model on
+    image + text rows."""
+    from fullshard import FSDP2Engine, from_pretrained
+    from fullshard.checkpoint import CheckpointManager, export_hf
+    from fullshard.testing.vlm_parity import SCHEDULE
+
+    out = {}
+    for model_type, directory in directories.items():
+        model = from_pretrained(directory, engine=FSDP2Engine({"mixed_precision": "fp32"})).train()
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, eps=1e-6)
+        manager = CheckpointManager(Path(checkpoint_root) / model_type)
+        out[model_type] = {"loss": _steps(model, optimizer, model_type, range(3), manager)}
+        export_hf(model, Path(directory + "-export"))
+        model.eval()
+        with torch.no_grad():
+            batch = _inputs(model_type).batch([True, False], seed=7)
+            batch.pop("labels")
+            out[model_type]["logits"] = model(**batch, use_cache=False).logits
+    return out
+
+
+def _inputs(model_type: str) -> VLMInputs:
+    return VLMInputs(build_vlm(model_type))
+
+
+def _steps(model, optimizer, model_type: str, steps, manager=None, save_after: int = 1) -> list[float]:
+    """SCHEDULE's first micro-batch of each step, this rank's rows; the loss summed over ranks."""
+    from fullshard.testing.vlm_parity import SCHEDULE, token_loss_sum
+
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    inputs, losses = _inputs(model_type), []
+    for step in steps:
+        flags = SCHEDULE[step % len(SCHEDULE)][0]
+        tokens = int((inputs.batch(flags, seed=step)["labels"][:, 1:] != -100).sum())
+        per_rank = len(flags) // world
+        loss, _ = token_loss_sum(model, inputs.batch(flags, rows=range(rank * per_rank, (rank + 1) * per_rank), seed=step))
+        (loss * world / tokens).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        total = loss.detach() / tokens
+        torch.distributed.all_reduce(total)
+        losses.append(float(total))
+        if manager is not None and step == save_after:
+            manager.save(step, model, optimizer)
+    return losses
+
+
+def _resume(directories: dict, checkpoint_root: str) -> dict:
+    from fullshard import FSDP2Engine, from_pretrained
+    from fullshard.checkpoint import CheckpointManager
+
+    out = {}
+    for model_type, directory in directories.items():
+        model = from_pretrained(directory, engine=FSDP2Engine({"mixed_precision": "fp32"})).train()
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, eps=1e-6)
+        state = CheckpointManager(Path(checkpoint_root) / model_type).load(model, optimizer)
+        out[model_type] = {"step": state["step"], "loss": _steps(model, optimizer, model_type, range(state["step"] + 1, 3))}
+    return out
+
+
+def test_vlm_export_and_checkpoints(tmp_path):
+    """Sharded at world 2: the export has save_pretrained's keys and, loaded by plain transformers,
+    the sharded model's logits on image + text rows; a DCP checkpoint saved at world 2 (vision tower
+    frozen) resumes at world 1 and trains what the uninterrupted run trained."""
+    import transformers
+    from safetensors import safe_open
+
+    directories = {}
+    for model_type in EXPORTED:
+        directory = tmp_path / model_type
+        build_vlm(model_type).save_pretrained(directory)
+        directories[model_type] = str(directory)
+    trained = run_distributed(_train_and_save, 2, directories, str(tmp_path / "ckpt"), timeout=900)[0]
+    resumed = run_distributed(_resume, 1, directories, str(tmp_path / "ckpt"), timeout=900)[0]
+    problems = []
+    for model_type, directory in directories.items():
+        keys = {}
+        for label, d in (("save_pretrained", Path(directory)), ("export", Path(directory + "-export"))):
+            keys[label] = set()
+            for f in d.glob("*.safetensors"):
+                with safe_open(f, "pt") as handle:
+                    keys[label] |= set(handle.keys())
+        if keys["save_pretrained"] != keys["export"]:
+            problems.append(f"{model_type}: export keys differ from save_pretrained's: "
+                            f"{sorted(keys['save_pretrained'] ^ keys['export'])[:4]}")
+        exported = transformers.AutoModelForImageTextToText.from_pretrained(directory + "-export").eval()
+        batch = _inputs(model_type).batch([True, False], seed=7)
+        batch.pop("labels")
+        with torch.no_grad():
+            logits = exported(**batch, use_cache=False).logits
+        gap = (logits - trained[model_type]["logits"]).abs().max().item()
+        if not gap <= 1e-5:
+            problems.append(f"{model_type}: exported logits differ by {gap:.2e}")
+        after = resumed[model_type]
+        if after["step"] != 1 or max(abs(a - b) for a, b in zip(after["loss"], trained[model_type]["loss"][2:])) > 1e-5:
+            problems.append(f"{model_type}: resumed at world 1 from step {after['step']}: {after['loss']} "
+                            f"vs uninterrupted {trained[model_type]['loss'][2:]}")
+    assert not problems, "\n".join(problems)

@@ -334,7 +334,7 @@ def hub_views(model, shapes: dict[str, tuple[int, ...]]) -> dict[str, HubView]:
     meta = {name: torch.empty(shape, device="meta") for name, shape in shapes.items()}
     by_id = {id(tensor): name for name, tensor in meta.items()}
     views = {}
-    with _ContiguousKeepsViews():
+    with _ContiguousKeepsViews(), user_classes(model):  # a sharded VLM's renames are found by its own class
         reverted = revert_weight_conversion(model, dict(meta))
     for hub_name, tensor in reverted.items():
         base = tensor if tensor._base is None else tensor._base
