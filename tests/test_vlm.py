@@ -40,10 +40,29 @@ def sweep_entry(model_type: str) -> str | None:
         inputs = VLMInputs(model)
         model(**inputs.batch([True, False])).loss.backward()
         model(**inputs.batch([False, False])).loss.backward()
-        return None
+        return batch_coupled(model_type)
     except Exception as error:  # noqa: BLE001 - the reason is reported
         line = next((ln.strip() for ln in str(error).splitlines() if ln.strip()), "")
         return f"{type(error).__name__}: {line[:120]}"
+
+
+def batch_coupled(model_type: str, tol: float = 1e-5) -> str | None:
+    """Why one process on two halves of a batch with two images trains differently from one process
+    on the whole batch (its images interact, e.g. vision attention across images), else None: no
+    sharding can then match the whole batch."""
+    from fullshard.testing.vlm_parity import token_loss_sum
+
+    flags, norms = [True, False, False, True], []
+    for parts in ([range(0, 4)], [range(0, 2), range(2, 4)]):
+        model = build_vlm(model_type)
+        inputs = VLMInputs(model)
+        tokens = int((inputs.batch(flags)["labels"][:, 1:] != -100).sum())
+        for rows in parts:
+            (token_loss_sum(model, inputs.batch(flags, rows=rows))[0] / tokens).backward()
+        norms.append(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters() if p.grad is not None)))
+    gap = float(abs(norms[0] - norms[1]) / norms[0])
+    return f"its images interact within a batch: one process on halves vs whole, grad norms {gap:.1e} apart" \
+        if gap > tol else None
 
 
 def _vision_units(model, engine) -> list[str]:

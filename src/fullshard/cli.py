@@ -154,7 +154,6 @@ def cmd_plan(argv: list[str]) -> int:
     from .distributed import detect_device_type
     from .dtypes import DTYPES
     from .plan import build_plan
-    from .towers import freeze
     from .strategy import batch_arithmetic, describe_mesh
     from .parallel.ep import describe_expert_parallel
     from .train.memory import estimate_memory
@@ -170,7 +169,6 @@ def cmd_plan(argv: list[str]) -> int:
     config, model = plan_config_and_model(args)
     nproc = args.nproc or config.train.nproc or default_nproc()
     dims = config.parallel_dims(nproc)
-    freeze(model, config.freeze)  # the table shows frozen towers as the run will have them
     plan = build_plan(model, config.fsdp.plan)
     assignments = tp_assignments(model, config.fsdp.tp_plan, dims.tp)
     precision, fsdp = config.fsdp.mixed_precision, config.fsdp
@@ -242,7 +240,11 @@ def plan_config_and_model(args):
     else:
         model.setdefault("name_or_path", args.source)
         config = load_config(None, overrides)
-    return config, build_meta_model(config)
+    from .towers import freeze
+
+    model = build_meta_model(config)
+    freeze(model, config.freeze)  # the table shows frozen towers as the run will have them
+    return config, model
 
 
 def tp_assignments(model, tp_plan, tp_size: int) -> dict[str, str]:

@@ -10,6 +10,7 @@ and the number of rows its features give is the number of image tokens a row mus
 from __future__ import annotations
 
 import inspect
+import zlib
 
 import torch
 import transformers
@@ -59,10 +60,10 @@ def shrink(defaults: dict, layers: int | None = None) -> dict:
         elif "vocab" in key and type(value) is int and value > VOCAB:
             out[key] = VOCAB
         elif key.endswith("token_id") and type(value) is int and value >= VOCAB:
-            out[key] = VOCAB - 1 - (abs(hash(key)) % 64)
+            out[key] = VOCAB - 1 - (zlib.crc32(key.encode()) % 64)
         elif key.endswith("token_index") and type(value) is int and value >= VOCAB:
-            out[key] = VOCAB - 1 - (abs(hash(key)) % 64)
-        elif isinstance(value, float) and any(w in key for w in ("dropout", "pdrop", "layerdrop", "jitter", "noise")):
+            out[key] = VOCAB - 1 - (zlib.crc32(key.encode()) % 64)
+        elif isinstance(value, float) and any(w in key for w in ("drop", "jitter", "noise")):
             out[key] = 0.0
         elif isinstance(value, list) and layers and len(value) == layers > LAYERS:
             out[key] = value[:LAYERS]
