@@ -308,3 +308,122 @@ def test_sigint_and_sigterm_stop_cleanly_and_the_same_command_resumes(tmp_path):
     assert again >= step + 2 and (tmp_path / "stopped" / "checkpoints" / f"step_{again}" / "COMPLETE").exists()
     records = read_metrics(tmp_path / "stopped" / "metrics.jsonl")
     assert [r["step"] for r in records if r["kind"] == "train"] == list(range(1, again + 1))
+
+
+# ---------------------------------------------------------------------------------------------- export dtype
+
+
+def write_bf16_model(directory):
+    """A micro-llama stored in bf16, with the byte tokenizer: what people fine-tune from."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = byte_tokenizer()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), max_position_embeddings=32,
+                                         **BUILTIN_MODELS["micro-llama"])).to(torch.bfloat16)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def test_exports_keep_the_dtype_fine_tuned_from(tmp_path, capsys):
+    """A bf16 checkpoint fine-tuned with fp32 masters exports bf16 (hf/ and `fullshard export`), fp32 when asked."""
+    write_bf16_model(tmp_path / "bf16-model")
+    (tmp_path / "tiny.yaml").write_text(CONFIG)
+    common = ("train", "tiny.yaml", "--nproc", "2", "--model.name_or_path=bf16-model", "--model.dtype=fp32",
+              "--train.steps=2", "--train.plot=false")
+    default = run_cli(*common, "--train.output_dir=default", cwd=tmp_path)
+    assert default.returncode == 0, default.stdout[-3000:] + default.stderr[-3000:]
+    asked = run_cli(*common, "--train.output_dir=asked", "--train.export_dtype=fp32", cwd=tmp_path)
+    assert asked.returncode == 0, asked.stdout[-3000:] + asked.stderr[-3000:]
+    done = [line for line in (default.stdout + default.stderr).splitlines() if "done:" in line]
+    assert done and "model default/hf (bfloat16)" in done[0], default.stdout[-2000:] + default.stderr[-2000:]
+    assert "model asked/hf (float32)" in asked.stdout + asked.stderr
+    half, full = (load_file(tmp_path / run / "hf" / "model.safetensors") for run in ("default", "asked"))
+    assert {t.dtype for t in half.values()} == {torch.bfloat16} and {t.dtype for t in full.values()} == {torch.float32}
+    assert json.loads((tmp_path / "default" / "hf" / "config.json").read_text())["dtype"] == "bfloat16"
+    # the fp32 masters did train (they are not the bf16 values), and the bf16 export is them rounded
+    source = load_file(tmp_path / "bf16-model" / "model.safetensors")
+    assert any(not torch.equal(full[k], source[k].float()) for k in source)
+    assert all(torch.equal(half[k], full[k].to(torch.bfloat16)) for k in half)
+    # `fullshard export` of the checkpoint: the source's dtype by default, --dtype to override
+    assert main(["export", str(tmp_path / "default" / "checkpoints"), str(tmp_path / "offline")]) == 0
+    assert main(["export", str(tmp_path / "default" / "checkpoints"), str(tmp_path / "offline32"), "--dtype", "fp32"]) == 0
+    printed = capsys.readouterr().out
+    assert "offline (bfloat16)" in printed and "offline32 (float32)" in printed
+    offline, offline32 = (load_file(tmp_path / d / "model.safetensors") for d in ("offline", "offline32"))
+    assert all(torch.equal(offline[k], half[k]) for k in half) and {t.dtype for t in offline32.values()} == {torch.float32}
+
+
+# ---------------------------------------------------------------------------------------------- stage-2 training
+
+
+def optimizer_state(checkpoint) -> dict[str, torch.Tensor]:
+    """Every optimizer-state tensor of a checkpoint, whole, by its DCP key (`optim.state.<param>.<key>`)."""
+    from fullshard.checkpoint.read import CheckpointReader
+
+    reader = CheckpointReader(checkpoint)
+    state = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype)
+             for k, v in reader.metadata.state_dict_metadata.items() if k.startswith("optim.state.") and hasattr(v, "size")}
+    reader.read(state)
+    return state
+
+
+def test_stage_two_starts_a_new_run_from_another_runs_checkpoint(tmp_path, capsys):
+    """`checkpoint.init_from`: a new run in another directory, on other data and another layout, starts
+    from stage 1's weights (its first loss is stage 1's model's on that data), at step 0, with a fresh
+    schedule; `checkpoint.init_optimizer` also brings stage 1's optimizer state."""
+    from transformers import AutoModelForCausalLM
+
+    from fullshard.train.loss import causal_lm_loss_sum
+
+    (tmp_path / "tiny.yaml").write_text(CONFIG)
+    (tmp_path / "other.txt").write_text("".join(f"the {i}th other document is not the built-in corpus.\n"
+                                                for i in range(200)))
+    one = run_cli("train", "tiny.yaml", "--nproc", "2", "--train.output_dir=s1", cwd=tmp_path)
+    assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
+    # a mistake is one line before launch: a checkpoint that does not fit the model, optimizer state without init_from
+    assert main(["train", str(tmp_path / "tiny.yaml"), "--model.name_or_path=tiny-llama",
+                 f"--checkpoint.init_from={tmp_path / 's1'}", f"--train.output_dir={tmp_path / 'never'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"fullshard: error: checkpoint.init_from='{tmp_path / 's1'}': ") and "does not fit" in err
+    assert err.count("\n") == 1, err
+    assert main(["train", str(tmp_path / "tiny.yaml"), "--checkpoint.init_optimizer=true"]) == 2
+    assert "checkpoint.init_optimizer=True needs checkpoint.init_from" in capsys.readouterr().err
+
+    stage2 = ("train", "tiny.yaml", "--nproc", "2", "--fsdp.dp_replicate=2", "--data.path=other.txt",
+              "--train.steps=2", "--checkpoint.every=1", "--checkpoint.init_from=s1", "--train.plot=false")
+    fresh = run_cli(*stage2, "--train.output_dir=s2", cwd=tmp_path)
+    assert fresh.returncode == 0, fresh.stdout[-3000:] + fresh.stderr[-3000:]
+    moments = run_cli(*stage2, "--train.output_dir=s2opt", "--checkpoint.init_optimizer=true", cwd=tmp_path)
+    assert moments.returncode == 0, moments.stdout[-3000:] + moments.stderr[-3000:]
+    assert "initialised from" in fresh.stdout + fresh.stderr and "steps 0..2 of 2" in fresh.stdout + fresh.stderr
+
+    # the reference: stage 1's exported model, in this process, on stage 2's first batch
+    config = load_config(str(tmp_path / "tiny.yaml"), [f"--data.path={tmp_path / 'other.txt'}",
+                                                         f"--data.cache_dir={tmp_path / 'cache'}"])
+    batch = load_data(config.data, byte_tokenizer()).step_batches(4, 4, 0, 1, seed=config.train.seed,
+                                                                  shuffle=True).micro_batches(0)[0]
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "s1" / "hf", dtype=torch.float32)
+    with torch.no_grad():
+        expected = float(causal_lm_loss_sum(model, batch, 0)) / target_count(batch)
+    runs = {name: [r for r in read_metrics(tmp_path / name / "metrics.jsonl") if r["kind"] == "train"]
+            for name in ("s2", "s2opt")}
+    for records in runs.values():
+        assert [r["step"] for r in records] == [1, 2]  # the step counter starts at 0
+        assert abs(records[0]["loss"] - expected) < 1e-5, (records[0]["loss"], expected)
+    assert runs["s2"][0]["lr"] == runs["s2opt"][0]["lr"]  # the schedule is this run's, whatever the optimizer held
+    assert (tmp_path / "s2" / "checkpoints" / "step_2" / "COMPLETE").exists()
+
+    # optimizer state: after the same first gradient, m = b1 m0 + (1 - b1) g and v = b2 v0 + (1 - b2) g^2,
+    # so the run that loaded it differs from the fresh one by exactly stage 1's moments times beta, and counts on
+    saved = optimizer_state(tmp_path / "s1" / "checkpoints" / "step_3")
+    after_fresh, after_loaded = (optimizer_state(tmp_path / name / "checkpoints" / "step_1") for name in ("s2", "s2opt"))
+    betas = config.optim.betas
+    assert saved.keys() == after_loaded.keys() and saved
+    for key, value in saved.items():
+        if key.endswith(".step"):
+            assert float(after_loaded[key]) == float(value) + 1 and float(after_fresh[key]) == 1
+        else:
+            beta = betas[0] if key.endswith("exp_avg") else betas[1]
+            torch.testing.assert_close(after_loaded[key] - after_fresh[key], beta * value, rtol=1e-5, atol=1e-9)

@@ -263,6 +263,76 @@ def test_chat_labels_only_assistant_tokens(tmp_path):
     assert all(torch.equal(x, y) for x, y in zip(a.train.take([0, 1]).values(), b.train.take([0, 1]).values()))
 
 
+# A template in the transformers form for tools: `tools` shown up front, content as text or text parts,
+# an assistant's tool calls rendered inside its turn, tool turns answering them.
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|tools|>\n{% for t in tools %}{{ t['function'] | tojson }}\n{% endfor %}<|end|>\n{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% elif m['content'] %}"
+    "{% for p in m['content'] %}{{ p['text'] }}{% endfor %}{% endif %}"
+    "{% for c in m['tool_calls'] or [] %}<call>{{ c['function']['name'] }} "
+    "{{ c['function']['arguments'] | tojson }}</call>{% endfor %}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+ADD = {"type": "function", "function": {"name": "add", "description": "a + b", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
+
+
+def tool_conversations(n: int) -> list[dict]:
+    """OpenAI-format chats: text-part content, tool calls with null content, tool turns, a `tools`
+    list on some records, plain text turns on others (in one file, as people have them)."""
+    records = []
+    for i in range(n):
+        a, b = i % 7, i % 5
+        if i % 3 == 0:
+            records.append({"messages": [{"role": "user", "content": f"{a}+{b}?"},
+                                         {"role": "assistant", "content": str(a + b)}]})
+            continue
+        call = {"id": f"c{i}", "type": "function", "function": {"name": "add", "arguments": {"a": a, "b": b}}}
+        records.append({"tools": [ADD], "messages": [
+            {"role": "system", "content": [{"type": "text", "text": "use tools"}]},
+            {"role": "user", "content": [{"type": "text", "text": f"{a}+"}, {"type": "text", "text": f"{b}?"}]},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": f"c{i}", "content": str(a + b)},
+            {"role": "assistant", "content": [{"type": "text", "text": f"it is {a + b}"}]}]})
+    return records
+
+
+def test_chat_formats_with_tools_and_parts_label_only_assistant_output(tmp_path):
+    tokenizer = byte_tokenizer()
+    tokenizer.chat_template = TOOLS_TEMPLATE
+    records = tool_conversations(12)
+    path = write_jsonl(tmp_path / "tools.jsonl", records)
+    data = load_data(section(tmp_path, path=str(path), format="chat", seq_len=512, eval_fraction=0,
+                             packing=False), tokenizer)
+    rows = data.train.take(range(len(data.train)))
+    texts = []
+    for ids, labels in zip(rows["input_ids"], rows["labels"]):
+        keep = ids != tokenizer.eos_token_id  # one record per row, padded with EOS
+        ids, labels = ids[keep], labels[keep]
+        text = tokenizer.decode(ids)
+        # the assistant's text and its tool calls train; system, user, tool turns and the tools list do not
+        assert torch.equal(labels, torch.where(assistant_mask(text), ids, -100)), text
+        texts.append(text)
+    expected = [tokenizer.apply_chat_template(r["messages"], tools=r.get("tools"), tokenize=False) for r in records]
+    assert sorted(texts) == sorted(expected)
+    with_tools = [t for t in texts if "<call>" in t]
+    assert len(with_tools) == 8 and all(t.startswith("<|tools|>\n{\"name\": \"add\"") for t in with_tools)
+    sample = with_tools[0]
+    trained = tokenizer.decode([i for i, keep in zip(tokenizer(sample)["input_ids"], assistant_mask(sample)) if keep])
+    assert "<call>add {\"a\": " in trained and "it is" in trained and "use tools" not in trained
+    # parts that are not text, a turn without content and no tool call, tool calls off an assistant turn: named
+    bad = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
+           {"role": "assistant", "content": "x"}]
+    for turns, match in ((bad, r"bad.jsonl:1 has a content part that is not \{type: text"),
+                         ([{"role": "user", "content": None}, {"role": "assistant", "content": "x"}],
+                          r"bad.jsonl:1 has a turn without content"),
+                         ([{"role": "user", "content": "x", "tool_calls": [{"function": {"name": "f"}}]},
+                           {"role": "assistant", "content": "x"}], r"bad.jsonl:1 has tool_calls that are not")):
+        write_jsonl(tmp_path / "bad.jsonl", [{"messages": turns}])
+        with pytest.raises(ConfigError, match=match):
+            load_data(section(tmp_path, path=str(tmp_path / "bad.jsonl"), format="chat", seq_len=512), tokenizer)
+
+
 def test_dropped_and_truncated_conversations_are_said_every_run(tmp_path, caplog):
     """Over-long conversations were dropped with no word (the count only in a cache file)."""
     import logging

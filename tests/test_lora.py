@@ -3,6 +3,7 @@
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
+from safetensors.torch import load_file
 
 from fullshard import FSDP2Engine
 from fullshard.testing import build_model, make_batch, run_distributed
@@ -130,6 +131,7 @@ def _meta_lora_checks(tmp):
     out["bf16"] = _fp32_adapters_on_bf16_base(tmp)
     out["trainer"] = _trainer_with_lora(tmp)
     out["trainer_tp"] = _trainer_with_lora(tmp, "run_tp", "--fsdp.tp_size=2")
+    out["trainer_pp"] = _trainer_with_lora(tmp, "run_pp", "--fsdp.pp_size=2", "--fsdp.pp_schedule=GPipe")
     out["moe"] = _moe_saves_resumes_and_exports(tmp)
     return out
 
@@ -281,6 +283,14 @@ def test_trainer_lora_section_writes_adapter_and_merged_model(meta_lora_run):
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(merged(input_ids=ids).logits, adapted(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
+    # under pipeline parallelism (the two stages over the two ranks): the same losses, adapter and merged model
+    for result in results:
+        pp = result["trainer_pp"]
+        assert max(abs(pp["losses"][s] - summary["losses"][s]) for s in summary["losses"]) < 1e-5, pp["losses"]
+    for name in ("adapter/adapter_model.safetensors", "hf/model.safetensors"):
+        pipelined, whole = load_file(tmp / "run_pp" / name), load_file(tmp / "run" / name)
+        assert pipelined.keys() == whole.keys(), name
+        assert max((pipelined[k] - whole[k]).abs().max().item() for k in whole) < 1e-5, name
 
 
 def test_lora_config_errors_name_the_key():

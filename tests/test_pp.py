@@ -18,6 +18,8 @@ from fullshard.tensors import parameter_counts
 from fullshard.testing import build_model, make_batch, reported_by_every_rank, run_distributed
 from fullshard.testing.compare import data_slice, full_tensor, reference_gaps
 from fullshard.train.loss import aligned_targets, causal_lm_loss_sum, target_count, token_loss_sum
+from fullshard.lora import apply_lora
+from fullshard.train.chunked_loss import _RETURNS_HEAD_OUTPUT
 from fullshard.train.metrics import model_flops_per_token
 
 TOL = 1e-5
@@ -33,7 +35,13 @@ LAYOUTS = {  # name -> (model, model overrides, engine config)
     "qwen3_pp4_gpipe": ("qwen3", {"num_hidden_layers": 4},
                         {"pp_size": 4, "pp_schedule": "GPipe", "pp_microbatches": 2}),
     "qwen3_pp2_cp2": ("qwen3", {}, {"pp_size": 2, "cp_size": 2, "pp_schedule": "GPipe"}),
+    # LoRA seen through PEFT's wrapper (a tied and an untied model), HSDP and compiled blocks under pp
+    "qwen3_dp2_pp2_lora": ("qwen3", {}, {"pp_size": 2, "pp_schedule": "GPipe", "lora": True}),
+    "llama_dp2_pp2_lora": ("llama", {}, {"pp_size": 2, "lora": True}),
+    "llama_hsdp2_pp2": ("llama", {}, {"pp_size": 2, "dp_replicate": 2, "dp_shard": 1}),
+    "llama_dp2_pp2_compile": ("llama", {}, {"pp_size": 2, "compile": True}),
 }
+LORA = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj", "down_proj"]}
 
 
 def _strategy(config: dict) -> FSDPStrategy:
@@ -75,12 +83,22 @@ def _weights(model) -> dict[str, torch.Tensor]:
     return {n: full_tensor(p.detach()).clone() for n, p in model.named_parameters(remove_duplicate=False)}
 
 
+def _lora_model(name: str, lora: bool, **overrides):
+    model = build_model(name, **overrides)
+    if lora:
+        torch.manual_seed(3)  # the adapters' init, the same in every process
+        model = apply_lora(model, LORA)
+    return model
+
+
 def _parity(name: str, overrides: dict, config: dict) -> dict:
     """5 clipped AdamW steps sharded and pipelined, and whole in this process."""
+    config = dict(config)
+    lora = config.pop("lora", False)
     strategy = _strategy(config)
-    model = strategy.prepare_model(build_model(name, **overrides), is_training=True)
+    model = strategy.prepare_model(_lora_model(name, lora, **overrides), is_training=True)
     opt = strategy.create_optimizer(model, lr=1e-3, weight_decay=0.01, eps=1e-6)
-    reference = build_model(name, **overrides)
+    reference = _lora_model(name, lora, **overrides)
     ref_opt = optim.create_optimizer(reference, lr=1e-3, weight_decay=0.01, eps=1e-6)
     out = {"loss": [], "ref_loss": [], "norm": [], "ref_norm": []}
     # the run's first line and its MFU count the whole model, not this rank's stages
@@ -95,6 +113,10 @@ def _parity(name: str, overrides: dict, config: dict) -> dict:
         out["ref_norm"].append(norm)
     ref = dict(reference.named_parameters(remove_duplicate=False))
     out["weight_diff"] = max((w - ref[n].detach()).abs().max().item() for n, w in _weights(model).items())
+    # the last stage's loss went through the head a chunk at a time, as without pp
+    pipeline = pp.pipeline_of(model)
+    out["chunked"] = [_RETURNS_HEAD_OUTPUT.get(s.get_submodule(s.fullshard_stage.lm)) for s in pipeline.stages
+                      if s.fullshard_stage.last] if pipeline is not None else [True]
     return out
 
 
@@ -199,6 +221,55 @@ def _load_pretrained(tmp: str) -> dict:
             "share_read": report.bytes_read / report.checkpoint_bytes}
 
 
+def _lora_pipeline(tmp: str) -> dict:
+    """LoRA at pp 2 x dp 2 from a transformers directory (each stage loads its own slices, the adapters
+    keep their init): after two steps beside a one-process PEFT model, the adapter save and the merged
+    export (live, and offline from the pp checkpoint) equal that model's, and the checkpoint resumes at pp 1."""
+    import copy
+
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    import fullshard
+    from fullshard.checkpoint import CheckpointManager, export_checkpoint
+
+    name, out = "qwen3", {}
+    if dist.get_rank() == 0:
+        build_model(name).save_pretrained(f"{tmp}/lora_base")
+    dist.barrier()
+    strategy = _strategy({"pp_size": 2, "pp_schedule": "GPipe"})
+    torch.manual_seed(3)
+    model = fullshard.from_pretrained(f"{tmp}/lora_base", engine=strategy.engine(), lora=LORA).train()
+    opt = strategy.create_optimizer(model, lr=1e-3, weight_decay=0.01, eps=1e-6)
+    reference = _lora_model(name, True)
+    ref_opt = optim.create_optimizer(reference, lr=1e-3, weight_decay=0.01, eps=1e-6)
+    ref = dict(reference.named_parameters(remove_duplicate=False))
+    out["loaded"] = max((w - ref[n].detach()).abs().max().item() for n, w in _weights(model).items())
+    out["losses"] = [(_step(strategy, model, opt, name, s).loss, _reference_step(reference, ref_opt, name, s)[0])
+                     for s in range(2)]
+    fullshard.save_adapter(model, f"{tmp}/lora_adapter")
+    fullshard.export_merged(model, f"{tmp}/lora_merged")
+    CheckpointManager(f"{tmp}/lora_ckpt", async_save=False).save(2, model, opt)
+    saved = _gather_stages(model)
+    dims = {"pp_size": 1}
+    whole = _strategy(dims)
+    resumed = whole.prepare_model(_lora_model(name, True, seed=9), is_training=True)
+    CheckpointManager(f"{tmp}/lora_ckpt", async_save=False).load(resumed, whole.create_optimizer(resumed, lr=1e-3))
+    out["resumed_at_pp1"] = max((w - saved[n]).abs().max().item() for n, w in _weights(resumed).items())
+    if dist.get_rank() == 0:
+        export_checkpoint(f"{tmp}/lora_ckpt", f"{tmp}/lora_offline")
+        adapter = load_file(f"{tmp}/lora_adapter/adapter_model.safetensors")
+        expected = get_peft_model_state_dict(reference)
+        out["adapter"] = (sorted(adapter) == sorted(expected),
+                          max((adapter[k] - expected[k]).abs().max().item() for k in expected))
+        merged = copy.deepcopy(reference).merge_and_unload().state_dict()
+        live, offline = load_file(f"{tmp}/lora_merged/model.safetensors"), load_file(f"{tmp}/lora_offline/model.safetensors")
+        out["merged"] = (sorted(live) == sorted(k for k in merged if k != "lm_head.weight"),  # tied: written once
+                         max((live[k] - merged[k]).abs().max().item() for k in live),
+                         sorted(offline) == sorted(live) and all(torch.equal(offline[k], live[k]) for k in live))
+    return out
+
+
 def _errors() -> dict:
     """Bad input: one named error, raised on every rank."""
     found = {}
@@ -215,6 +286,7 @@ def _world_4_checks(tmp: str) -> dict:
     results = {"parity": {label: _parity(*layout) for label, layout in LAYOUTS.items()}}
     results["checkpoints"] = _checkpoints(tmp)
     results["pretrained"] = _load_pretrained(tmp)
+    results["lora"] = _lora_pipeline(tmp)
     results["errors"] = _errors()
     return results
 
@@ -231,6 +303,8 @@ def test_pipeline_matches_single_process(world_4):
             loss, norm = reference_gaps(r)
             if max(loss, norm, r["weight_diff"]) > TOL:
                 bad.append(f"rank {rank} {label}: loss {loss:.1e} norm {norm:.1e} weight {r['weight_diff']:.1e}")
+            if not all(r["chunked"]):
+                bad.append(f"rank {rank} {label}: the last stage's loss was not chunked ({r['chunked']})")
             if r["counts"][0] != r["counts"][1] or r["flops"][0] != r["flops"][1]:
                 bad.append(f"rank {rank} {label}: counts {r['counts']} flops/token {r['flops']}, not the whole model's")
     assert not bad, "\n".join(bad)
@@ -248,6 +322,18 @@ def test_pipeline_checkpoints_carry_full_model_names_and_export(world_4):
         pipelined, whole = checks["eval"]
         assert abs(pipelined - whole) < TOL, (rank, checks["eval"])
     assert world_4[0]["checkpoints"]["export_logits_diff"] < TOL
+
+
+def test_lora_under_pipeline_loads_saves_and_exports_like_one_process(world_4):
+    for rank, result in enumerate(world_4):
+        lora = result["lora"]
+        assert lora["loaded"] == 0, (rank, lora)
+        assert max(abs(a - b) for a, b in lora["losses"]) < TOL, (rank, lora["losses"])
+        assert lora["resumed_at_pp1"] == 0, (rank, lora)
+    lora = world_4[0]["lora"]
+    assert lora["adapter"][0] and lora["adapter"][1] < TOL, lora["adapter"]
+    same_names, gap, offline_equal = lora["merged"]
+    assert same_names and gap < TOL and offline_equal, lora["merged"]
 
 
 def test_pipeline_stages_load_only_their_own_slices(world_4):

@@ -98,6 +98,7 @@ def scratch(tmp_path_factory):
         "train: {steps: 1000, micro_batch_size: 2, global_batch_size: 4, log_every: 1, output_dir: runs/yaml}\n")
     _tiny_model_dir(work / "my-model")
     _chat_jsonl(work / "chat.jsonl")
+    (work / "stage2.txt").write_text("".join(f"Stage two document {i}: {i} and {i} make {2 * i}.\n" for i in range(300)))
     return work
 
 
@@ -115,6 +116,7 @@ def test_every_shell_command_in_the_readme_runs(scratch):
     assert (scratch / "runs/demo/metrics.jsonl").is_file()
     assert (scratch / "out/config.json").is_file()
     assert (scratch / "runs/chat/hf/config.json").is_file()
+    assert (scratch / "runs/stage2/checkpoints/step_4").is_dir()  # stage 2: its own steps, from 0
 
 
 # what the README's blocks take as given (its text says what `model` is); imports they must do themselves

@@ -219,8 +219,10 @@ def test_done_line_says_where_metrics_are_and_why_there_is_no_plot(tmp_path, mon
     assert plot_loss(tmp_path / "metrics.jsonl", tmp_path / "loss.png") is None
     assert not (tmp_path / "loss.png").exists()
 
-    summary = {"checkpoint": "ck/step_6", "export": "out/hf", "metrics": "out/metrics.jsonl", "plot": None}
-    assert done_line(summary, plot_asked=True) == f"done: checkpoint ck/step_6, model out/hf, metrics out/metrics.jsonl, {NO_PLOT}"
+    summary = {"checkpoint": "ck/step_6", "export": "out/hf", "export_dtype": "bfloat16", "metrics": "out/metrics.jsonl",
+               "plot": None}
+    assert done_line(summary, plot_asked=True) == (f"done: checkpoint ck/step_6, model out/hf (bfloat16), "
+                                                   f"metrics out/metrics.jsonl, {NO_PLOT}")
     assert "matplotlib is not installed" in NO_PLOT
     assert done_line({**summary, "plot": "out/loss.png"}, plot_asked=True).endswith("loss plot out/loss.png")
     assert done_line(summary, plot_asked=False).endswith("metrics out/metrics.jsonl")

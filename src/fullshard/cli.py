@@ -9,9 +9,11 @@ user) the same command is one rank. Every FullshardError is one line and a non-z
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -206,7 +208,7 @@ def cmd_plan(argv: list[str]) -> int:
                 stage, stage_plan, dims.dp_shard, micro, seq_len, DTYPES[precision], fsdp.activation_checkpointing,
                 config.optim.name, accumulation_steps=accumulation, device_type=device_type,
                 reduce_dtype=DTYPES[fsdp.reduce_dtype], tp_assignments=tp_assignments(stage, fsdp.tp_plan, dims.tp),
-                tp_size=dims.tp, cp_size=dims.cp)
+                tp_size=dims.tp, cp_size=dims.cp, loss_chunk_tokens=config.train.loss_chunk_tokens)
             print(f"{line}\n" + "\n".join(f"    {row}" for row in stage_estimate.describe().splitlines()))
     return 0
 
@@ -286,12 +288,14 @@ def cmd_export(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="fullshard export")
     parser.add_argument("checkpoint", help="a checkpoint directory, or a save directory (its newest complete checkpoint)")
     parser.add_argument("output", help="the Hugging Face directory to write")
-    parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None)
+    parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
+                        help="the dtype written (default: the dtype the fine-tuned source checkpoint is stored in)")
     args = parser.parse_args(argv)
     from .checkpoint import export_checkpoint
 
     path = export_checkpoint(args.checkpoint, args.output, dtype=args.dtype)
-    print(f"[fullshard] exported {args.checkpoint} to {path}")
+    written = json.loads((Path(path) / "config.json").read_text()).get("dtype")
+    print(f"[fullshard] exported {args.checkpoint} to {path} ({written})")
     return 0
 
 

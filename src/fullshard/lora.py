@@ -25,12 +25,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from .checkpoint.export import gather_full, hub_recipe, merge_lora, staging_dir, write_export
-from .distributed import broadcast_from_rank0, get_rank, run_agreed
+from .checkpoint.export import first_holder, gather_full, hub_recipe, merge_lora, staging_dir, write_export
+from .distributed import broadcast_from_rank0, get_rank, get_world_size, run_agreed
 from .errors import CheckpointError, ConfigError
 from .fsdp import reshard_all
+from .tensors import holds_part
 
 PEFT_PREFIX = "base_model.model."
 BASE_LAYER = ".base_layer"
@@ -199,13 +201,18 @@ def save_adapter(peft_model, output_dir: str | os.PathLike, adapter_name: str = 
     sharded = {k: v for k, v in peft_model.state_dict().items() if "lora_" in k or k.endswith("bias")}
     selected = get_peft_model_state_dict(peft_model, state_dict=sharded, adapter_name=adapter_name,
                                          save_embedding_layers=False)
+    staged = holds_part(peft_model)  # pipeline stages: each holds its own layers' adapters
     keep = get_rank() == 0
     tensors = {}
     for key, tensor in selected.items():
         full = gather_full(tensor)
-        if keep:
+        if keep or (staged and first_holder(tensor)):
             tensors[key] = full.to("cpu").contiguous()
         del full
+    if staged:  # every stage's first rank hands its adapters (small) to rank 0
+        parts = [None] * get_world_size() if keep else None
+        dist.gather_object(tensors, parts, dst=0)
+        tensors = {key: value for part in parts or [] for key, value in part.items()}
     staging = Path(broadcast_from_rank0(str(staging_dir(output_dir)) if keep else None))
 
     def write() -> None:
@@ -267,18 +274,35 @@ def _unmergeable(peft_model, layers: dict) -> list[str]:
     return problems
 
 
+def _lora_layers(peft_model) -> tuple[dict[str, dict], list[str]]:
+    """Each LoRA layer by name: its active adapters' scaling and `lora_B` leaves, and whether it
+    transposes (`fan_in_fan_out`); and what cannot be merged. A model split over ranks (pipeline
+    stages) knows only its own layers, so there every rank's are gathered (a collective)."""
+    from peft.tuners.lora import LoraLayer
+
+    modules = {name: m for name, m in peft_model.named_modules() if isinstance(m, LoraLayer)}
+    layers = {name: {"fan_in_fan_out": bool(getattr(layer, "fan_in_fan_out", False)),
+                     "adapters": {a: (layer.scaling[a], [n for n, _ in layer.lora_B[a].named_parameters()])
+                                  for a in layer.active_adapters if a in layer.lora_A}}
+              for name, layer in modules.items()}
+    problems = _unmergeable(peft_model, modules)
+    if holds_part(peft_model):
+        gathered: list = [None] * get_world_size()
+        dist.all_gather_object(gathered, (layers, problems))
+        layers = {name: layer for part, _ in gathered for name, layer in part.items()}
+        problems = sorted({problem for _, part in gathered for problem in part})
+    return layers, problems
+
+
 def merge_recipe(peft_model, state_keys: dict) -> dict:
     """How to write the merged model from the PEFT model's state (`state_keys`: state key -> tensor
     or shape, live or in a checkpoint): `names` maps each output name (the base model's, in the
     Hub's layout, tied aliases left out) to its state key, `views` a Hub tensor's region of it, and
     `merges` gives the LoRA terms `[A key or None, B key, scaling]` to add to an output tensor.
     Plain LoRA on linear layers only: anything else is refused by name with a CheckpointError."""
-    from peft.tuners.lora import LoraLayer
-
     from .checkpoint.export import alias_names
 
-    layers = {name: m for name, m in peft_model.named_modules() if isinstance(m, LoraLayer)}
-    problems = _unmergeable(peft_model, layers)
+    layers, problems = _lora_layers(peft_model)
     if problems:
         raise CheckpointError(f"cannot export LoRA merged into the base weights: only plain LoRA on linear layers "
                               f"merges, not {', '.join(problems)}")
@@ -293,15 +317,11 @@ def merge_recipe(peft_model, state_keys: dict) -> dict:
             continue
         layer, out = layers[layer_name], base_name(key)
         names[out] = key
-        adapters = [a for a in layer.active_adapters if a in layer.lora_A]
-        if leaf == "weight":
-            terms = [[f"{layer_name}.lora_A.{a}.weight", f"{layer_name}.lora_B.{a}.weight", layer.scaling[a]]
-                     for a in adapters]
-        else:
-            terms = [[None, f"{layer_name}.lora_B.{a}.{leaf}", layer.scaling[a]] for a in adapters
-                     if getattr(layer.lora_B[a], leaf, None) is not None]
+        terms = [[f"{layer_name}.lora_A.{a}.weight" if leaf == "weight" else None,
+                  f"{layer_name}.lora_B.{a}.{leaf}", scaling]
+                 for a, (scaling, b_leaves) in layer["adapters"].items() if leaf == "weight" or leaf in b_leaves]
         if terms:
-            merges[out] = {"terms": terms, "fan_in_fan_out": bool(layer.fan_in_fan_out)}
+            merges[out] = {"terms": terms, "fan_in_fan_out": layer["fan_in_fan_out"]}
     adapter = peft_model.active_adapter
     shapes = {k: tuple(getattr(v, "shape", v)) for k, v in state_keys.items()}
     recipe = hub_recipe(peft_model.get_base_model(), names, merges, shapes)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from .checkpoint import remember_source_dtype
 from .distributed import agreed
 from .dtypes import resolve_dtype
 from .engine import FSDP2Engine
@@ -23,7 +24,7 @@ def from_pretrained(name_or_path: str, engine=None, dtype=None, model_class=None
     """The short path: build the model on meta from its config, shard it with `engine`, load it sharded.
 
     `engine` defaults to `FSDP2Engine()` (fp32, auto plan, whole world). `dtype=None` keeps the
-    checkpoint's dtype. Code a repository ships runs only with `trust_remote_code=True`. `lora` (a
+    checkpoint's dtype; exports default to the checkpoint's stored dtype either way. Code a repository ships runs only with `trust_remote_code=True`. `lora` (a
     `peft.LoraConfig` or a dict of its fields) wraps the model on meta with PEFT LoRA before it is
     sharded (`fullshard.lora.apply_lora`): the result is a `PeftModel` whose base loads sharded from
     the checkpoint and whose adapters are initialised as `get_peft_model` would.
@@ -41,8 +42,11 @@ def from_pretrained(name_or_path: str, engine=None, dtype=None, model_class=None
     directory = resolve_checkpoint_dir(name_or_path, revision, cache_dir)
     with agreed(LoadError, f"cannot build a model from {str(directory)!r}"):
         config = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
-        build_dtype = resolve_dtype(dtype) or checkpoint_dtype(directory)
-        model = init_empty_model(config, model_class, dtype=build_dtype, trust_remote_code=trust_remote_code)
+        weights = checkpoint_dtype(directory)
+        stored = weights or resolve_dtype(getattr(config, "dtype", None))  # read before building sets it
+        model = init_empty_model(config, model_class, dtype=resolve_dtype(dtype) or weights,
+                                 trust_remote_code=trust_remote_code)
+    remember_source_dtype(model, stored)  # what exports write by default, whatever the masters' dtype
     model.config._name_or_path = str(name_or_path)
     use_attention(model, attn_implementation)
     if lora is not None:

@@ -20,14 +20,15 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .export import export_hf, source_dtype
+from .export import export_hf, remember_source_dtype, source_dtype
 from .layout import complete_checkpoints, resolve_checkpoint
 from .manager import CheckpointManager
 from .offline import checkpoint_hf_weights, export_checkpoint
 from .read import UnreadableCheckpoint
 
-__all__ = ["CheckpointManager", "UnreadableCheckpoint", "checkpoint_hf_weights", "complete_checkpoints", "export_checkpoint", "export_hf",
-           "load_ckpt", "resolve_checkpoint", "save_ckpt", "save_model", "source_dtype"]
+__all__ = ["CheckpointManager", "UnreadableCheckpoint", "checkpoint_hf_weights", "complete_checkpoints",
+           "export_checkpoint", "export_hf", "load_ckpt", "resolve_checkpoint", "remember_source_dtype", "save_ckpt",
+           "save_model", "source_dtype"]
 
 
 def save_ckpt(model, save_dir, tag=None, max_num=3, max_mem=1000, client_state=None, save_latest=True,

@@ -61,10 +61,25 @@ def parse_size(size: int | str) -> int:
     return value
 
 
+SOURCE_DTYPE = "fullshard_source_dtype"  # the attribute `remember_source_dtype` sets
+
+
+def remember_source_dtype(model: torch.nn.Module, dtype: torch.dtype | None) -> None:
+    """Record the dtype the model's weights are stored in where it was loaded from; a model built in
+    another dtype (fp32 masters of a bf16 checkpoint) keeps its own in its config."""
+    if dtype is not None:
+        setattr(model, SOURCE_DTYPE, dtype)
+
+
 def source_dtype(model: torch.nn.Module) -> torch.dtype:
-    """The dtype the model's weights came in (its config's `dtype`): what an export writes unless
-    told otherwise. Master weights are often upcast (bf16 files trained in fp32), so the
-    parameters' dtype is the last resort."""
+    """The dtype the model's weights came in: what an export writes unless told otherwise. The
+    stored dtype `remember_source_dtype` recorded, else the config's `dtype`; master weights are
+    often upcast (bf16 files trained in fp32), so the parameters' dtype is the last resort. A PEFT
+    model's is its base model's."""
+    get_base = getattr(model, "get_base_model", None)
+    model = get_base() if callable(get_base) else model
+    if getattr(model, SOURCE_DTYPE, None) is not None:
+        return getattr(model, SOURCE_DTYPE)
     try:
         configured = resolve_dtype(getattr(getattr(model, "config", None), "dtype", None))
     except ValueError:

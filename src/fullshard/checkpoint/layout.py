@@ -220,6 +220,16 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     return found[0]
 
 
+def resolve_run_checkpoint(path: str | os.PathLike) -> Path:
+    """`resolve_checkpoint`, also given a run's output directory (its newest checkpoint under
+    `checkpoints/`, where `fullshard train` writes them)."""
+    run_checkpoints = Path(path) / "checkpoints"
+    if Path(path).is_dir() and not is_complete(Path(path)) and not complete_checkpoints(Path(path)) \
+            and run_checkpoints.is_dir():
+        return resolve_checkpoint(run_checkpoints)
+    return resolve_checkpoint(path)
+
+
 def dir_size(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 

@@ -192,12 +192,13 @@ class CheckpointManager:
                                                   options=_options())
         shapes = [(k, tuple(v.shape)) for k, v in model_state.items()]
         shapes = dict(every_rank_part(shapes, lambda item: item[0]) if holds_part(model) else shapes)  # the recipe names all
+        meta = model_meta(model, shapes)  # on every rank: a LoRA recipe asks every pipeline stage for its layers
         if get_rank() == 0:
             trainer_state = {"format": layout.FORMAT_VERSION, "step": step, "world_size": get_world_size(),
                              "base_seed": torch.initial_seed(), "has_optimizer": optimizer is not None,
                              "states": sorted(states or {}), "extra_state": extra_state}
             layout.write_file(tmp / layout.TRAINER_STATE, json.dumps(trainer_state, indent=2))
-            layout.write_file(tmp / layout.MODEL_META, json.dumps(model_meta(model, shapes), indent=2))
+            layout.write_file(tmp / layout.MODEL_META, json.dumps(meta, indent=2))
             _write_model_files(tmp, model, tokenizer)
             if scheduler is not None:
                 layout.write_file(tmp / layout.SCHEDULER, _torch_bytes(scheduler.state_dict()))
@@ -290,7 +291,24 @@ class CheckpointManager:
                            f"{candidates[index + 1]}, instead: {err}")
         return None
 
-    def _load_from(self, checkpoint: Path, model, optimizer, scheduler, states: dict, strict: bool) -> dict:
+    def init_from(self, path: str | os.PathLike, model: torch.nn.Module, optimizer=None) -> dict:
+        """Start a new run from another run's checkpoint (a checkpoint, save directory or run
+        directory): its weights and, given `optimizer`, each parameter's optimizer state (moments and
+        step counts; the optimizer's own settings, lr included, stay this run's). Nothing else
+        carries over: no scheduler, counters, RNG or data position. Any world size or layout, as a
+        resume. Returns the checkpoint's extra_state with "step" added."""
+        self.wait()
+        checkpoint = Path(broadcast_from_rank0(run_agreed(lambda: str(layout.resolve_run_checkpoint(path)), on_rank=0,
+                                                          error_type=CheckpointError)))
+        settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups] \
+            if optimizer is not None else []
+        extra = self._load_from(checkpoint, model, optimizer, None, {}, strict=True, side_files=False)
+        for group, own in zip(optimizer.param_groups if optimizer is not None else [], settings):
+            group.update(own)
+        self.last_load_info = {"path": str(checkpoint), "step": extra["step"], "init_only": True}
+        return extra
+
+    def _load_from(self, checkpoint: Path, model, optimizer, scheduler, states: dict, strict: bool, side_files=True):
         reshard_all(model)
 
         def prepare():
@@ -345,7 +363,8 @@ class CheckpointManager:
                 warn_rank0(f"checkpoint {checkpoint} lacks {few(fit.absent_states[name])}; "
                            "those keep their current values")
             obj.load_state_dict(state["states"][name])
-        run_agreed(lambda: self._load_side_files(checkpoint, trainer_state, scheduler), error_type=CheckpointError)
+        if side_files:
+            run_agreed(lambda: self._load_side_files(checkpoint, trainer_state, scheduler), error_type=CheckpointError)
         extra = dict(trainer_state.get("extra_state") or {})
         extra.setdefault("step", trainer_state["step"])
         return extra

@@ -7,6 +7,12 @@ the characters between the two are the assistant's turn (its content and the tem
 end-of-turn marker, so the model learns to stop). Tokens starting inside those spans keep their
 label, every other token is -100. A template that does not render a conversation as the prefix of
 its continuation cannot be labelled this way and is refused, naming the record.
+
+Turns come in the OpenAI / transformers chat format, passed to the template as they are: `content`
+as text or a list of text parts (`[{"type": "text", "text": ...}]`), assistant turns with
+`tool_calls` (and `content: null`), `tool` turns answering them, and a record's `tools` list given
+to the template as its `tools`. An assistant turn's tool calls are assistant output, so they train;
+the tool's answers, like the user's turns, do not.
 """
 
 from __future__ import annotations
@@ -46,7 +52,8 @@ def chat_template_of(tokenizer, override: str | None) -> str:
 
 
 def as_messages(row: int, messages=None, prompt=None, response=None, system=None) -> list[dict]:
-    """A record's conversation as role/content dicts, checked; prompt/response records become two turns."""
+    """A record's conversation as chat-format turns, checked; prompt/response records become two turns.
+    Keys a record does not set (Arrow fills them with null when other records have them) are left out."""
     if messages is None:
         if prompt is None or response is None:
             raise RecordError(row, "has no prompt or no response")
@@ -54,18 +61,61 @@ def as_messages(row: int, messages=None, prompt=None, response=None, system=None
             {"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
     if not isinstance(messages, list) or not messages:
         raise RecordError(row, "has no messages (a list of {role, content})")
-    for turn in messages:
-        if not isinstance(turn, dict) or turn.get("role") not in ROLES or not isinstance(turn.get("content"), str):
-            raise RecordError(row, f"has a turn that is not {{role: {'/'.join(ROLES)}, content: text}}: {turn!r}")
-    if not any(t["role"] == "assistant" for t in messages):
+    turns = [_turn(row, turn) for turn in messages]
+    if not any(t["role"] == "assistant" for t in turns):
         raise RecordError(row, "is a conversation with no assistant turn (nothing to train on)")
-    return [{"role": t["role"], "content": t["content"]} for t in messages]
+    return turns
 
 
-def assistant_spans(tokenizer, template: str, messages: list[dict], row: int) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered conversation and the character spans of its assistant turns."""
+def _turn(row: int, turn) -> dict:
+    """One turn, checked against the chat format, its null keys left out (its content kept, null or not)."""
+    shape = (f"{{role: {'/'.join(ROLES)}, content: text or a list of text parts}} (an assistant turn may have "
+             "tool_calls and content null)")
+    if not isinstance(turn, dict) or turn.get("role") not in ROLES:
+        raise RecordError(row, f"has a turn that is not {shape}: {turn!r}")
+    turn = {**without_nulls({k: v for k, v in turn.items() if k != "content"}), "content": turn.get("content")}
+    content, calls = turn["content"], turn.get("tool_calls")
+    if calls is not None and (turn["role"] != "assistant" or not isinstance(calls, list)
+                              or not all(isinstance(c, dict) for c in calls)):
+        raise RecordError(row, f"has tool_calls that are not a list of calls on an assistant turn: {turn!r}")
+    if content is None and not calls:
+        raise RecordError(row, f"has a turn without content (only an assistant turn with tool_calls may have none): "
+                               f"{turn!r}")
+    if isinstance(content, list):
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise RecordError(row, f"has a content part that is not {{type: text, text: ...}} (only text is "
+                                       f"trained on): {part!r}")
+        turn["content"] = [without_nulls(part) for part in content]
+    elif content is not None and not isinstance(content, str):
+        raise RecordError(row, f"has a turn that is not {shape}: {turn!r}")
+    return turn
+
+
+def as_tools(row: int, tools) -> list[dict] | None:
+    """A record's `tools` (function schemas the template shows the model), or None when it has none."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise RecordError(row, f"has tools that are not a list of tool schemas: {tools!r}")
+    return [without_nulls(t) for t in tools] or None
+
+
+def without_nulls(value):
+    """`value` without the dict keys whose value is null, at any depth: a column read by Arrow holds
+    every key any record has, null where a record has none, which a template must not see."""
+    if isinstance(value, dict):
+        return {k: without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [without_nulls(v) for v in value]
+    return value
+
+
+def assistant_spans(tokenizer, template: str, messages: list[dict], row: int,
+                    tools: list[dict] | None = None) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation and the character spans of its assistant turns (tool calls included)."""
     def render(turns, generation_prompt=False) -> str:
-        return tokenizer.apply_chat_template(turns, chat_template=template, tokenize=False,
+        return tokenizer.apply_chat_template(turns, tools=tools, chat_template=template, tokenize=False,
                                              add_generation_prompt=generation_prompt)
 
     full = render(messages)
@@ -81,9 +131,10 @@ def assistant_spans(tokenizer, template: str, messages: list[dict], row: int) ->
     return full, spans
 
 
-def tokenize_chat(tokenizer, template: str, messages: list[dict], row: int) -> tuple[list[int], list[int]]:
+def tokenize_chat(tokenizer, template: str, messages: list[dict], row: int,
+                  tools: list[dict] | None = None) -> tuple[list[int], list[int]]:
     """Token ids of the rendered conversation and their labels (-100 outside assistant turns)."""
-    text, spans = assistant_spans(tokenizer, template, messages, row)
+    text, spans = assistant_spans(tokenizer, template, messages, row, tools)
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = np.asarray(encoded["input_ids"], dtype=np.int64)
     starts = np.asarray([start for start, _ in encoded["offset_mapping"]], dtype=np.int64)

@@ -26,7 +26,7 @@ from ..log import warn_rank0
 from .chat import chat_template_of
 from .pack import COLUMNS, Packer
 from .sources import Source, load_records, locate, resolve_source
-from .tokenize import RecordError, Tokenize, layouts
+from .tokenize import RecordError, Tokenize, layouts, optional_fields
 
 CACHE_VERSION = 3  # 2: a document's first token is no target; 3: info.json counts truncated records
 TOKENIZE_RUNS = {"count": 0}  # tokenizations done by this process (the once-per-node test counts them)
@@ -57,7 +57,7 @@ def tokenizer_id(tokenizer) -> str:
 def cache_key(source: Source, tokenizer, section, exact: bool = True) -> str:
     """Tokenizer + data + packing; `exact=False` identifies the data by file names and sizes only."""
     recipe = {"version": CACHE_VERSION, "data": source.stamp(exact), "tokenizer": tokenizer_id(tokenizer),
-              "format": section.format, "fields": layouts(section), "seq_len": section.seq_len,
+              "format": section.format, "fields": [layouts(section), optional_fields(section)], "seq_len": section.seq_len,
               "overlong": section.overlong, "packing": section.packing,
               "chat_template": chat_template_of(tokenizer, section.chat_template) if section.format == "chat" else None}
     return hashlib.sha256(json.dumps(recipe, sort_keys=True, default=str).encode()).hexdigest()[:20]
@@ -147,7 +147,7 @@ def _num_proc(section, rows: int) -> int | None:
 def _build(source: Source, tokenizer, section, cache_dir: Path, target: Path) -> None:
     """Tokenize and pack into a temporary directory, then rename it to `target` (atomic on one filesystem)."""
     TOKENIZE_RUNS["count"] += 1
-    records = load_records(source, cache_dir, layouts(section))
+    records = load_records(source, cache_dir, layouts(section), optional=optional_fields(section))
     work = cache_dir / f"{target.name}.tmp-{uuid.uuid4().hex[:8]}"
     work.mkdir(parents=True)
     try:

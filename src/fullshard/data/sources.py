@@ -97,10 +97,12 @@ def _builder_kwargs(builder: str) -> dict:
     return {"sample_by": "document", "encoding": "utf-8"} if builder == "text" else {}
 
 
-def load_records(source: Source, cache_dir: Path, layouts: tuple[tuple[str, ...], ...], streaming: bool = False):
+def load_records(source: Source, cache_dir: Path, layouts: tuple[tuple[str, ...], ...], streaming: bool = False,
+                 optional: tuple[str, ...] = ()):
     """The source as one `datasets.Dataset` (or `IterableDataset` when streaming) holding only the
     columns of the first of `layouts` (alternative column sets, e.g. messages or prompt+response)
-    that it has. A text file's one column is named after the first layout's first field."""
+    that it has, and those of `optional` it has. A text file's one column is named after the first
+    layout's first field."""
     import datasets
 
     datasets.disable_progress_bars()
@@ -115,7 +117,7 @@ def load_records(source: Source, cache_dir: Path, layouts: tuple[tuple[str, ...]
     else:
         parts = [(_load_files(builder, files, cache_dir, layouts, streaming), None, files)
                  for builder, files in source.groups]
-    selected = [_select_layout(part, where, files, layouts) for part, where, files in parts]
+    selected = [_select_layout(part, where, files, layouts, optional) for part, where, files in parts]
     return selected[0] if len(selected) == 1 else datasets.concatenate_datasets(selected)
 
 
@@ -173,8 +175,9 @@ def _load_files(builder: str, files: tuple[Path, ...], cache_dir: Path, layouts,
     return part
 
 
-def _select_layout(part, where: str | None, files: tuple[Path, ...], layouts):
-    """Keep the columns of the first layout the part has; a missing field names the file and line."""
+def _select_layout(part, where: str | None, files: tuple[Path, ...], layouts, optional: tuple[str, ...] = ()):
+    """Keep the columns of the first layout the part has (and the optional ones it has); a missing
+    field names the file and line."""
     columns = list(part.column_names or next(iter(part), {}))  # a stream may know its fields only when read
     layout = next((lay for lay in layouts if all(c in columns for c in lay)), None)
     wanted = " or ".join("+".join(repr(c) for c in lay) for lay in layouts)
@@ -182,7 +185,7 @@ def _select_layout(part, where: str | None, files: tuple[Path, ...], layouts):
         place = where or locate_row(files, 0)
         raise ConfigError(f"{place} has no field {wanted} (fields: {', '.join(columns)}; set data.text_field "
                           "or data.format)")
-    part = part.select_columns(list(layout))
+    part = part.select_columns([*layout, *(c for c in optional if c in columns and c not in layout)])
     if not hasattr(part, "__len__"):
         return part  # streaming: a record missing a field is named when it is read
     if len(part) == 0:

@@ -23,7 +23,7 @@ from .pack import COLUMNS, Packer
 from .prepare import TOKENIZE_RUNS, cache_key, on_node_first_rank
 from .rows import Rows, batch_hash, eval_batches, split_micro_batches
 from .sources import load_records, locate, quiet_datasets, resolve_source, source_read_error
-from .tokenize import RecordError, Tokenize, layouts
+from .tokenize import RecordError, Tokenize, layouts, optional_fields
 
 TOKENIZE_BATCH = 32  # records tokenized together; also bounds the rows a checkpoint carries
 
@@ -35,7 +35,8 @@ class StreamReader:
         TOKENIZE_RUNS["count"] += 1
         self.source = resolve_source(path, tuple(f for lay in layouts(section) for f in lay), section.split)
         self.layouts = layouts(section)
-        self.dataset = load_records(self.source, cache_dir, self.layouts, streaming=True)
+        self.dataset = load_records(self.source, cache_dir, self.layouts, streaming=True,
+                                    optional=optional_fields(section))
         self.start_state = self.dataset.state_dict()
         self.tokenize = Tokenize(tokenizer, section)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

@@ -3,7 +3,7 @@ node's tokenizing rank (in `num_proc` processes) and the streaming reader runs o
 
 from __future__ import annotations
 
-from .chat import IGNORE_INDEX, RecordError, as_messages, chat_template_of, tokenize_chat
+from .chat import IGNORE_INDEX, RecordError, as_messages, as_tools, chat_template_of, tokenize_chat
 
 FORMATS = ("text", "chat")
 OVERLONG = ("drop", "truncate")
@@ -14,6 +14,11 @@ def layouts(section) -> tuple[tuple[str, ...], ...]:
     if section.format == "chat":
         return (section.messages_field,), (section.prompt_field, section.response_field)
     return ((section.text_field,),)
+
+
+def optional_fields(section) -> tuple[str, ...]:
+    """Fields read when a source has them: a chat record's `tools`, passed to the template."""
+    return (section.tools_field,) if section.format == "chat" else ()
 
 
 class Tokenize:
@@ -27,6 +32,7 @@ class Tokenize:
         self.field = section.text_field
         self.seq_len, self.overlong, self.packing = section.seq_len, section.overlong, section.packing
         self.chat_fields = (section.messages_field, section.prompt_field, section.response_field)
+        self.tools_field = section.tools_field
         self.template = chat_template_of(tokenizer, section.chat_template) if section.format == "chat" else None
 
     def __call__(self, batch: dict, indices: list[int]) -> dict:
@@ -46,7 +52,8 @@ class Tokenize:
                 turns = as_messages(row, messages=batch[messages][k])
             else:
                 turns = as_messages(row, prompt=batch[prompt][k], response=batch[response][k])
-            ids, labels = tokenize_chat(self.tokenizer, self.template, turns, row)
+            tools = as_tools(row, batch[self.tools_field][k]) if self.tools_field in batch else None
+            ids, labels = tokenize_chat(self.tokenizer, self.template, turns, row, tools)
             out["truncated"].append(self._truncates(ids))
             ids, labels = self._fit(ids, labels)
             out["input_ids"].append(ids)
@@ -63,4 +70,4 @@ class Tokenize:
         return ([], []) if self.overlong == "drop" else (ids[:self.seq_len], labels[:self.seq_len])
 
 
-__all__ = ["FORMATS", "IGNORE_INDEX", "OVERLONG", "RecordError", "Tokenize", "layouts"]
+__all__ = ["FORMATS", "IGNORE_INDEX", "OVERLONG", "RecordError", "Tokenize", "layouts", "optional_fields"]

@@ -22,7 +22,7 @@ from torch import nn
 from ..distributed import agreed, current_device, get_rank, get_world_size
 from ..dtypes import dtype_name, resolve_dtype
 from ..errors import LoadError
-from ..tensors import held_elsewhere, local_tensor, named_state_tensors, tensor_aliases, tied_groups
+from ..tensors import local_tensor, named_state_tensors, tensor_aliases, tied_groups
 from .dcp import DCPSource
 from .materialize import BufferSnapshot, broken_ties, find_unfilled, materialize, snapshot_buffers
 from .resolve import resolve_checkpoint_dir
@@ -62,7 +62,8 @@ class ModelView:
 
     `own_name` maps each checkpoint-side name to the model's name for it (the identity unless a
     `checkpoint_view` renames a wrapper's tensors); `groups` are the names sharing one tensor;
-    `kept` are parameters the checkpoint does not hold (LoRA adapters), with their values.
+    `kept` are parameters the checkpoint does not hold (LoRA adapters), with their values;
+    `elsewhere` the checkpoint-side names of what other ranks hold (other pipeline stages).
     """
 
     keys_model: nn.Module
@@ -72,6 +73,7 @@ class ModelView:
     kept: dict[str, torch.Tensor]
     snapshot: BufferSnapshot
     ties: list[list[str]]
+    elsewhere: frozenset[str] = frozenset()
 
 
 def view_model(model: nn.Module, checkpoint_view=None) -> ModelView:
@@ -83,10 +85,12 @@ def view_model(model: nn.Module, checkpoint_view=None) -> ModelView:
     params = dict(model.named_parameters())
     viewed = set(own_name.values())
     kept = {n: local_tensor(t).detach().clone() for n, t in state.items() if n not in viewed and n in params}
-    return ModelView(keys_model=checkpoint_view.model if checkpoint_view is not None else model,
-                     names={c: state[n] for c, n in own_name.items()}, own_name=own_name,
+    keys_model = checkpoint_view.model if checkpoint_view is not None else model
+    elsewhere = {rename(n) for n in getattr(model, "names_held_elsewhere", None) or ()} - {None}
+    elsewhere |= set(getattr(keys_model, "names_held_elsewhere", None) or ())
+    return ModelView(keys_model=keys_model, names={c: state[n] for c, n in own_name.items()}, own_name=own_name,
                      groups=[g for g in groups if g], kept=kept, snapshot=snapshot_buffers(model),
-                     ties=tied_groups(model))
+                     ties=tied_groups(model), elsewhere=frozenset(elsewhere))
 
 
 # --------------------------------------------------------------------------- phase 1: plan reads
@@ -107,7 +111,7 @@ def plan_reads(model: nn.Module, view: ModelView, source: Source, dtype: torch.d
             report.buffers_from_init += group  # a real persistent buffer the checkpoint lacks
         else:
             report.missing.append(group[0])
-    report.unexpected = [k for k in plan.unexpected if not held_elsewhere(view.keys_model, k)]
+    report.unexpected = [k for k in plan.unexpected if k not in view.elsewhere]
     report.mismatched = sorted(f"{k}: checkpoint {list(shape)}, model {list(view.names[k].shape)}"
                                for k, shape in plan.shapes.items() if tuple(shape) != tuple(view.names[k].shape))
     problems = [_listing(title, names) for title, names in (

@@ -77,7 +77,8 @@ def microbatches_of(pp_size: int, microbatches: int | None) -> int:
 
 @dataclass
 class DecoderParts:
-    """Where the pieces of a decoder-only causal LM sit, by module name."""
+    """Where the pieces of a decoder-only causal LM sit, by module name (in the model given: under
+    PEFT's wrapper, every name has the wrapped model's prefix, `base_model.model.`)."""
 
     base: str  # the decoder stack whose forward takes input_ids or inputs_embeds ("model")
     layers: str  # its ModuleList of decoder layers ("model.layers")
@@ -86,10 +87,19 @@ class DecoderParts:
     norm: str | None  # the final norm ("model.norm")
     num_layers: int
     tied: bool  # the head's weight is the embedding's
+    lm: str = ""  # the causal LM itself: "" for the model given, "base_model.model" inside a PEFT wrapper
 
 
 def decoder_parts(model: nn.Module) -> DecoderParts:
-    """The parts of `model` a pipeline cut needs, or a `PlanError` saying why it cannot be cut."""
+    """The parts of `model` a pipeline cut needs, or a `PlanError` saying why it cannot be cut. A
+    PEFT model (LoRA) is seen through: the causal LM it wraps is cut, its adapters inside their layers."""
+    lm = wrapped_lm(model)
+    if lm is not model:
+        prefix = next(n for n, m in model.named_modules() if m is lm)
+        parts = decoder_parts(lm)
+        names = {k: f"{prefix}.{getattr(parts, k)}" for k in ("base", "layers", "embed", "head")}
+        return DecoderParts(**names, norm=f"{prefix}.{parts.norm}" if parts.norm else None,
+                            num_layers=parts.num_layers, tied=parts.tied, lm=prefix)
     name = type(model).__name__
     blocks = find_blocks(model)
     lists = {b.rpartition(".")[0] for b in blocks}
@@ -124,6 +134,12 @@ def decoder_parts(model: nn.Module) -> DecoderParts:
                         "later stage cannot hand it the hidden states")
     tied = model.get_submodule(embed).weight is model.get_submodule(head).weight
     return DecoderParts(base, layers, embed, head, norm, len(container), tied)
+
+
+def wrapped_lm(model: nn.Module) -> nn.Module:
+    """The transformers model inside a PEFT wrapper (`get_base_model`), or `model` itself."""
+    get_base = getattr(type(model), "get_base_model", None)
+    return model.get_base_model() if callable(get_base) else model
 
 
 def _safe(fn):
@@ -209,6 +225,10 @@ class StageInfo:
     num_stages: int
     layers: range
     base: str
+    lm: str = ""  # the causal LM inside the stage module ("" for the stage itself)
+    # on the last stage: (causal LM, its forward call, targets) -> summed loss, set by whoever runs the
+    # pipeline (`fullshard.train.pp_step`: the chunked loss); the stage returns logits without one
+    loss: Callable | None = None
 
     @property
     def first(self) -> bool:
@@ -219,15 +239,28 @@ class StageInfo:
         return self.index == self.num_stages - 1
 
 
+TARGETS = "fullshard_targets"  # the keyword argument that hands the last stage its targets
+
+
 def _stage_forward(self, inputs: torch.Tensor, **kwargs) -> torch.Tensor:
     """One stage: token ids on the first, received hidden states (as `inputs_embeds`) on the others;
-    the model's own forward on the last (its head and whatever it does to the logits), the
-    decoder stack's elsewhere, whose final norm is an identity before the last stage."""
+    the causal LM's own forward on the last (its head and whatever it does to the logits), the
+    decoder stack's elsewhere, whose final norm is an identity before the last stage. Given its
+    targets (`TARGETS`) and a loss, the last stage returns the summed loss instead of the logits,
+    so the loss can go through the head inside the model's call (the chunked loss)."""
     info: StageInfo = self.fullshard_stage
+    targets = kwargs.pop(TARGETS, None)
     kwargs = {**kwargs, "input_ids" if info.first else "inputs_embeds": inputs, "use_cache": False}
-    if info.last:
-        return type(self).forward(self, **kwargs).logits
-    return self.get_submodule(info.base)(**kwargs).last_hidden_state
+    if not info.last:
+        return self.get_submodule(info.base)(**kwargs).last_hidden_state
+    lm = self.get_submodule(info.lm) if info.lm else self
+
+    def call():  # the class's forward: the stage's own `forward` attribute is this function
+        return type(lm).forward(lm, **kwargs)
+
+    if targets is not None and info.loss is not None:
+        return info.loss(lm, call, targets)
+    return call().logits
 
 
 def held_ends(parts: DecoderParts, index: int, num_stages: int) -> dict[str, bool]:
@@ -262,10 +295,19 @@ def build_stage(model: nn.Module, parts: DecoderParts, ranges: list[range], inde
     kept.update({id(model.get_submodule(name)): None
                  for name, held in held_ends(parts, index, len(ranges)).items() if held})
     stage = _pruned_copy(model, parts, kept)
-    stage.fullshard_stage = StageInfo(index, len(ranges), ranges[index], parts.base)
+    stage.fullshard_stage = StageInfo(index, len(ranges), ranges[index], parts.base, parts.lm)
     stage.forward = types.MethodType(_stage_forward, stage)
-    mark_held_elsewhere(stage, state_names(model), getattr(model, "_keys_to_ignore_on_load_unexpected", None))
+    _mark_held_elsewhere(stage, model, parts)
     return stage
+
+
+def _mark_held_elsewhere(part: nn.Module, model: nn.Module, parts: DecoderParts) -> None:
+    """What other ranks hold of `model`, marked on the part this rank holds, and on the causal LM
+    inside a PEFT wrapper too (a merged export writes that model's tensors)."""
+    for name in ("", parts.lm) if parts.lm else ("",):
+        whole = model.get_submodule(name)
+        mark_held_elsewhere(part.get_submodule(name), state_names(whole),
+                            getattr(whole, "_keys_to_ignore_on_load_unexpected", None))
 
 
 def stage_indices(pp_rank: int, pp_size: int, virtual_stages: int) -> list[int]:
@@ -289,7 +331,7 @@ def rank_module(model: nn.Module, parts: DecoderParts, stages: list[nn.Module]) 
             if held:
                 kept[id(model.get_submodule(name))] = stage.get_submodule(name)
     holder = _pruned_copy(model, parts, kept)
-    mark_held_elsewhere(holder, state_names(model), getattr(model, "_keys_to_ignore_on_load_unexpected", None))
+    _mark_held_elsewhere(holder, model, parts)
     return holder
 
 
@@ -338,6 +380,12 @@ class Pipeline:
 
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return self.loss_fn(output, target)
+
+    def set_stage_loss(self, loss: Callable | None) -> None:
+        """The loss the last stage computes itself from its targets (see `_stage_forward`)."""
+        for stage in self.stages:
+            if stage.fullshard_stage.last:
+                stage.fullshard_stage.loss = loss
 
     def tied_parameter(self) -> nn.Parameter | None:
         """This rank's end of a tied embedding / head (on the first and the last stage), or None."""

@@ -23,6 +23,7 @@ its input replicated, so TP uses the chunked loss.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -116,10 +117,12 @@ def chunkable_head(model: nn.Module) -> nn.Linear | None:
 _RETURNS_HEAD_OUTPUT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def chunked_loss_sum(model: nn.Module, inputs: dict, targets: torch.Tensor, chunk: int) -> torch.Tensor | None:
+def chunked_loss_sum(model: nn.Module, inputs: dict, targets: torch.Tensor, chunk: int,
+                     call: Callable | None = None) -> torch.Tensor | None:
     """The model's summed loss over `targets` ([batch, seq], one per position) with the head applied
     by `linear_cross_entropy_sum`; None where that would not be the model's loss (the caller then
-    computes it from whole logits)."""
+    computes it from whole logits). `call` runs the model's forward instead of `model(**inputs)`
+    (a pipeline stage's, `fullshard.parallel.pp`)."""
     head = chunkable_head(model)
     if head is None or _RETURNS_HEAD_OUTPUT.get(model) is False:
         return None
@@ -134,7 +137,7 @@ def chunked_loss_sum(model: nn.Module, inputs: dict, targets: torch.Tensor, chun
     rng = capture_rng_state() if model not in _RETURNS_HEAD_OUTPUT else None
     head.forward = loss_instead_of_logits
     try:
-        logits = model(**inputs).logits
+        logits = (call() if call is not None else model(**inputs)).logits
     finally:
         del head.forward
     if len(computed) == 1 and logits is computed[0]:

@@ -85,7 +85,9 @@ class DataSection:
     text_field: str = "text"
     """the field of a JSON / Parquet record holding the document (format text)"""
     messages_field: str = "messages"
-    """the field holding a conversation, a list of {role, content} (format chat)"""
+    """the field holding a conversation: OpenAI / transformers chat turns (text or text parts, tool calls, tool turns)"""
+    tools_field: str = "tools"
+    """the field, where a chat record has it, of the tool schemas passed to the chat template"""
     prompt_field: str = "prompt"
     """with response_field: the fields of a one-turn record (format chat)"""
     response_field: str = "response"
@@ -144,6 +146,8 @@ class TrainSection:
     """peak TFLOP/s of one device, for MFU; known GPUs are looked up"""
     plot: bool = True
     """write loss.png at the end"""
+    export_dtype: Optional[Literal["bf16", "fp16", "fp32"]] = None
+    """dtype of the exported hf/ model; unset: the dtype the source checkpoint is stored in (the masters' for a built-in model)"""
     report_to: list[str] = field(default_factory=list)
     """trackers to send metrics to besides metrics.jsonl: any of tensorboard, wandb, trackio"""
 
@@ -186,6 +190,10 @@ class CheckpointSection:
     """auto (the latest complete checkpoint in dir, if any), none (or null), or a checkpoint path"""
     overwrite: bool = False
     """a run that does not continue the checkpoints already in dir deletes them first (else it is refused)"""
+    init_from: Optional[str] = None
+    """stage-2 training: a training checkpoint (or save / run directory: its newest) whose weights start this new run; its step, data position and schedule start anew"""
+    init_optimizer: bool = False
+    """with init_from: also load its optimizer state (moments, step counts); lr and the other optim settings stay this run's"""
     export: bool = True
     """write a plain Hugging Face directory to <train.output_dir>/hf at the end"""
     async_save: bool = False
@@ -463,6 +471,8 @@ def _check_values(config: TrainConfig) -> None:
         ("fsdp.ep_size", config.fsdp.ep_size, config.fsdp.ep_size >= 1, "must be >= 1"),
         ("fsdp.pp_size", config.fsdp.pp_size, config.fsdp.pp_size >= 1, "must be >= 1"),
         ("fsdp.timeout_s", config.fsdp.timeout_s, config.fsdp.timeout_s > 0, "must be > 0 seconds"),
+        ("checkpoint.init_optimizer", config.checkpoint.init_optimizer,
+         not config.checkpoint.init_optimizer or config.checkpoint.init_from, "needs checkpoint.init_from"),
     ]
     for key, value, ok, rule in checks:
         if not ok:

@@ -3,7 +3,8 @@
 The same arithmetic as `step.py`: the loss is summed over target tokens and divided by the
 number of target tokens in the whole optimizer step, so any number of pipeline micro-batches
 equals one big batch. Here the pipeline schedule runs each trainer micro-batch (cut into
-`pp_microbatches`), the last stage computes the loss, the two ends of a tied weight add up their
+`pp_microbatches`), the last stage computes the loss (chunked through the head, as without pp, where
+the model allows: its forward is handed the targets), the two ends of a tied weight add up their
 gradients, and the clip takes the norm over every stage.
 """
 
@@ -15,12 +16,27 @@ import torch.distributed as dist
 from ..fsdp import reshard_all
 from ..parallel.pp import Pipeline, pipeline_of
 from ..tensors import local_tensor
+from ..parallel.pp import TARGETS
+from .chunked_loss import DEFAULT_LOSS_CHUNK_TOKENS, chunked_loss_sum
 from .loss import NOT_MODEL_INPUTS, aligned_targets, global_target_count, sum_over_ranks, target_count, token_loss_sum
 from .step import StepOutput
 
 
-def pipeline_train_step(strategy, model: torch.nn.Module, optimizer, scheduler,
-                        micro_batches: list[dict]) -> StepOutput:
+def stage_loss(chunk_tokens: int):
+    """The last stage's loss: through the head `chunk_tokens` tokens at a time where the model
+    allows (as `causal_lm_loss_sum`), else from its whole logits."""
+    def loss(lm, call, targets: torch.Tensor) -> torch.Tensor:
+        if chunk_tokens > 0:
+            summed = chunked_loss_sum(lm, {}, targets, chunk_tokens, call=call)
+            if summed is not None:
+                return summed
+        return token_loss_sum(call().logits, targets)
+
+    return loss
+
+
+def pipeline_train_step(strategy, model: torch.nn.Module, optimizer, scheduler, micro_batches: list[dict],
+                        loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS) -> StepOutput:
     """`train_step` for a pipelined model: every micro-batch through the schedule, then one step."""
     if len(micro_batches) != strategy.accumulated_gradient:
         raise ValueError(f"got {len(micro_batches)} micro-batches, the accumulation window is "
@@ -30,11 +46,12 @@ def pipeline_train_step(strategy, model: torch.nn.Module, optimizer, scheduler,
     scale = dims.dp_size * dims.cp / max(tokens, 1)  # FSDP then averages over dp x cp (see loss.py)
     scaler = strategy.scaler
 
-    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        loss = token_loss_sum(logits, targets) * scale
+    def loss_fn(summed: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:  # the last stage made the sum
+        loss = summed * scale
         return scaler.scale_loss(loss) if scaler is not None else loss
 
     pipeline.loss_fn = loss_fn
+    pipeline.set_stage_loss(stage_loss(loss_chunk_tokens))
     losses = [loss for batch in micro_batches for loss in _run(pipeline, batch, train=True)]
     sum_tied_gradients(pipeline)
     tied = pipeline.tied_parameter()
@@ -48,13 +65,15 @@ def pipeline_train_step(strategy, model: torch.nn.Module, optimizer, scheduler,
 
 
 @torch.no_grad()
-def pipeline_evaluate(model: torch.nn.Module, batches: list[dict]) -> float | None:
+def pipeline_evaluate(model: torch.nn.Module, batches: list[dict],
+                      loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS) -> float | None:
     """Mean loss per target token over every rank's eval batches, forward only through the pipeline."""
     if not batches:
         return None
     pipeline = pipeline_of(model)
     dims = pipeline.dims
-    pipeline.loss_fn = token_loss_sum
+    pipeline.loss_fn = lambda summed, targets: summed
+    pipeline.set_stage_loss(stage_loss(loss_chunk_tokens))
     total, count = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.int64)
     for batch in batches:
         total += sum(loss.to("cpu", torch.float64) for loss in _run(pipeline, _padded(batch, pipeline.microbatches),
@@ -75,6 +94,8 @@ def _run(pipeline: Pipeline, batch: dict, train: bool) -> list[torch.Tensor]:
     kwargs = {k: v.to(device) for k, v in batch.items()
               if k not in NOT_MODEL_INPUTS and k != "input_ids" and isinstance(v, torch.Tensor)}
     target = aligned_targets(batch).to(device) if pipeline.has_last else None
+    if target is not None:
+        kwargs[TARGETS] = target  # the last stage computes the loss inside its model call
     schedule = pipeline.schedule()
     losses: list[torch.Tensor] = []
     (schedule.step if train else schedule.eval)(*args, target=target, losses=losses, return_outputs=False, **kwargs)

@@ -40,6 +40,32 @@ def check_before_launch(config: TrainConfig, world_size: int) -> None:
     except PlanError as err:
         raise PlanError(f"fsdp.plan: {err}") from None
     _check_parallel(model, config.fsdp)
+    _check_init_from(config, model)
+
+
+def _check_init_from(config: TrainConfig, model) -> None:
+    """`checkpoint.init_from` names a complete checkpoint that fits the model (weights by name and
+    shape, optimizer state when `init_optimizer` asks for it), read from its index alone."""
+    path = config.checkpoint.init_from
+    if not path:
+        return
+    from ..checkpoint.fit import fit_to_index
+    from ..checkpoint.layout import resolve_run_checkpoint
+    from ..checkpoint.read import CheckpointReader
+
+    key = f"checkpoint.init_from={path!r}"
+    try:
+        checkpoint = resolve_run_checkpoint(path)
+        if checkpoint.resolve().parent == config.checkpoint_dir.resolve():
+            raise ConfigError(f"{key} is a checkpoint of this run's own directory: continue it with "
+                              "checkpoint.resume=auto, or write this run to another train.output_dir")
+        index = CheckpointReader(checkpoint).metadata
+        fit_to_index(checkpoint, index, {"model": model.state_dict()}, strict=True, model=model)
+    except CheckpointError as err:
+        raise ConfigError(f"{key}: {err}") from None
+    if config.checkpoint.init_optimizer and not any(k.startswith("optim.") for k in index.state_dict_metadata):
+        raise ConfigError(f"{key} holds no optimizer state (saved without an optimizer): set "
+                          "checkpoint.init_optimizer=false")
 
 
 def _check_parallel(model, fsdp) -> None:

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..checkpoint import CheckpointManager, export_hf
+from ..checkpoint import CheckpointManager, export_hf, source_dtype
 from ..data.builtin import special_token_ids
 from ..distributed import ParallelDims, barrier, get_rank, get_world_size, run_agreed
-from ..dtypes import DTYPES
+from ..dtypes import DTYPES, dtype_name
 from ..fsdp import reshard_all
 from ..log import log_rank0, warn_rank0
 from ..lora import apply_lora, export_merged, save_adapter
@@ -122,7 +122,7 @@ def evaluate(model: torch.nn.Module, batches: list[dict], loss_chunk_tokens: int
     if not batches:
         return None
     if pipeline_of(model) is not None:
-        return pipeline_evaluate(model, batches)
+        return pipeline_evaluate(model, batches, loss_chunk_tokens)
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64)  # tp ranks repeat their data rank's sums: they cancel in the ratio
     for batch in batches:
@@ -147,11 +147,14 @@ class Trainer:
         self.config = config
 
     def _resume(self, manager: CheckpointManager, model, optimizer, scheduler, strategy, data, batches) -> int:
+        """The step this run starts at: where its own newest checkpoint left off, or 0 for a new
+        run, which `checkpoint.init_from` starts from another run's weights."""
         resume = self.config.checkpoint.resume
-        if resume == "none":
-            return 0
-        extra = manager.load(model, optimizer, scheduler, states={"strategy": strategy}, path=resume)
+        extra = None
+        if resume != "none":
+            extra = manager.load(model, optimizer, scheduler, states={"strategy": strategy}, path=resume)
         if extra is None:
+            self._init_from(manager, model, optimizer)
             return 0
         saved = extra.get("data", {}).get("fingerprint")
         if saved != data.fingerprint():
@@ -165,6 +168,17 @@ class Trainer:
             raise ConfigError(f"the checkpoint in {manager.last_load_info['path']} is at step {start}, past "
                               f"train.steps={self.config.train.steps}: raise train.steps to continue it")
         return start
+
+    def _init_from(self, manager: CheckpointManager, model, optimizer) -> None:
+        """Stage-2 training: this new run's weights (and optimizer state, when asked) from another
+        run's checkpoint; its step, data and schedule start anew."""
+        source = self.config.checkpoint.init_from
+        if not source:
+            return
+        with_optimizer = self.config.checkpoint.init_optimizer
+        extra = manager.init_from(source, model, optimizer if with_optimizer else None)
+        log_rank0(f"initialised from {manager.last_load_info['path']} (step {extra['step']} of that run): its weights"
+                  + (" and optimizer state" if with_optimizer else "") + "; steps, data and schedule start anew")
 
     def run(self) -> dict:
         """Build, train, finish, holding the run directory's lock (`rundir`) throughout. A stop asked
@@ -254,7 +268,8 @@ class Trainer:
         for step in range(run.start, run.end):
             micro_batches = run.split(batches.micro_batches(step))
             if pipeline_of(model) is not None:
-                out = pipeline_train_step(strategy, model, optimizer, scheduler, micro_batches)
+                out = pipeline_train_step(strategy, model, optimizer, scheduler, micro_batches,
+                                          config.train.loss_chunk_tokens)
             else:
                 out = train_step(strategy, model, optimizer, scheduler, micro_batches, config.train.loss_chunk_tokens)
             throughput.add(out.tokens)
@@ -295,10 +310,13 @@ class Trainer:
                                           extra_state=self._extra_state(run, end), tokenizer=run.tokenizer)
         manager.wait()
         summary["checkpoint"] = str(run.checkpoint)  # this run's, whatever else the directory holds
+        dtype = DTYPES[config.train.export_dtype] if config.train.export_dtype else source_dtype(model)
         if finished and config.checkpoint.export and not lora.enabled:
-            summary["export"] = str(export_hf(model, output_dir / "hf", tokenizer=run.tokenizer))
+            summary["export"] = str(export_hf(model, output_dir / "hf", tokenizer=run.tokenizer, dtype=dtype))
         if finished and config.checkpoint.export and lora.enabled and lora.merge_on_export:
-            summary["export"] = str(export_merged(model, output_dir / "hf", tokenizer=run.tokenizer))
+            summary["export"] = str(export_merged(model, output_dir / "hf", tokenizer=run.tokenizer, dtype=dtype))
+        if "export" in summary:
+            summary["export_dtype"] = dtype_name(dtype)
         if finished and lora.enabled and lora.save_adapter:
             summary["adapter"] = str(save_adapter(model, output_dir / "adapter"))
         run.logger.close()
@@ -338,8 +356,10 @@ class Run:
 def done_line(summary: dict, plot_asked: bool) -> str:
     """The run's last line: where the checkpoint, model, adapter, metrics and plot are (or why no plot)."""
     parts = [f"checkpoint {summary['checkpoint']}"]
-    parts += [f"{label} {summary[key]}" for key, label in (("export", "model"), ("adapter", "adapter"))
-              if key in summary]
+    if "export" in summary:
+        parts.append(f"model {summary['export']}" + (f" ({summary['export_dtype']})" if "export_dtype" in summary else ""))
+    if "adapter" in summary:
+        parts.append(f"adapter {summary['adapter']}")
     parts.append(f"metrics {summary['metrics']}")
     if summary.get("plot"):
         parts.append(f"loss plot {summary['plot']}")
