@@ -226,7 +226,10 @@ def plan_config_and_model(args):
         if args.source is not None:
             model.setdefault("name_or_path", args.source)
         config = load_config(None, overrides)
+    from .towers import freeze
+
     meta = build_meta_model(config)
+    freeze(meta, config.freeze)  # the table shows frozen towers as the run will have them
     if config.lora.enabled:
         from .lora import apply_lora
 

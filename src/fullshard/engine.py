@@ -30,7 +30,7 @@ from .distributed import (
     shard_mesh,
 )
 from .errors import ConfigError, PlanError
-from .fsdp import apply_activation_checkpointing, needs_weight_in_backward
+from .fsdp import apply_activation_checkpointing, keep_output_capturing, needs_weight_in_backward
 from .loading import materialize_and_load
 from .log import warn_rank0
 from .loading.materialize import tie_declared_weights
@@ -38,9 +38,11 @@ from .loading.rank0 import LOADED, RANK0, agree_on_layout, init_from_rank0
 from .parallel.cp import check_context_parallel, enable_context_parallel
 from .parallel.ep import apply_expert_parallel, check_expert_parallel, global_router_loss
 from .parallel.ep_lists import agree_on_expert_calls, apply_expert_lists
+from .parallel.images import agree_on_images
 from .parallel.pp import check_pipeline_config, prepare_pipeline
 from .parallel.tp import apply_tp_styles, plan_assignments, resolve_tp_plan
 from .plan import ShardingPlan, build_plan
+from .towers import freeze
 
 
 @dataclass
@@ -73,6 +75,9 @@ class EngineConfig:
     pp_microbatches: pipeline micro-batches per trainer micro-batch, dividing it (unset: pp_size)
     pp_virtual_stages: stages per pp rank (stage s runs on pp rank s mod pp_size).
     pp_layers_per_stage: decoder layers of each stage, in order; unset: balanced by parameter count.
+    freeze: parts left untrained, set before sharding (no gradients, no optimizer state): the words
+        vision / projector / language, or globs over module and parameter names; "auto" freezes a
+        VLM's vision tower and nothing of other models; [] or "none" trains everything (`fullshard.towers`).
     """
 
     mixed_precision: str = "fp32"
@@ -97,6 +102,7 @@ class EngineConfig:
     pp_microbatches: int | None = None
     pp_virtual_stages: int = 1
     pp_layers_per_stage: list[int] | None = None
+    freeze: Any = "auto"
 
     def __post_init__(self) -> None:
         for key in ("mixed_precision", "reduce_dtype"):
@@ -216,6 +222,7 @@ class FSDP2Engine:
 
     def prepare_stage(self, model: nn.Module) -> nn.Module:
         """`prepare_model` for one whole model or one pipeline stage."""
+        freeze(model, self.config.freeze)  # before the plan: a frozen tower's units hold no gradients
         plan = build_plan(model, self.config.plan)
         self._ignored_params = set()
         self.apply_tensor_parallel(model)
@@ -250,6 +257,8 @@ class FSDP2Engine:
         )
         if self.config.prefetch:
             set_block_prefetch(model, self.config.prefetch)
+        keep_output_capturing(model)
+        agree_on_images(model, self.mesh)  # a VLM: ranks without images run the vision path when others have them
         self.plan = plan
         return model
 

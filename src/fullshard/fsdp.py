@@ -111,3 +111,17 @@ def fsdp_units(model: nn.Module) -> dict[tuple[str, ...], list[nn.Parameter]]:
         seen_groups.add(id(group))
         units[tuple(names[id(m)] for m in group.modules)] = [p.sharded_param for p in group.fsdp_params]
     return units
+
+
+def keep_output_capturing(model: nn.Module) -> None:
+    """Let transformers record hidden states inside sharded sub-models. It keys what each model records
+    by the model's class name, and `fully_shard` swaps the class (`FSDPCLIPVisionModel`): a vision
+    tower made a unit would return no `hidden_states`, which Llava's image features are taken from."""
+    try:
+        from transformers import PreTrainedModel
+        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+    except ImportError:
+        return
+    for module in model.modules():
+        if isinstance(module, FSDPModule) and isinstance(module, PreTrainedModel):
+            _CAN_RECORD_REGISTRY[module] = module._can_record_outputs

@@ -31,6 +31,7 @@ from torch import nn
 
 from .errors import PlanError
 from .tensors import tensor_aliases
+from .towers import block_list, find_towers, glob_regex
 
 POLICIES = {
     "free_full_weight": ("reshard_after_forward", True),
@@ -204,6 +205,16 @@ class ShardingPlan:
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
+        towers = find_towers(model)
+        if towers:
+            blocks = find_blocks(model)
+            for word in ("vision", "projector", "language"):
+                trains = {t: any(p.requires_grad for n, p in model.named_parameters() if _is_within(_module_of(n), t)
+                                 and not any(_is_within(_module_of(n), q) for q in towers.projector if q != t))
+                          for t in towers.of(word)}
+                parts = [f"{t} ({sum(_is_within(b, t) for b in blocks)} blocks{'' if trains[t] else ', frozen'})"
+                         for t in towers.of(word)]
+                lines.append(f"{word}: {', '.join(parts) or '-'}")
         for names in tensor_aliases(model).values():  # the guarantee a plan keeps, said where it is kept
             if len(names) > 1:
                 unit = self._unit_label(self.unit_index_of_parameter(names[0]), short=True)
@@ -296,7 +307,29 @@ def find_blocks(model: nn.Module) -> list[str]:
     for name, module in model.named_modules():
         if name and isinstance(module, classes) and not any(_is_within(name, b) for b in blocks):
             blocks.append(name)
-    return blocks
+    return _with_tower_blocks(model, blocks)
+
+
+def _with_tower_blocks(model: nn.Module, blocks: list[str]) -> list[str]:
+    """A VLM's vision towers and projector get their blocks from their structure (the largest list of
+    identical modules in each), not from the classes the model declares: those name an attention
+    module (Idefics3, SmolVLM, Ovis2) or nothing of the tower (GOT-OCR2), leaving whole towers in the root."""
+    towers = find_towers(model)
+    if not towers:
+        return blocks
+    side = towers.vision + towers.projector
+    kept = [b for b in blocks if not any(_is_within(b, t) for t in side)]
+    for tower in towers.vision:
+        name = block_list(model, tower)
+        kept += [] if name is None else [f"{name}.{i}" for i in range(len(model.get_submodule(name)))]
+    for tower in towers.projector:
+        if any(_is_within(tower, v) for v in towers.vision):  # a merger inside the vision tower: one unit
+            continue
+        module = model.get_submodule(tower)
+        kept += [f"{tower}.{name}.{i}" for name in _repeated_block_lists(module)
+                 for i in range(len(module.get_submodule(name)))]
+    order = {name: index for index, (name, _) in enumerate(model.named_modules())}
+    return sorted(kept, key=order.__getitem__)
 
 
 def _parameter_count(module: nn.Module) -> int:
@@ -413,6 +446,11 @@ def auto_plan(model: nn.Module, cpu_offload: bool | None = None, mixed_precision
     if embed is not None and embed != "" and not _shares_parameters(model, embed, head):
         units.append(unit([embed], source="auto: input embeddings"))
     units += [unit([b], source=f"auto: block {b}") for b in _block_unit_roots(model, blocks)]
+    towers = find_towers(model)  # a VLM: what its towers hold beside their blocks (patch embedding, merger)
+    units += [unit([t], source=f"auto: vision tower {t}") for t in towers.vision]
+    named = dict(model.named_modules())
+    units += [unit([m], source=f"auto: projector {t}") for t in towers.projector
+              for m in _children_of_containers(named, [t], exact=False)]
     tail = [norm, *head_modules(model, head, blocks)]
     if embed is not None and _shares_parameters(model, embed, head):
         tail = [embed, *tail]
@@ -528,14 +566,6 @@ def _split_trainable(model: nn.Module, plan: ShardingPlan) -> ShardingPlan:
     return ShardingPlan(units + extra)
 
 
-def _glob_to_regex(pattern: str) -> re.Pattern:
-    """`*` matches one name segment (no dots), `**` any number of segments."""
-    out = []
-    for part in re.split(r"(\*\*|\*)", pattern):
-        out.append(".*" if part == "**" else "[^.]+" if part == "*" else re.escape(part))
-    return re.compile("".join(out) + r"\Z")
-
-
 def manual_plan(model: nn.Module, modules: dict) -> ShardingPlan:
     """A plan from glob patterns to policies, in the dict form of transformers' `fsdp_plan`.
 
@@ -560,7 +590,7 @@ def manual_plan(model: nn.Module, modules: dict) -> ShardingPlan:
             settings[attr] = value
         matched_groups = []
         for pattern in (p.strip() for p in (key if isinstance(key, tuple) else key.split("+"))):
-            regex = _glob_to_regex(pattern)
+            regex = glob_regex(pattern)
             matches = _children_of_containers(named, [n for n in names if regex.match(n)], exact="*" not in pattern)
             if not matches:
                 raise PlanError(f"plan entry {key!r}: pattern {pattern!r} matches no module of {type(model).__name__}")

@@ -20,7 +20,7 @@ from .packed_attention import use_attention
 
 def from_pretrained(name_or_path: str, engine=None, dtype=None, model_class=None, revision: str | None = None,
                     cache_dir: str | None = None, lora=None, trust_remote_code: bool = False,
-                    attn_implementation: str | None = None, **load_kwargs) -> nn.Module:
+                    attn_implementation: str | None = None, freeze=None, **load_kwargs) -> nn.Module:
     """The short path: build the model on meta from its config, shard it with `engine`, load it sharded.
 
     `engine` defaults to `FSDP2Engine()` (fp32, auto plan, whole world). `dtype=None` keeps the
@@ -29,10 +29,16 @@ def from_pretrained(name_or_path: str, engine=None, dtype=None, model_class=None
     sharded (`fullshard.lora.apply_lora`): the result is a `PeftModel` whose base loads sharded from
     the checkpoint and whose adapters are initialised as `get_peft_model` would.
     `attn_implementation` names transformers' attention kernel (None: transformers' pick).
+    `freeze` (None: the engine's `freeze`, by default "auto": a VLM's vision tower) names the parts
+    left untrained: `vision`, `projector`, `language` or module patterns (`fullshard.towers`).
+    The model class is the config's (`architectures`), else transformers' image-text-to-text class
+    for a VLM config, else its causal-LM class.
     """
     from transformers import AutoConfig
 
     engine = engine if engine is not None else FSDP2Engine()
+    if freeze is not None:
+        engine.config.freeze = freeze
     directory = resolve_checkpoint_dir(name_or_path, revision, cache_dir)
     with agreed(LoadError, f"cannot build a model from {str(directory)!r}"):
         config = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)

@@ -16,6 +16,7 @@ form fall back to converting the whole tensor (reported as such), never to a wro
 
 from __future__ import annotations
 
+import contextlib
 import re
 from dataclasses import dataclass, field
 
@@ -103,6 +104,28 @@ class Concat(Lazy):
 
 
 @dataclass
+class Transposed(Lazy):
+    """`part.transpose(dim0, dim1)`: a region of it is the swapped region of the part (Qwen3-VL-MoE's
+    experts are stored transposed)."""
+
+    part: Lazy
+    dim0: int
+    dim1: int
+
+    def __post_init__(self) -> None:
+        rank = len(self.part.shape)
+        self.dim0, self.dim1 = self.dim0 % rank, self.dim1 % rank
+        shape = list(self.part.shape)
+        shape[self.dim0], shape[self.dim1] = shape[self.dim1], shape[self.dim0]
+        self.shape, self.dtype, self.sources = tuple(shape), self.part.dtype, self.part.sources
+
+    def read_into(self, index, out):
+        swapped = list(index)
+        swapped[self.dim0], swapped[self.dim1] = index[self.dim1], index[self.dim0]
+        self.part.read_into(tuple(swapped), out.transpose(self.dim0, self.dim1))
+
+
+@dataclass
 class Converted(Lazy):
     """A conversion with no sliceable form: the whole result is built once, then sliced."""
 
@@ -110,6 +133,7 @@ class Converted(Lazy):
     inputs: dict[str, list[Lazy]]
     target: str
     cache: dict = field(default_factory=dict)
+    model_keys: dict = field(default_factory=dict)  # a conversion may check the target's shape (Transpose)
 
     def __post_init__(self) -> None:
         self.sources = [k for parts in self.inputs.values() for p in parts for k in p.sources]
@@ -120,7 +144,8 @@ class Converted(Lazy):
             tensors = {pattern: [p.read_all() for p in parts] for pattern, parts in self.inputs.items()}
             for op in self.converter.operations:
                 tensors = op.convert(tensors, source_patterns=self.converter.source_patterns,
-                                     target_patterns=self.converter.target_patterns, full_layer_name=self.target)
+                                     target_patterns=self.converter.target_patterns, full_layer_name=self.target,
+                                     model=_Parameters(self.model_keys))
             if len(tensors) != 1:
                 raise NotImplementedError(f"conversion of {self.target!r} gives {len(tensors)} tensors")
             self.cache["tensor"] = next(iter(tensors.values()))
@@ -133,14 +158,30 @@ class Converted(Lazy):
         out.copy_(self.convert()[index])
 
 
+class _Parameters:
+    """What a conversion asks of the model: a parameter by name, for its (global) shape."""
+
+    def __init__(self, tensors: dict):
+        self.tensors = tensors
+
+    def get_parameter(self, name: str):
+        return self.tensors[name]
+
+
 SLICEABLE_OPS = {"MergeModulelist", "Concatenate"}
 
 
-def plan_conversion(converter, inputs: dict[str, list[Lazy]], target: str) -> Lazy:
+def plan_conversion(converter, inputs: dict[str, list[Lazy]], target: str, model_keys: dict | None = None) -> Lazy:
     """The recipe for one converter target: lazy when every op is a stack or a concatenation."""
     names = [type(op).__name__ for op in converter.operations]
+    parts = [p for pattern in converter.source_patterns for p in inputs.get(pattern, [])]
+    if names == ["Transpose"] and len(parts) == 1:
+        op, expected = converter.operations[0], getattr((model_keys or {}).get(target), "shape", None)
+        if op.check_dims and expected is not None and tuple(parts[0].shape) == tuple(expected):
+            return parts[0]
+        return Transposed(parts[0], op.dim0, op.dim1)
     if not set(names) <= SLICEABLE_OPS or names.count("MergeModulelist") > 1:
-        return Converted(converter, inputs, target)
+        return Converted(converter, inputs, target, model_keys=model_keys or {})
     merged = {}
     for pattern in converter.source_patterns:
         if pattern not in inputs:
@@ -151,11 +192,11 @@ def plan_conversion(converter, inputs: dict[str, list[Lazy]], target: str) -> La
         elif len(parts) == 1:
             merged[pattern] = parts[0]
         else:
-            return Converted(converter, inputs, target)
+            return Converted(converter, inputs, target, model_keys=model_keys or {})
     if "Concatenate" in names:
         return Concat(list(merged.values()), converter.operations[names.index("Concatenate")].dim)
     if len(merged) != 1:
-        return Converted(converter, inputs, target)
+        return Converted(converter, inputs, target, model_keys=model_keys or {})
     return next(iter(merged.values()))
 
 
@@ -180,7 +221,27 @@ def transformers_conversions(model, key_mapping: dict[str, str] | None = None) -
         return []
     if not isinstance(model, PreTrainedModel):
         return []
-    return get_model_conversion_mapping(model, key_mapping)
+    with user_classes(model):
+        return get_model_conversion_mapping(model, key_mapping)
+
+
+@contextlib.contextmanager
+def user_classes(model):
+    """Every module shown under the class the user built while transformers looks mappings up by class
+    name: `fully_shard` swaps in `FSDPQwen2VLForConditionalGeneration`, whose name maps to nothing, and
+    the model-type fallback lacks a VLM's renames (`model.embed_tokens` -> `model.language_model....`)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    swapped = []
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            swapped.append((module, type(module)))
+            module.__class__ = next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))
+    try:
+        yield
+    finally:
+        for module, cls in swapped:
+            module.__class__ = cls
 
 
 def plan_keys(reader: TensorReader, model_keys: dict[str, object], conversions: list,
@@ -208,7 +269,7 @@ def plan_keys(reader: TensorReader, model_keys: dict[str, object], conversions: 
             inputs.setdefault(pattern, []).append(Stored(reader, key))
     recipes = dict(direct)
     for target, (converter, inputs) in grouped.items():
-        recipes[target] = plan_conversion(converter, inputs, target)
+        recipes[target] = plan_conversion(converter, inputs, target, model_keys)
     return KeyPlan(recipes, unexpected)
 
 
@@ -273,7 +334,7 @@ def hub_views(model, shapes: dict[str, tuple[int, ...]]) -> dict[str, HubView]:
     meta = {name: torch.empty(shape, device="meta") for name, shape in shapes.items()}
     by_id = {id(tensor): name for name, tensor in meta.items()}
     views = {}
-    with _ContiguousKeepsViews():
+    with _ContiguousKeepsViews(), user_classes(model):  # a sharded VLM's renames are found by its own class
         reverted = revert_weight_conversion(model, dict(meta))
     for hub_name, tensor in reverted.items():
         base = tensor if tensor._base is None else tensor._base

@@ -66,7 +66,7 @@ def init_empty_model(config, model_class=None, dtype: torch.dtype | None = None,
     """A transformers model built from `config` under `meta_init`: meta parameters, real buffers.
 
     `model_class` defaults to the first of `config.architectures` that transformers knows, then
-    to `AutoModelForCausalLM`.
+    to `AutoModelForImageTextToText` for a VLM config, then to `AutoModelForCausalLM`.
     """
     kwargs = {"dtype": dtype} if dtype is not None else {}
     if model_class is None and trust_remote_code:
@@ -95,6 +95,8 @@ def _model_class_for(config):
         cls = getattr(transformers, arch, None)
         if cls is not None:
             return cls
+    if type(config) in transformers.AutoModelForImageTextToText._model_mapping and getattr(config, "sub_configs", None):
+        return transformers.AutoModelForImageTextToText  # a VLM config: its image-text-to-text class
     if type(config) in transformers.AutoModelForCausalLM._model_mapping:
         return transformers.AutoModelForCausalLM
     raise ValueError(

@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from ..distributed import all_gather_single, all_gather_single_autograd
 from ..errors import PlanError
-from ..plan import _glob_to_regex
+from ..towers import glob_regex
 
 UP_NAMES = ("gate_up_proj", "up_proj")
 DOWN_NAME = "down_proj"
@@ -68,8 +68,8 @@ def _from_ep_plan(model: nn.Module) -> dict[str, ExpertsModule]:
         return {}
     prefix = getattr(model, "base_model_prefix", "")
     prefix = f"{prefix}." if prefix and hasattr(model, prefix) else ""
-    module_patterns = [_glob_to_regex(prefix + p) for p, style in plan.items() if style == "ep_dispatch_experts"]
-    param_patterns = [_glob_to_regex(prefix + p) for p, style in plan.items() if style != "ep_dispatch_experts"]
+    module_patterns = [glob_regex(prefix + p) for p, style in plan.items() if style == "ep_dispatch_experts"]
+    param_patterns = [glob_regex(prefix + p) for p, style in plan.items() if style != "ep_dispatch_experts"]
     found = {}
     for name, module in model.named_modules():
         if not any(r.fullmatch(name) for r in module_patterns):

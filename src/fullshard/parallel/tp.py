@@ -23,7 +23,7 @@ from torch.distributed.tensor.parallel import (
 
 from ..errors import PlanError
 from ..log import log_rank0
-from ..plan import _glob_to_regex
+from ..towers import glob_regex
 from ..tensors import tensor_aliases
 
 
@@ -184,7 +184,7 @@ def _through_lora(pattern: str, style: str, name: str, module: nn.Module) -> dic
 
 
 def _matches(names: list[str], pattern: str) -> list[str]:
-    regex = _glob_to_regex(pattern)
+    regex = glob_regex(pattern)
     return [n for n in names if regex.match(n)]
 
 

@@ -66,6 +66,8 @@ class ModelSection:
     """run the Python code a model repository ships (its config, model and tokenizer classes)"""
     attn_implementation: Optional[str] = None
     """attention kernel (sdpa, eager, flex_attention, flash_attention_2/3); unset: transformers' pick"""
+    freeze: Union[str, list[str]] = "auto"
+    """parts left untrained: vision, projector, language or module globs (a list); auto: a VLM's vision tower, nothing else; none: train everything"""
 
 
 @dataclass
@@ -298,6 +300,11 @@ class TrainConfig:
             return dataclasses.replace(dims, ep=fsdp.ep_size)
         except ConfigError as err:
             raise ConfigError(f"fsdp.{err}") from None
+
+    @property
+    def freeze(self):
+        """The run's freeze setting: `model.freeze`, or `fsdp.freeze` (the engine's key) where that is left at auto."""
+        return self.fsdp.freeze if self.model.freeze == "auto" else self.model.freeze
 
     def accumulation_steps(self, world_size: int) -> int:
         """Micro-batches per rank per step, over the data-parallel ranks of the mesh (cp and tp ranks

@@ -36,7 +36,9 @@ def check_before_launch(config: TrainConfig, world_size: int):
 
         model = apply_lora(model, config.lora.peft_fields())
     from ..plan import build_plan
+    from ..towers import freeze
 
+    freeze(model, config.freeze)  # a word or pattern naming nothing: one line, before launch
     try:
         build_plan(model, config.fsdp.plan)
     except PlanError as err:

@@ -43,8 +43,15 @@ def strategy_of(config: TrainConfig) -> FSDPStrategy:
     the engines it builds) plus the train section's batch sizes, seed, clipping and accumulation policy."""
     train = config.train
     return FSDPStrategy(seed=train.seed, max_norm=train.max_norm, micro_train_batch_size=train.micro_batch_size,
-                        train_batch_size=train.global_batch_size, config=config.fsdp,
+                        train_batch_size=train.global_batch_size, config=engine_settings(config),
                         accumulation_policy=train.accumulation_policy)
+
+
+def engine_settings(config: TrainConfig):
+    """`config.fsdp` with the run's freeze (`TrainConfig.freeze`)."""
+    from dataclasses import replace
+
+    return replace(config.fsdp, freeze=config.freeze)
 
 
 def build_strategy(config: TrainConfig) -> FSDPStrategy:

@@ -1,0 +1,224 @@
+"""Tiny vision-language models of every image-text-to-text type transformers has, and inputs for them.
+
+A type's tiny config is made generically from its default one (`shrink`: sizes, layers, image size,
+vocabulary shrunk; dropout off), never from a per-family table. Image inputs are found the same way:
+the model's own `get_image_features` signature says which layout it takes (Qwen's flattened patches
+and grid, an image list per row, a plain batch of images), each candidate is tried on the tiny model,
+and the number of rows its features give is the number of image tokens a row must hold.
+"""
+
+from __future__ import annotations
+
+import inspect
+import zlib
+
+import torch
+import transformers
+from torch import nn
+
+VOCAB = 256  # room for the image / video / boundary tokens some configs place above 150
+LAYERS = 2
+IMAGE = 32
+LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers", "encoder_layers",
+              "num_decoder_layers", "depth", "vision_layers", "num_vision_layers")
+SIZES = (
+    (32, ("hidden_size", "n_embd", "d_model", "embed_dim", "hidden_dim", "dim", "vision_hidden_size",
+          "text_hidden_size", "projector_hidden_size", "moe_intermediate_size", "shared_expert_intermediate_size",
+          "out_hidden_size", "output_dim", "projection_dim", "mm_hidden_size")),
+    (64, ("intermediate_size", "ffn_dim", "d_ff", "max_position_embeddings", "n_positions")),
+    (LAYERS, LAYER_KEYS),
+    (4, ("num_attention_heads", "n_head", "num_heads", "n_heads", "num_experts", "num_local_experts",
+         "n_routed_experts")),
+    (2, ("num_key_value_heads", "num_experts_per_tok", "num_kv_heads")),
+    (8, ("head_dim", "kv_channels", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "patch_size")),
+    (16, ("q_lora_rank", "kv_lora_rank")),
+    (IMAGE, ("image_size",)),
+    ((IMAGE // 8) ** 2, ("mm_tokens_per_image", "num_image_tokens", "image_seq_length")),  # one per patch
+)
+SIZE = {key: value for value, keys in SIZES for key in keys}
+IMAGE_TOKEN_KEYS = ("image_token_id", "image_token_index", "image_token")
+
+
+def vlm_types() -> dict[str, str]:
+    """Every image-text-to-text type transformers maps, and its class name."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    return dict(sorted(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.items()))
+
+
+def shrink(defaults: dict, layers: int | None = None) -> dict:
+    """Overrides that make a config (as a dict) tiny, sub-configs included; no randomness in training."""
+    out = {}
+    layers = layers or next((defaults[k] for k in LAYER_KEYS if type(defaults.get(k)) is int), None)
+    for key, value in defaults.items():
+        if isinstance(value, dict) and (key.endswith("config") or key.endswith("_cfg")):
+            out[key] = shrink(value)
+        elif key in SIZE and (value is None or (type(value) is int and value > SIZE[key])):
+            out[key] = SIZE[key]
+        elif key in SIZE and isinstance(value, (list, tuple)) and value and all(type(v) is int for v in value):
+            out[key] = [min(v, SIZE[key]) for v in value]
+        elif "vocab" in key and type(value) is int and value > VOCAB:
+            out[key] = VOCAB
+        elif key.endswith("token_id") and type(value) is int and value >= VOCAB:
+            out[key] = VOCAB - 1 - (zlib.crc32(key.encode()) % 64)
+        elif key.endswith("token_index") and type(value) is int and value >= VOCAB:
+            out[key] = VOCAB - 1 - (zlib.crc32(key.encode()) % 64)
+        elif isinstance(value, float) and any(w in key for w in ("drop", "jitter", "noise")):
+            out[key] = 0.0
+        elif isinstance(value, list) and layers and len(value) == layers > LAYERS:
+            out[key] = value[:LAYERS]
+    if "use_cache" in defaults:
+        out["use_cache"] = False
+    return out
+
+
+def tiny_vlm_config(model_type: str):
+    """The type's default config made tiny; distinct image / video token ids inside the vocabulary."""
+    config_cls = transformers.CONFIG_MAPPING[model_type]
+    defaults = config_cls().to_dict()
+    config = config_cls(**shrink(defaults))
+    for sub in [config, *(getattr(config, k) for k in getattr(config, "sub_configs", {}) if getattr(config, k, None))]:
+        fit_mrope(sub)
+    ids = [getattr(config, k) for k in IMAGE_TOKEN_KEYS if type(getattr(config, k, None)) is int]
+    if ids and ids[0] >= VOCAB:
+        raise ValueError(f"image token {ids[0]} outside the shrunk vocabulary")
+    return config
+
+
+def fit_mrope(config) -> None:
+    """Multimodal rope sections (t, h, w) that split the shrunk head's rotary pairs, for a config that
+    takes them (its class exempts `mrope_section` from rope validation)."""
+    if "mrope_section" not in getattr(type(config), "ignore_keys_at_rope_validation", ()):
+        return
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    pairs = int(head_dim * rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0) or 1.0)) // 2
+    rope["mrope_section"] = [pairs - 2 * (pairs // 4), pairs // 4, pairs // 4]
+    config.rope_parameters = rope
+
+
+def model_class(model_type: str) -> type[nn.Module]:
+    return getattr(transformers, vlm_types()[model_type])
+
+
+def image_token_id(config) -> int:
+    for key in IMAGE_TOKEN_KEYS:
+        value = getattr(config, key, None)
+        if type(value) is int:
+            return value
+    raise ValueError(f"{type(config).__name__} names no image token")
+
+
+def vision_config(config):
+    for key in ("vision_config", "vision_tower_config", "visual_config", "vit_config"):
+        if getattr(config, key, None) is not None:
+            return getattr(config, key)
+    return config
+
+
+def _first(config, keys, default):
+    for key in keys:
+        value = getattr(config, key, None)
+        if value is not None:
+            return value[0] if isinstance(value, (list, tuple)) else value
+    return default
+
+
+def candidate_image_inputs(model: nn.Module, images: int, generator: torch.Generator) -> list[dict]:
+    """The image layouts `get_image_features` may take, for `images` random images, most likely first."""
+    vision = vision_config(model.config)
+    params = set(inspect.signature(model.get_image_features).parameters)
+    channels = _first(vision, ("num_channels", "in_channels", "in_chans"), 3)
+    size = _first(vision, ("image_size",), IMAGE)
+    patch = _first(vision, ("patch_size",), 8)
+    dtype = next(model.parameters()).dtype
+    out = []
+    if "image_grid_thw" in params:
+        merge = _first(vision, ("spatial_merge_size",), 2)
+        temporal = _first(vision, ("temporal_patch_size",), 1)
+        side = 2 * merge
+        grid = torch.tensor([[1, side, side]] * images)
+        pixels = torch.randn(images * side * side, channels * temporal * patch * patch, generator=generator)
+        out.append({"pixel_values": pixels.to(dtype), "image_grid_thw": grid})
+    pixels = torch.randn(images, channels, size, size, generator=generator).to(dtype)
+    extras = {}
+    if "image_sizes" in params:
+        extras["image_sizes"] = torch.tensor([[size, size]] * images)
+    out.append({"pixel_values": pixels, **extras})
+    masks = {k: torch.ones(images, size, size, dtype=torch.bool) for k in ("pixel_mask",) if k in params}
+    out.append({"pixel_values": pixels, **extras, **masks})
+    mask5 = {k: torch.ones(images, 1, size, size, dtype=torch.bool) for k in ("pixel_attention_mask",) if k in params}
+    out.append({"pixel_values": pixels.unsqueeze(1), **extras, **mask5})
+    return out
+
+
+def feature_rows(features) -> int:
+    """Rows of image embeddings the model scatters into image tokens (pooler_output, cat over images)."""
+    pooled = getattr(features, "pooler_output", None)
+    pooled = features if pooled is None else pooled
+    if isinstance(pooled, (list, tuple)):
+        return sum(feature_rows(p) for p in pooled)
+    return pooled.reshape(-1, pooled.shape[-1]).shape[0]
+
+
+def find_image_inputs(model: nn.Module, images: int = 1, seed: int = 0) -> tuple[dict, int]:
+    """A valid image input for `model` (`images` images) and how many image tokens it fills."""
+    errors = []
+    for inputs in candidate_image_inputs(model, images, torch.Generator().manual_seed(seed)):
+        try:
+            with torch.no_grad():
+                features = model.get_image_features(**inputs, return_dict=True)
+            return inputs, feature_rows(features)
+        except Exception as error:  # noqa: BLE001 - the next layout is tried, all reasons reported
+            errors.append(f"{type(error).__name__}: {str(error).splitlines()[0][:100] if str(error) else ''}")
+    raise ValueError("no image layout fits: " + " | ".join(errors))
+
+
+def build_vlm(model_type: str, seed: int = 0, config=None) -> nn.Module:
+    torch.manual_seed(seed)
+    model = model_class(model_type)._from_config(config or tiny_vlm_config(model_type), dtype=torch.float32)
+    return model.train()
+
+
+class VLMInputs:
+    """Rows for one tiny model: text-only rows and rows holding one image, as a model's processor
+    would give them (image tokens where the features go, labels on the text only)."""
+
+    def __init__(self, model: nn.Module, seq_len: int = 24):
+        self.image_inputs, self.tokens = find_image_inputs(model)
+        self.image_id = image_token_id(model.config)
+        self.seq_len = max(seq_len, self.tokens + 8)
+        special = {v for k, v in model.config.to_dict().items() if k.endswith(("token_id", "token_index"))
+                   and type(v) is int}
+        text_vocab = getattr(getattr(model.config, "text_config", model.config), "vocab_size", VOCAB)
+        self.text_ids = torch.tensor([t for t in range(3, min(VOCAB, text_vocab)) if t not in special][:100])
+        self.mm_token_type = "mm_token_type_ids" in inspect.signature(model.forward).parameters
+
+    def batch(self, with_image: list[bool], rows: range | None = None, seed: int = 1) -> dict[str, torch.Tensor]:
+        """Rows `rows` (default: all) of the batch with one row per flag; a row with an image holds
+        its tokens after two text tokens, and row r's image is the same whichever rows are taken."""
+        rows = range(len(with_image)) if rows is None else rows
+        generator = torch.Generator().manual_seed(seed)
+        picks = torch.randint(0, len(self.text_ids), (len(with_image), self.seq_len), generator=generator)
+        input_ids = self.text_ids[picks][rows.start:rows.stop]
+        labels = input_ids.clone()
+        image_rows = [r for r in rows if with_image[r]]
+        for r in image_rows:
+            input_ids[r - rows.start, 2:2 + self.tokens] = self.image_id
+            labels[r - rows.start, 2:2 + self.tokens] = -100
+        batch = {"input_ids": input_ids, "labels": labels}
+        if self.mm_token_type:
+            batch["mm_token_type_ids"] = (input_ids == self.image_id).long()
+        if image_rows:
+            batch.update(self.images(image_rows))
+        return batch
+
+    def images(self, rows: list[int]) -> dict[str, torch.Tensor]:
+        """One image per row in `rows`, in the layout found: the found image shifted by 0.1 x row."""
+        out = {}
+        for key, value in self.image_inputs.items():
+            if key == "pixel_values":
+                out[key] = torch.cat([value + 0.1 * r for r in rows])
+            else:
+                out[key] = torch.cat([value] * len(rows))
+        return out

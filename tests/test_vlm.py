@@ -1,0 +1,372 @@
+"""Vision-language models: every image-text-to-text type transformers can build tiny, sharded and
+trained exactly like one process, through steps where one rank, or every rank, has no image.
+
+The sweep builds each type from a tiny config made generically from its default one
+(`fullshard.testing.vlm_zoo`); a type is left out only when that tiny model cannot take an image and
+a text-only row in one process (encoder-decoder, BLIP-2-style, an image layout no generic rule finds,
+a config transformers itself cannot build); the left-out types are printed with their reasons and
+counted.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from fullshard.testing import run_distributed
+from fullshard.testing.vlm_parity import vlm_against_reference, vlm_problems
+from fullshard.testing.vlm_zoo import VLMInputs, build_vlm, tiny_vlm_config, vlm_types
+
+MIN_TESTED = 30
+MAX_PARAMS = 3_000_000
+
+
+def sweep_entry(model_type: str) -> str | None:
+    """None when a tiny model of this type takes an image row and a text-only row in one process, else why not."""
+    try:
+        config = tiny_vlm_config(model_type)
+        if getattr(config, "is_encoder_decoder", False) or getattr(getattr(config, "text_config", None),
+                                                                   "is_encoder_decoder", False):
+            return "encoder-decoder"
+        model = build_vlm(model_type, config=config)
+        size = sum(p.numel() for p in model.parameters())
+        if size > MAX_PARAMS:
+            return f"{size:,} parameters after shrinking"
+        inputs = VLMInputs(model)
+        model(**inputs.batch([True, False])).loss.backward()
+        model(**inputs.batch([False, False])).loss.backward()
+        return batch_coupled(model_type)
+    except Exception as error:  # noqa: BLE001 - the reason is reported
+        line = next((ln.strip() for ln in str(error).splitlines() if ln.strip()), "")
+        return f"{type(error).__name__}: {line[:120]}"
+
+
+def batch_coupled(model_type: str, tol: float = 1e-5) -> str | None:
+    """Why one process on two halves of a batch with two images trains differently from one process
+    on the whole batch (its images interact, e.g. vision attention across images), else None: no
+    sharding can then match the whole batch."""
+    from fullshard.testing.vlm_parity import token_loss_sum
+
+    flags, norms = [True, False, False, True], []
+    for parts in ([range(0, 4)], [range(0, 2), range(2, 4)]):
+        model = build_vlm(model_type)
+        inputs = VLMInputs(model)
+        tokens = int((inputs.batch(flags)["labels"][:, 1:] != -100).sum())
+        for rows in parts:
+            (token_loss_sum(model, inputs.batch(flags, rows=rows))[0] / tokens).backward()
+        norms.append(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters() if p.grad is not None)))
+    gap = float(abs(norms[0] - norms[1]) / norms[0])
+    return f"its images interact within a batch: one process on halves vs whole, grad norms {gap:.1e} apart" \
+        if gap > tol else None
+
+
+def _vision_units(model, engine) -> list[str]:
+    """Problems of the plan: a vision block not its own unit, a vision parameter left in the root."""
+    from fullshard.plan import find_blocks
+    from fullshard.towers import find_towers
+
+    towers, plan = find_towers(model), engine.plan
+    blocks = [b for b in find_blocks(model) if any(b.startswith(t + ".") for t in towers.vision)]
+    problems = [f"vision block {b} is not a unit" for b in blocks if (b,) not in {u.modules for u in plan.units}]
+    if not blocks:
+        problems.append("no vision blocks found")
+    rooted = [n for n, _ in model.named_parameters() if plan.unit_index_of_parameter(n) is None
+              and any(n.startswith(t + ".") for t in towers.vision)]
+    return problems + [f"vision parameters in the root unit: {rooted[:3]}"] * bool(rooted)
+
+
+def _sweep(model_types: list[str]) -> dict:
+    from fullshard import FSDP2Engine
+    from fullshard.towers import freeze
+
+    torch.set_num_threads(1)
+    skipped = {t: reason for t in model_types if (reason := sweep_entry(t)) is not None}
+    results = {}
+    for model_type in [t for t in model_types if t not in skipped]:
+        for spec in ("auto", []):  # the default (vision tower frozen), then everything trained
+            name = f"{model_type} ({'vision frozen' if spec == 'auto' else 'all trained'})"
+            try:
+                engine = FSDP2Engine({"mixed_precision": "fp32", "freeze": spec})
+                plan_problems = []
+
+                def shard(model, engine=engine, plan_problems=plan_problems):
+                    model = engine.prepare_model(model)
+                    plan_problems += _vision_units(model, engine)
+                    return model
+
+                r = vlm_against_reference(model_type, shard, freeze=functools.partial(freeze, spec=spec))
+                r["plan"] = plan_problems
+                results[name] = r
+            except Exception as error:  # noqa: BLE001 - every failure is reported at the end
+                results[name] = {"error": f"{type(error).__name__}: {error}"[:300]}
+    return {"skipped": skipped, "results": results}
+
+
+def test_every_vlm_type_trains_sharded_like_one_process():
+    """World 2, fp32, 3 AdamW steps with clipping against one process on the whole batch: step 0 one
+    rank has an image and the other none, step 1 no rank has one (the vision tower gets no gradient,
+    as in one process), step 2 accumulates a micro-batch with images and a text-only one. Each type
+    with its vision tower frozen (the default; frozen parameters bit-identical after) and trained."""
+    model_types = list(vlm_types())
+    outcome = run_distributed(_sweep, 2, model_types, timeout=1500)
+    skipped = outcome[0]["skipped"]
+    tested = sorted({name.split(" (")[0] for name in outcome[0]["results"]})
+    summary = "\n".join([f"{len(tested)} of {len(model_types)} image-text-to-text types tested; {len(skipped)} left out:",
+                         *(f"  {name}: {reason}" for name, reason in sorted(skipped.items()))])
+    warnings.warn(summary, stacklevel=1)
+    print(summary)
+    problems = []
+    for rank, per_rank in enumerate(outcome):
+        for name, r in per_rank["results"].items():
+            problems += [f"rank {rank} {p}" for p in vlm_problems(name, r)]
+            problems += [f"rank {rank} {name}: {p}" for p in r.get("plan", [])]
+            if "error" not in r and "frozen" in name and not r["frozen"]:
+                problems.append(f"{name}: nothing frozen by default")
+            if "error" not in r and r["vision"] and not any(set(r["vision"]) & set(g) for g in r["ref_grads"]) \
+                    and "trained" in name:
+                problems.append(f"{name}: the vision tower never got a gradient")
+            if "error" not in r and set(r["vision"]) & set(r["ref_grads"][1]):
+                problems.append(f"{name}: the vision tower got a gradient in the step without images")
+    assert not problems, "\n".join(problems)
+    assert len(tested) >= MIN_TESTED, f"only {len(tested)} types could be built offline"
+    assert len(tested) + len(skipped) == len(model_types)
+    for required in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gemma3", "llava", "idefics3",
+                     "smolvlm", "mistral3", "internvl"):
+        assert required in tested, f"{required} left out: {skipped.get(required)}"
+
+
+# --------------------------------------------------------------------------- plan and freezing
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_vl", "llava", "idefics3", "ovis2", "qwen3_vl"])
+def test_towers_blocks_and_freezing_come_from_the_structure(model_type):
+    from fullshard.errors import ConfigError
+    from fullshard.plan import auto_plan, find_blocks
+    from fullshard.towers import find_towers, freeze, freeze_targets
+
+    model = build_vlm(model_type)
+    towers = find_towers(model)
+    assert towers.vision and towers.projector and towers.language, towers
+    blocks = find_blocks(model)
+    vision_blocks = [b for b in blocks if any(b.startswith(t + ".") for t in towers.vision)]
+    assert len(vision_blocks) == 2, blocks  # the tiny configs have two vision layers
+    plan = auto_plan(model)
+    units = {u.modules for u in plan.units}
+    assert all((b,) in units for b in vision_blocks)
+    assert all(plan.unit_index_of(p) is not None for p in towers.projector)
+    assert "vision: " in plan.describe(model) and "projector: " in plan.describe(model)
+
+    params = dict(model.named_parameters())
+    in_vision = {n for n in params if any(n.startswith(t + ".") for t in towers.vision)}
+    in_projector = {n for n in params if any(n.startswith(t + ".") for t in towers.projector)}
+    assert set(freeze_targets(model, "auto")) == in_vision - in_projector
+    assert set(freeze_targets(model, ["projector"])) == in_projector
+    assert freeze_targets(model, []) == []
+    language = set(freeze_targets(model, ["language"]))
+    assert model.get_output_embeddings().weight is not None and language and not language & in_vision
+    pattern = f"{towers.vision[0]}.**"
+    assert set(freeze_targets(model, [pattern])) == in_vision
+    with pytest.raises(ConfigError, match="matches no module"):
+        freeze_targets(model, ["model.no_such_tower.*"])
+    with pytest.raises(ConfigError, match="words"):
+        freeze_targets(model, [3])
+    frozen = freeze(model, "auto")
+    assert all(not params[n].requires_grad for n in frozen) and all(params[n].requires_grad for n in params
+                                                                     if n not in frozen)
+
+
+def test_causal_lm_is_not_a_vlm():
+    from fullshard.errors import ConfigError
+    from fullshard.testing import build_model
+    from fullshard.towers import find_towers, freeze_targets
+
+    model = build_model("llama")
+    assert not find_towers(model)
+    assert freeze_targets(model, "auto") == []
+    with pytest.raises(ConfigError, match="'vision' names no part"):
+        freeze_targets(model, ["vision"])
+
+
+# --------------------------------------------------------------------------- loading and saving
+
+
+def _load_checks(directories: dict) -> dict:
+    """Each directory loaded with fullshard's from_pretrained (no model class named) against plain
+    transformers' from_pretrained: every tensor, and what each rank read."""
+    import transformers
+    from torch.distributed.tensor import DTensor
+
+    from fullshard import FSDP2Engine, from_pretrained
+    from fullshard.fsdp import model_class_name
+    from fullshard.testing.compare import full_state
+
+    out = {}
+    for label, (directory, budget) in directories.items():
+        engine = FSDP2Engine({"mixed_precision": "fp32", "freeze": []})
+        model = from_pretrained(directory, engine=engine)
+        reference = transformers.AutoModelForImageTextToText.from_pretrained(directory)
+        params, ref = full_state(model), dict(reference.named_parameters())
+        problems = [f"class {model_class_name(model)} vs {type(reference).__name__}"] \
+            * (model_class_name(model) != type(reference).__name__)
+        problems += [f"names differ: {sorted(set(params) ^ set(ref))[:4]}"] * (set(params) != set(ref))
+        problems += [f"{k} differs" for k in sorted(set(params) & set(ref)) if not torch.equal(params[k], ref[k].detach())]
+        buffers, ref_buffers = dict(model.named_buffers()), dict(reference.named_buffers())
+        problems += [f"buffer {k} differs" for k in ref_buffers if k in buffers and not torch.equal(buffers[k], ref_buffers[k])]
+        slack = 0
+        for t in {id(t): t for t in model.state_dict().values()}.values():
+            dims = [pl.dim for pl in t.placements if pl.is_shard()] if isinstance(t, DTensor) else []
+            slack += t.numel() // t.shape[dims[0]] * t.element_size() if dims else t.numel() * t.element_size()
+        read = model.fullshard_load_report.bytes_read
+        allowance = budget // torch.distributed.get_world_size() + slack
+        problems += [f"read {read} bytes, allowance {allowance}"] * (read > allowance)
+        out[label] = problems
+    return out
+
+
+def _write_model_layout(model, directory: Path) -> None:
+    """The model's own key names (transformers 5's module layout), not the Hub's."""
+    from safetensors.torch import save_file
+
+    model.save_pretrained(directory)
+    for f in directory.glob("*.safetensors"):
+        f.unlink()
+    (directory / "model.safetensors.index.json").unlink(missing_ok=True)
+    state, seen = {}, set()
+    for key, value in model.state_dict().items():  # a tied head is stored once, under its first name
+        if value.data_ptr() not in seen:
+            seen.add(value.data_ptr())
+            state[key] = value.contiguous()
+    save_file(state, directory / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((directory / "config.json").read_text())
+    del config["architectures"]  # the class then comes from the config's type alone
+    (directory / "config.json").write_text(json.dumps(config))
+
+
+def test_vlm_checkpoints_load_into_shards_like_transformers(tmp_path):
+    """save_pretrained's directory (the Hub layout: transformers renames on load) and one in the
+    model's own layout load at world 2, each rank reading its slices, equal to plain transformers."""
+    directories = {}
+    for model_type in ("qwen2_vl", "llava", "gemma3", "idefics3", "qwen3_vl_moe"):
+        model = build_vlm(model_type)
+        hub = tmp_path / model_type
+        model.save_pretrained(hub)
+        size = (hub / "model.safetensors").stat().st_size
+        directories[f"{model_type} (Hub layout)"] = (str(hub), size)
+        own = tmp_path / f"{model_type}-own"
+        _write_model_layout(model, own)
+        directories[f"{model_type} (model layout)"] = (str(own), (own / "model.safetensors").stat().st_size)
+    with open(tmp_path / "qwen2_vl" / "config.json") as f:
+        assert json.load(f)["architectures"] == ["Qwen2VLForConditionalGeneration"]
+    results = run_distributed(_load_checks, 2, directories, timeout=600)
+    problems = [f"rank {rank} {label}: {p}" for rank, r in enumerate(results) for label, ps in r.items() for p in ps]
+    assert not problems, "\n".join(problems)
+
+
+EXPORTED = ("qwen2_vl", "llava", "gemma3", "qwen3_vl_moe")
+
+
+def _train_and_save(directories: dict, checkpoint_root: str) -> dict:
+    """Per model: load save_pretrained's directory sharded, train two steps (one rank with an image,
+    then none), save a DCP checkpoint, train a third step; export; logits of the sharded model on
+    image + text rows."""
+    from fullshard import FSDP2Engine, from_pretrained
+    from fullshard.checkpoint import CheckpointManager, export_hf
+    from fullshard.testing.vlm_parity import SCHEDULE
+
+    out = {}
+    for model_type, directory in directories.items():
+        model = from_pretrained(directory, engine=FSDP2Engine({"mixed_precision": "fp32"})).train()
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, eps=1e-6)
+        manager = CheckpointManager(Path(checkpoint_root) / model_type)
+        out[model_type] = {"loss": _steps(model, optimizer, model_type, range(3), manager)}
+        export_hf(model, Path(directory + "-export"))
+        model.eval()
+        with torch.no_grad():
+            batch = _inputs(model_type).batch([True, False], seed=7)
+            batch.pop("labels")
+            out[model_type]["logits"] = model(**batch, use_cache=False).logits
+    return out
+
+
+def _inputs(model_type: str) -> VLMInputs:
+    return VLMInputs(build_vlm(model_type))
+
+
+def _steps(model, optimizer, model_type: str, steps, manager=None, save_after: int = 1) -> list[float]:
+    """SCHEDULE's first micro-batch of each step, this rank's rows; the loss summed over ranks."""
+    from fullshard.testing.vlm_parity import SCHEDULE, token_loss_sum
+
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    inputs, losses = _inputs(model_type), []
+    for step in steps:
+        flags = SCHEDULE[step % len(SCHEDULE)][0]
+        tokens = int((inputs.batch(flags, seed=step)["labels"][:, 1:] != -100).sum())
+        per_rank = len(flags) // world
+        loss, _ = token_loss_sum(model, inputs.batch(flags, rows=range(rank * per_rank, (rank + 1) * per_rank), seed=step))
+        (loss * world / tokens).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        total = loss.detach() / tokens
+        torch.distributed.all_reduce(total)
+        losses.append(float(total))
+        if manager is not None and step == save_after:
+            manager.save(step, model, optimizer)
+    return losses
+
+
+def _resume(directories: dict, checkpoint_root: str) -> dict:
+    from fullshard import FSDP2Engine, from_pretrained
+    from fullshard.checkpoint import CheckpointManager
+
+    out = {}
+    for model_type, directory in directories.items():
+        model = from_pretrained(directory, engine=FSDP2Engine({"mixed_precision": "fp32"})).train()
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, eps=1e-6)
+        state = CheckpointManager(Path(checkpoint_root) / model_type).load(model, optimizer)
+        out[model_type] = {"step": state["step"], "loss": _steps(model, optimizer, model_type, range(state["step"] + 1, 3))}
+    return out
+
+
+def test_vlm_export_and_checkpoints(tmp_path):
+    """Sharded at world 2: the export has save_pretrained's keys and, loaded by plain transformers,
+    the sharded model's logits on image + text rows; a DCP checkpoint saved at world 2 (vision tower
+    frozen) resumes at world 1 and trains what the uninterrupted run trained."""
+    import transformers
+    from safetensors import safe_open
+
+    directories = {}
+    for model_type in EXPORTED:
+        directory = tmp_path / model_type
+        build_vlm(model_type).save_pretrained(directory)
+        directories[model_type] = str(directory)
+    trained = run_distributed(_train_and_save, 2, directories, str(tmp_path / "ckpt"), timeout=900)[0]
+    resumed = run_distributed(_resume, 1, directories, str(tmp_path / "ckpt"), timeout=900)[0]
+    problems = []
+    for model_type, directory in directories.items():
+        keys = {}
+        for label, d in (("save_pretrained", Path(directory)), ("export", Path(directory + "-export"))):
+            keys[label] = set()
+            for f in d.glob("*.safetensors"):
+                with safe_open(f, "pt") as handle:
+                    keys[label] |= set(handle.keys())
+        if keys["save_pretrained"] != keys["export"]:
+            problems.append(f"{model_type}: export keys differ from save_pretrained's: "
+                            f"{sorted(keys['save_pretrained'] ^ keys['export'])[:4]}")
+        exported = transformers.AutoModelForImageTextToText.from_pretrained(directory + "-export").eval()
+        batch = _inputs(model_type).batch([True, False], seed=7)
+        batch.pop("labels")
+        with torch.no_grad():
+            logits = exported(**batch, use_cache=False).logits
+        gap = (logits - trained[model_type]["logits"]).abs().max().item()
+        if not gap <= 1e-5:
+            problems.append(f"{model_type}: exported logits differ by {gap:.2e}")
+        after = resumed[model_type]
+        if after["step"] != 1 or max(abs(a - b) for a, b in zip(after["loss"], trained[model_type]["loss"][2:])) > 1e-5:
+            problems.append(f"{model_type}: resumed at world 1 from step {after['step']}: {after['loss']} "
+                            f"vs uninterrupted {trained[model_type]['loss'][2:]}")
+    assert not problems, "\n".join(problems)
