@@ -157,7 +157,6 @@ def run_as_rank(config, args: TrainArgs) -> int:
 
 
 def cmd_plan(argv: list[str]) -> int:
-    from .dtypes import DTYPES
     from .parallel.ep import describe_expert_parallel
     from .plan import build_plan
     from .strategy import batch_arithmetic, describe_mesh
