@@ -23,12 +23,21 @@ from .fsdp import reshard_all
 from .tensors import holds_part
 
 
+def _param_groups(state) -> list:
+    """A unit's parameter groups: a list since torch 2.12, one group (or None) before."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [] if group is None else [group]
+    return list(groups)
+
+
 @contextlib.contextmanager
 def gathered(model: nn.Module):
     """Every FSDP unit of `model` unsharded for the block (one all-gather each, a collective), and
     kept unsharded across forwards; resharded, with its own reshard setting back, after."""
     groups = [group for module in model.modules() if isinstance(module, FSDPModule)
-              for group in module._get_fsdp_state()._fsdp_param_groups]
+              for group in _param_groups(module._get_fsdp_state())]
     settings = [group.post_forward_mesh_info for group in groups]
     try:
         for group in groups:
