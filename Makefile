@@ -29,4 +29,5 @@ clean:
 bench-gpu:
 	python3 -m pip install -q --no-deps --no-build-isolation -e .
 	python3 bench/gpu.py --json bench-gpu.json
+	python3 bench/gpu_checks.py
 	python3 -m pytest -q -rs tests/test_strategy.py -k gpu

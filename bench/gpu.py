@@ -14,7 +14,7 @@ Peers, each on the same model size, sequence length, batch and optimizer (AdamW,
 
 MFU is tokens/s x (6N + 12 L H S) / peak bf16 FLOP/s (`fullshard.train.metrics`). Each peer runs in
 the same process one after another, with the allocator's peak reset between them. For fullshard's rows
-the memory plan's per-rank estimate (`fullshard.train.memory.estimate_memory`, what `fullshard plan`
+the memory plan's per-rank estimate (`fullshard.train.memory.estimate_rank_bytes`, what `fullshard plan`
 prints) stands beside `torch.cuda.max_memory_allocated` over the timed steps.
 """
 
@@ -65,12 +65,10 @@ def _fullshard(shape: dict, device: torch.device, compile: bool):
 
 def _memory_estimate(model, engine, shape: dict, device: torch.device) -> int:
     """The plan's per-rank bytes for this loop: one micro-batch per step, the model's own (unchunked) loss."""
-    from fullshard.plan import build_plan
-    from fullshard.train.memory import estimate_memory
+    from fullshard.train.memory import estimate_rank_bytes
 
-    estimate = estimate_memory(model, build_plan(model, engine.config.plan), 1, shape["micro"], shape["seq"],
-                               torch.bfloat16, accumulation_steps=1, device_type=device.type, loss_chunk_tokens=0)
-    return estimate.total
+    return estimate_rank_bytes(model, engine.config, 1, shape["micro"], shape["seq"], accumulation_steps=1,
+                               device_type=device.type, loss_chunk_tokens=0)
 
 
 def _plain_fully_shard(shape: dict, device: torch.device, compile: bool):

@@ -5,6 +5,7 @@ step, on bench_moe.py's Qwen3-MoE at world 4. Prints rank 0's peak and, per expe
 snapshots before / after each forward and backward hook. A diagnosis tool: writes nothing.
 
     .venv/bin/python bench/moe_memory.py 4      # the ep size (1, 2 or 4)
+    .venv/bin/python bench/moe_memory.py 1 transformers   # transformers' own FSDP2 (DistributedConfig)
 """
 
 from __future__ import annotations
@@ -21,13 +22,13 @@ from bench.bench_moe import _model_dir, train_step  # noqa: E402
 from fullshard.testing import run_distributed  # noqa: E402
 
 
-def _track(path: str, ep: int) -> None:
+def _track(path: str, ep: int, kind: str = "fullshard") -> None:
     import torch.distributed as dist
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
-    from fullshard import FSDP2Engine, from_pretrained
+    from bench.bench_moe import load_model
 
-    model = from_pretrained(path, engine=FSDP2Engine({"mixed_precision": "fp32", "ep_size": ep}))
+    model = load_model(kind, ep, path)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     generator = torch.Generator().manual_seed(dist.get_rank())
@@ -43,4 +44,5 @@ def _track(path: str, ep: int) -> None:
 
 if __name__ == "__main__":
     with tempfile.TemporaryDirectory() as root:
-        run_distributed(_track, 4, _model_dir(root), int(sys.argv[1]) if len(sys.argv) > 1 else 4, timeout=1200)
+        run_distributed(_track, 4, _model_dir(root), int(sys.argv[1]) if len(sys.argv) > 1 else 4,
+                        sys.argv[2] if len(sys.argv) > 2 else "fullshard", timeout=1200)

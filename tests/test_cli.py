@@ -151,6 +151,95 @@ def test_config_errors_name_the_key(args, message, capsys):
     assert err.startswith("fullshard: error: ") and message in err and err.count("\n") == 1, err
 
 
+REFUSED = {
+    "batch arithmetic": ["--train.global_batch_size=6", "--train.micro_batch_size=2", "--nproc=2"],
+    "data path": ["--data.path=/no/such/data.jsonl"],
+    "model path": ["--model.name_or_path=/no/such/model"],
+    "mesh": ["--fsdp.dp_replicate=3", "--nproc=2"],
+    "plan entry": ["--fsdp.plan={mode: manual, modules: {'model.blocks.*': [free_full_weight]}}"],
+    "resume checkpoint": ["--checkpoint.resume=/no/such/ckpt"],
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_a_refused_run_leaves_nothing_behind(case, tmp_path, monkeypatch, capsys):
+    # before: the lock made train.output_dir first, and a refusal left it there, empty
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--model.name_or_path=micro-llama", "--train.output_dir=runs/new", *REFUSED[case]]) == 2
+    assert capsys.readouterr().err.startswith("fullshard: error: ")
+    assert list(tmp_path.iterdir()) == []
+
+
+def make_model_dir(directory, name: str):
+    """A zoo model (random weights) with the byte tokenizer, as a local HF directory."""
+    from fullshard.testing import build_model
+
+    tokenizer = byte_tokenizer()
+    build_model(name, vocab_size=len(tokenizer)).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def test_a_resume_that_cannot_work_is_refused_before_launch(tmp_path):
+    """A checkpoint that does not fit the model, or past train.steps, is one short line before torchrun starts."""
+    (tmp_path / "tiny.yaml").write_text(CONFIG)
+    make_model_dir(tmp_path / "qwen3", "qwen3")  # micro-llama's shapes, plus q_norm / k_norm in every layer
+    quick = ["--train.steps=2", "--checkpoint.export=false", "--train.plot=false", "--nproc=2"]
+    done = run_cli("train", "tiny.yaml", "--train.output_dir=out", *quick, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    logs = sorted((tmp_path / "out" / "logs").iterdir())
+    written = {path: path.stat().st_mtime_ns for path in logs}
+    new_run = "start a new run: another train.output_dir, or checkpoint.resume=none with checkpoint.overwrite=true"
+    for args, message in (
+            (["--train.output_dir=out", "--train.steps=1"],
+             f"fullshard: error: checkpoint.resume=auto: checkpoint out/checkpoints/step_2 is at step 2, past "
+             f"train.steps=1: raise train.steps to at least 2 to continue it, or {new_run}"),
+            (["--train.output_dir=out", "--model.name_or_path=qwen3"],
+             "fullshard: error: checkpoint.resume=auto: checkpoint out/checkpoints/step_2 does not fit this model (4 "
+             "missing from it: model.layers.0.self_attn.k_norm.weight, model.layers.0.self_attn.q_norm.weight, "
+             f"model.layers.1.self_attn.k_norm.weight, ...): use the model it was trained from, or {new_run}"),
+            (["--train.output_dir=elsewhere/new", "--model.name_or_path=qwen3", "--checkpoint.resume=out/checkpoints"],
+             "fullshard: error: checkpoint.resume=out/checkpoints: checkpoint out/checkpoints/step_2 does not fit this "
+             "model (4 missing from it: ")):
+        done = run_cli("train", "tiny.yaml", *quick, *args, cwd=tmp_path)
+        assert done.returncode == 2 and "launching" not in done.stdout, done.stdout + done.stderr
+        assert done.stderr.splitlines() == [done.stderr.strip()] and done.stderr.startswith(message), done.stderr
+        assert len(done.stderr) < 400
+    assert sorted((tmp_path / "out" / "logs").iterdir()) == logs and all(
+        path.stat().st_mtime_ns == mtime for path, mtime in written.items())  # no rank started
+    assert not (tmp_path / "elsewhere").exists()  # made for the refused run, removed with it
+    # the fitting model, with enough steps, resumes; rank 1, whose RNG file is gone, says it re-derives its
+    # RNG on the launcher's console (before: rank 0 alone spoke, and it had its file)
+    (tmp_path / "out" / "checkpoints" / "step_2" / "rng" / "rank_00001.pt").unlink()
+    done = run_cli("train", "tiny.yaml", "--train.output_dir=out", *quick, "--train.steps=3", cwd=tmp_path)
+    assert done.returncode == 0 and "(resumed from step 2)" in done.stderr, done.stdout + done.stderr
+    assert ("[fullshard] rank 1: out/checkpoints/step_2/rng/rank_00001.pt is missing, so this rank re-seeded "
+            "python/numpy/torch RNGs with derived_seed(") in done.stderr, done.stderr
+    assert done.stderr.count("re-seeded") == 1, done.stderr  # only by the rank that did
+
+
+def train_losses(directory) -> list[float]:
+    return [r["loss"] for r in read_metrics(directory / "metrics.jsonl") if r["kind"] == "train"]
+
+
+def test_activation_checkpointing_on_padded_rows_trains_as_without(tmp_path):
+    """One record per row (padded) through `fullshard train`: the same losses with and without activation
+    checkpointing, for the built-in Llama and a Qwen3 directory whose config says use_cache."""
+    (tmp_path / "tiny.yaml").write_text(CONFIG)
+    make_model_dir(tmp_path / "qwen3", "qwen3")
+    quick = ["--train.steps=2", "--checkpoint.export=false", "--train.plot=false", "--nproc=2", "--data.packing=false"]
+    for model in ("micro-llama", "qwen3"):
+        losses = []
+        for ac in ("false", "true"):
+            out = f"{model}-{ac}"
+            done = run_cli("train", "tiny.yaml", f"--model.name_or_path={model}", f"--train.output_dir={out}",
+                           f"--fsdp.activation_checkpointing={ac}", *quick, cwd=tmp_path)
+            assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+            assert "one record per row" in done.stdout + done.stderr
+            losses.append(train_losses(tmp_path / out))
+        assert len(losses[0]) == 2 and max(abs(a - b) for a, b in zip(*losses)) < 1e-6, (model, losses)
+
+
 def test_paths_checked_before_launch(tmp_path, capsys):
     (tmp_path / "file").write_text("x")
     (tmp_path / "ckpts" / "step_2").mkdir(parents=True)
@@ -246,6 +335,21 @@ def test_hub_id_resolved_from_the_cache_offline(tmp_path):
     assert "Traceback" not in done.stderr
 
 
+@pytest.mark.parametrize("hub", [{"HF_HUB_OFFLINE": "1"}, {"HF_ENDPOINT": "http://127.0.0.1:9"}],
+                         ids=["offline", "unreachable"])
+def test_a_mistyped_model_name_with_no_hub_is_one_line(hub, tmp_path):
+    # before: the Hub client's error ("LocalEntryNotFoundError: Got: ConnectError: [Errno 111] Connection refused ...")
+    done = subprocess.run([sys.executable, "-m", "fullshard.cli", "train", "--model.name_or_path=Llama-micro"],
+                          env={**{k: v for k, v in clean_env().items() if k != "HF_HUB_OFFLINE"},
+                               "HF_HUB_CACHE": str(tmp_path / "hub"), **hub}, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    offline = " (HF_HUB_OFFLINE is set)" if "HF_HUB_OFFLINE" in hub else ""
+    assert done.returncode == 2 and done.stderr.splitlines() == [
+        "fullshard: error: model.name_or_path='Llama-micro' is not a local directory, not a built-in name (did you "
+        f"mean 'micro-llama'?), and the Hub is unreachable{offline}"], done.stderr
+    assert list(tmp_path.iterdir()) == [] or [p.name for p in tmp_path.iterdir()] == ["hub"]
+
+
 # ---------------------------------------------------------------------------------------------- inside the ranks
 
 
@@ -308,6 +412,72 @@ def test_sigint_and_sigterm_stop_cleanly_and_the_same_command_resumes(tmp_path):
     assert again >= step + 2 and (tmp_path / "stopped" / "checkpoints" / f"step_{again}" / "COMPLETE").exists()
     records = read_metrics(tmp_path / "stopped" / "metrics.jsonl")
     assert [r["step"] for r in records if r["kind"] == "train"] == list(range(1, again + 1))
+
+
+# ---------------------------------------------------------------------------------------------- vision-language
+
+
+CAPTION = """
+import random, sys
+from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+from fullshard.data.builtin import draw_shape
+
+directory = sys.argv[1]
+model = AutoModelForImageTextToText.from_pretrained(directory).eval()
+tokenizer, images = AutoTokenizer.from_pretrained(directory), AutoImageProcessor.from_pretrained(directory)
+pixels = images(draw_shape("circle", "red", random.Random(1)), return_tensors="pt")
+# what Qwen2VLProcessor does (it needs torchvision for its video half): one <|image_pad|> per merged patch
+count = int(pixels["image_grid_thw"].prod()) // images.merge_size ** 2
+prompt = tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is in the image?"}]}],
+                                       tokenize=False, add_generation_prompt=True).replace("<|image_pad|>", "<|image_pad|>" * count)
+ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)
+types = (ids["input_ids"] == model.config.image_token_id).int()
+out = model.generate(**ids, **pixels, mm_token_type_ids=types, max_new_tokens=12, do_sample=False)
+print("CAPTION " + tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True))
+"""
+
+
+def test_builtin_vlm_trains_offline_exports_its_processor_and_captions(tmp_path):
+    """`fullshard train --model.name_or_path=tiny-qwen2-vl` on 2 processes: generated pictures, the loss
+    falls, the export carries processor, tokenizer and chat template and captions a picture in transformers."""
+    args = ("train", "--model.name_or_path=tiny-qwen2-vl", "--nproc", "2", "--train.output_dir=out",
+            "--train.steps=24", "--train.global_batch_size=8", "--train.micro_batch_size=2", "--train.log_every=1",
+            "--data.seq_len=256", "--data.cache_dir=cache", "--optim.lr=1e-2", "--optim.warmup_steps=2",
+            "--train.eval_batches=1")
+    done = run_cli(*args, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    losses = [r["loss"] for r in read_metrics(tmp_path / "out" / "metrics.jsonl") if r["kind"] == "train"]
+    assert len(losses) == 24 and sum(losses[-4:]) / 4 < 0.6 * sum(losses[:4]) / 4, losses
+    exported = tmp_path / "out" / "hf"
+    assert {"processor_config.json", "chat_template.jinja", "tokenizer.json", "model.safetensors"} <= {
+        p.name for p in exported.iterdir()}
+    (tmp_path / "caption.py").write_text(CAPTION)
+    captioned = subprocess.run([sys.executable, "caption.py", str(exported)], cwd=tmp_path, env=clean_env(),
+                               capture_output=True, text=True, timeout=300)
+    assert captioned.returncode == 0, captioned.stderr[-3000:]
+    caption = captioned.stdout.split("CAPTION ")[-1].strip()
+    assert caption.startswith("a "), caption  # the answers' form; 24 steps do not name shapes reliably yet
+
+    # a record naming a missing picture: one line naming the record and the file
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"messages": [
+        {"role": "user", "content": [{"type": "image", "image": "gone.png"}, {"type": "text", "text": "?"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "a shape"}]}]}) + "\n")
+    failed = run_cli(*args[:4], "--train.output_dir=bad", "--data.path=bad.jsonl", "--data.format=chat",
+                     "--data.cache_dir=cache", cwd=tmp_path)
+    assert failed.returncode == 1
+    lines = failed.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("fullshard: error: bad.jsonl:1 names image ") \
+        and "gone.png, which does not exist" in lines[0], failed.stderr
+
+    # the exported model without its processor: one line naming the directory
+    shutil.copytree(exported, tmp_path / "bare")
+    (tmp_path / "bare" / "processor_config.json").unlink()
+    failed = run_cli("train", "--model.name_or_path=bare", "--nproc", "2", "--train.output_dir=bare_run",
+                     "--data.cache_dir=cache", cwd=tmp_path)
+    lines = failed.stderr.strip().splitlines()
+    assert failed.returncode == 1 and len(lines) == 1, failed.stderr
+    assert lines[0].startswith("fullshard: error: model.name_or_path='bare' is a vision-language model without a "
+                               "processor"), lines[0]
 
 
 # ---------------------------------------------------------------------------------------------- export dtype

@@ -131,7 +131,9 @@ def test_help_lists_every_key_with_type_default_and_description():
     assert rows["--model.trust_remote_code"][:2] == ("bool", "false")
     assert rows["--optim.betas"][:2] == ("list[float in [0, 1)]", "[0.9, 0.95]")
     # keys of a section defined elsewhere get their line from that class's docstring
-    assert rows["--fsdp.mixed_precision"][2] == "compute dtype of the all-gathered weights (bf16 / fp16 / fp32)"
+    assert rows["--fsdp.mixed_precision"][2] == ("compute dtype of the all-gathered weights (bf16 / fp16 / fp32); the "
+                                                 "sharded master weights keep their own dtype and gradients are reduced "
+                                                 "in `reduce_dtype`")
 
 
 def test_stop_request_first_signal_asks_second_acts(tmp_path):
@@ -201,3 +203,22 @@ def test_tp_plan_and_cp_split_are_checked_before_launch():
     with pytest.raises(FullshardError, match="head"):
         check_before_launch(heads, 16)
     check_before_launch(load_config(None, base + ["--fsdp.tp_size=2"]), 4)  # the model's own plan fits
+
+
+def test_help_rows_never_cut_a_sentence():
+    """Every `fullshard train --help` row and section line is its whole description or that description's
+    first sentences (before: "(0: FSDP's default order", "before every rank", "(and, from a")."""
+    from fullshard.train.config import SECTIONS, _first_line, docstring_entries, key_rows
+
+    def whole_or_sentences(shown: str, whole: str) -> bool:
+        whole = " ".join(whole.split())
+        return bool(shown) and (shown == whole.rstrip(".") or whole.startswith(shown + ". "))
+
+    for name, cls in SECTIONS.items():
+        paragraph = cls.__doc__.strip().split("\n\n")[0]
+        assert whole_or_sentences(_first_line(cls.__doc__), paragraph), (name, _first_line(cls.__doc__))
+        entries = docstring_entries(cls)
+        for flag, _, _, about in key_rows(name):
+            key = flag.split(".", 1)[1]
+            assert whole_or_sentences(about, entries.get(key, about)), (flag, about, entries.get(key))
+            assert about.count("`") % 2 == 0, (flag, about)

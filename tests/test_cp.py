@@ -82,3 +82,22 @@ def test_cp_batch_splits_whole_sequence_targets():
     assert (parts[1]["labels"][:, -2:] == -100).all()
     assert all(float(p["num_items_in_batch"]) == 2 * (SEQ - 1) / 2 for p in parts)  # whole-sequence targets / cp
     assert torch.equal(parts[1]["position_ids"][0], torch.arange(8, 16))
+
+
+def _without_deprecated_collectives() -> dict:
+    """A cp run and an ep run (whose router loss gathers every rank's logits) with torch's deprecation
+    warnings of the functional collectives turned into errors."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*_functional_collectives", category=FutureWarning)
+        cp = _train_cp(FSDP2Engine({"mixed_precision": "fp32", "cp_size": 2}), "llama")
+        ep = train_against_reference("ep_mixtral", FSDP2Engine({"mixed_precision": "fp32", "ep_size": 2}).prepare_model,
+                                     steps=2)
+    return {"cp": max(reference_gaps(cp)), "ep": max(reference_gaps(ep))}
+
+
+def test_cp_and_ep_runs_use_no_deprecated_collective():
+    # before: "FutureWarning: `..._functional_collectives.all_gather_tensor_autograd` is deprecated", per rank
+    for gaps in run_distributed(_without_deprecated_collectives, 2):
+        assert gaps["cp"] < TOL and gaps["ep"] < 1e-4, gaps

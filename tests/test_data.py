@@ -419,3 +419,33 @@ def test_chat_on_two_ranks_equals_one_process_and_streaming_resumes_exactly(tmp_
     assert one["other_rest"]["start_step"] == 3
     assert max(abs(two[0]["same_rest"]["losses"][s] - two[0]["whole"]["losses"][s]) for s in (3, 4, 5)) < 1e-6
     assert [r["streamed"] for r in two] == [1, 0]  # the stream is read and tokenized on the node's first rank only
+
+
+def test_streaming_says_what_it_dropped_or_truncated_like_the_cached_path(tmp_path, caplog):
+    """A streamed pass over conversations, some longer than seq_len: the first one said when met, each
+    pass's counts at its end, the same counts the cached path says (before: nothing)."""
+    import logging
+
+    from fullshard.log import logger
+
+    tokenizer = chat_tokenizer()
+    records = conversations(60)
+    path = write_jsonl(tmp_path / "chat.jsonl", records)
+    overlong = sum(len(tokenizer.apply_chat_template(r["messages"], tokenize=False)) > 64 for r in records)
+    assert overlong
+    logger.addHandler(caplog.handler)
+    try:
+        for rule, said in (("drop", "dropped"), ("truncate", "truncated")):
+            caplog.clear()
+            with caplog.at_level(logging.WARNING, logger="fullshard"):
+                data = load_data(section(tmp_path, path=str(path), format="chat", seq_len=64, overlong=rule,
+                                         streaming=True), tokenizer)
+                batches = data.step_batches(4, 4, 0, 1)
+                step = 0
+                while "(pass 1)" not in caplog.text and step < 500:
+                    batches.micro_batches(step)
+                    step += 1
+            assert f"records longer than data.seq_len=64 are {said}" in caplog.text, caplog.text
+            assert f"(pass 1): {overlong} of {len(records)} conversations {said}" in caplog.text, caplog.text
+    finally:
+        logger.removeHandler(caplog.handler)

@@ -236,3 +236,52 @@ def test_commands_and_model_names_the_user_mistyped(tmp_path, capsys):
     assert "micro batch 1 x 32 tokens" in capsys.readouterr().out
     assert main(["plan", "micro-llama", "--fsdp.tp_sise=2"]) == 2
     assert "unknown key fsdp.tp_sise" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------- elastic restarts
+
+DIE_ONCE = """
+import os, sys
+from fullshard.checkpoint import CheckpointManager
+from fullshard.cli import main
+
+save = CheckpointManager.save
+
+
+def save_then_die_once(self, step, *args, **kwargs):
+    # the first life of rank 1 dies right after the step-1 checkpoint is complete
+    saved = save(self, step, *args, **kwargs)
+    if step == 1 and os.environ["RANK"] == "1" and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+        os._exit(17)
+    return saved
+
+
+CheckpointManager.save = save_then_die_once
+sys.exit(main())
+"""
+
+
+def test_workers_torchrun_restarts_resume_their_own_runs_checkpoints(tmp_path):
+    """`torchrun --max-restarts=1` with checkpoint.resume=none: rank 1 dies after the step-1 checkpoint;
+    the restarted workers continue from it (before: refused as another run's checkpoints)."""
+    (tmp_path / "tiny.yaml").write_text(CONFIG)
+    (tmp_path / "die_once.py").write_text(DIE_ONCE)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "--max-restarts=1", "--monitor-interval=0.1", "die_once.py", "train", "tiny.yaml",
+                           "--train.output_dir=elastic", "--checkpoint.resume=none", "--checkpoint.every=1",
+                           "--train.steps=3", "--checkpoint.export=false", "--train.plot=false"],
+                          cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=600)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-5000:]
+    assert "was saved by this run before torchrun restarted its workers: resuming it" in output, output[-5000:]
+    assert "(resumed from step 1)" in output, output[-5000:]
+    steps = [r["step"] for r in read_metrics(tmp_path / "elastic" / "metrics.jsonl") if r["kind"] == "train"]
+    assert steps == [1, 2, 3], steps
+    assert (tmp_path / "elastic" / "checkpoints" / "step_3" / "COMPLETE").exists()
+
+    # another torchrun job (another run id) into those checkpoints with resume=none is still refused
+    again = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                            "-m", "fullshard.cli", "train", "tiny.yaml", "--train.output_dir=elastic",
+                            "--checkpoint.resume=none", "--train.steps=3"],
+                           cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=600)
+    assert again.returncode != 0 and "holds the checkpoints of another run" in again.stderr, again.stderr[-3000:]

@@ -13,7 +13,8 @@ from fullshard import FSDPStrategy
 from fullshard.optim import (clip_grad_norm, global_grad_norm, offload_model, offload_optimizer, reload_model,
                              reload_optimizer)
 from fullshard.testing import build_model, make_batch, run_distributed
-from fullshard.testing.compare import data_slice, full_state, full_tensor
+from fullshard.testing.compare import (data_slice, full_state, full_tensor, largest_gap,
+                                      train_on_padded_batches)
 from fullshard.train.loss import IGNORE_INDEX
 from fullshard.train.step import train_step
 
@@ -187,6 +188,22 @@ def test_strategy_distributed():
         assert r["after_nan_finite"] and r["skipped_steps"] == 1
         assert r["offload_bit_identical"] and r["offload_losses_equal"]
         assert r["offload_moves"][0] > 0 and all(r["offload_moves"][1::2])
+
+
+def _checkpointing_on_padded_batches():
+    gaps = {}
+    for name in ("llama", "qwen3"):
+        plain, checkpointed = (
+            train_on_padded_batches(name, lambda: make_strategy(micro=2, activation_checkpointing=ac).prepare_model(
+                build_model(name), is_training=True)) for ac in (False, True))
+        gaps[name] = largest_gap(plain, checkpointed)
+    return gaps
+
+
+def test_activation_checkpointing_on_padded_batches_equals_the_run_without():
+    # the call: prepare_model, then model(input_ids, attention_mask with padding, labels).loss.backward()
+    for rank, gaps in enumerate(run_distributed(_checkpointing_on_padded_batches, 2)):
+        assert set(gaps) == {"llama", "qwen3"} and all(gap < 1e-6 for gap in gaps.values()), (rank, gaps)
 
 
 # ---------------------------------------------------------------------------------------------- options

@@ -402,3 +402,17 @@ def test_progress_bar_shows_loss_throughput_and_eta_on_a_terminal(tmp_path, monk
     quiet.log({"kind": "train", "step": 1, "loss": 2.5})
     quiet.close()
     assert sys.stdout.getvalue() == shown and not quiet.path.exists()
+
+
+def test_the_first_line_of_a_lora_run_counts_trainable_and_total_parameters():
+    from fullshard.lora import apply_lora
+    from fullshard.testing import build_model
+    from fullshard.train.trainer import parameters_line
+
+    model = build_model("llama")
+    whole = sum(p.numel() for p in model.parameters())
+    assert parameters_line(model) == f"{whole:,} parameters"
+    model = apply_lora(model, {"r": 4, "target_modules": ["q_proj", "v_proj"]})
+    # q_proj 32 -> 32 and v_proj 32 -> 16 in 2 layers: A is 4 x 32, B is 4 x out
+    adapters = 2 * ((4 * 32 + 32 * 4) + (4 * 32 + 16 * 4))
+    assert parameters_line(model) == f"{whole + adapters:,} parameters, {adapters:,} trainable"

@@ -54,14 +54,16 @@ def streamed(model, **kwargs) -> tuple[dict[str, torch.Tensor], int, int]:
     """Every (name, tensor) of `hf_weights`, the number of buckets and of all-gathers it ran."""
     import fullshard
 
+    import fullshard.weights
+
     calls = []
-    original = dist.all_gather_into_tensor
+    original = fullshard.weights.all_gather_slots
 
     def counted(*args, **kw):
         calls.append(1)
         return original(*args, **kw)
 
-    with mock.patch.object(dist, "all_gather_into_tensor", counted):
+    with mock.patch.object(fullshard.weights, "all_gather_slots", counted):
         buckets = [[(n, t.to("cpu", copy=True)) for n, t in b] for b in fullshard.hf_weight_buckets(model, **kwargs)]
     out = {}
     for name, tensor in (pair for bucket in buckets for pair in bucket):

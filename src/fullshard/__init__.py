@@ -15,7 +15,7 @@ _EXPORTS = {
     **dict.fromkeys(["CheckpointManager", "export_checkpoint", "export_hf", "load_ckpt", "save_ckpt", "save_model"], "checkpoint"),
     **dict.fromkeys(["ParallelDims", "build_mesh", "get_rank", "get_world_size", "init_distributed", "is_main_process"], "distributed"),
     **dict.fromkeys(["EngineConfig", "FSDP2Engine", "apply_fsdp2"], "engine"),
-    **dict.fromkeys(["CheckpointError", "ConfigError", "FullshardError", "LoadError", "PlanError"], "errors"),
+    **dict.fromkeys(["CheckpointError", "ConfigError", "FullshardError", "LoadError", "PlanError", "WeightSyncError"], "errors"),
     **dict.fromkeys(["apply_activation_checkpointing", "reshard_all"], "fsdp"),
     **dict.fromkeys(["init_empty_model", "materialize_and_load", "meta_init"], "loading"),
     **dict.fromkeys(["apply_lora", "export_merged", "save_adapter"], "lora"),
@@ -23,6 +23,8 @@ _EXPORTS = {
     **dict.fromkeys(["ShardingPlan", "UnitSpec", "auto_plan", "build_plan", "find_blocks", "get_transformer_layer_cls"], "plan"),
     **dict.fromkeys(["from_pretrained"], "pretrained"),
     **dict.fromkeys(["FSDPStrategy"], "strategy"),
+    **dict.fromkeys(["generate"], "generation"),
+    **dict.fromkeys(["SyncReport", "WeightSync", "weight_loader"], "weight_sync"),
     **dict.fromkeys(["checkpoint_hf_weights", "hf_weight_buckets", "hf_weights"], "weights"),
 }
 

@@ -1,4 +1,4 @@
-"""The `fullshard` command: `train`, `plan` and `export`.
+"""The `fullshard` command: `train`, `plan`, `export` and `generate`.
 
 `fullshard train` reads and checks the whole config in the launching process (`train.preflight`),
 then starts the ranks under torchrun (`fullshard.launch`), which also turns Ctrl-C into a clean
@@ -21,8 +21,10 @@ from .errors import FullshardError
 from .launch import LAUNCHED_ENV, LOG_DIR_ENV, debug_enabled, describe, die_with_parent, error_line, launch, run_rank
 
 USAGE = """fullshard train [CONFIG.yaml] [--section.key=value ...] [--nproc N] [--print-config] [--debug]
-       fullshard plan MODEL_OR_CONFIG [--section.key=value ...] [--nproc N] [--micro-batch-size B] [--seq-len S]
+       fullshard plan [MODEL_OR_CONFIG] [--section.key=value ...] [--nproc N] [--micro-batch-size B] [--seq-len S]
+                      [--device h100|h200|a100-80g|a100-40g|cpu|cuda]
        fullshard export CHECKPOINT_DIR OUTPUT_DIR [--dtype bf16|fp16|fp32]
+       fullshard generate MODEL_DIR_OR_CHECKPOINT --prompt TEXT [--prompt TEXT ...] [--nproc N] [--max-new-tokens N]
        fullshard --version"""
 
 TRAIN_HELP = """usage: fullshard train [CONFIG.yaml] [--section.key=value ...] [--nproc N] [--print-config] [--debug]
@@ -126,14 +128,16 @@ def cmd_train(argv: list[str]) -> int:
         return 0
     if under_launcher():
         return run_as_rank(config, args)
-    from .train.preflight import check_before_launch
-    from .train.rundir import RunLock, check_output_paths, claim_run_directory
+    from .train.preflight import check_before_launch, check_resumed_checkpoint
+    from .train.rundir import RunLock, check_output_paths, claim_run_directory, made_only_if_accepted
 
     world = args.nproc or config.train.nproc or default_nproc()
     check_output_paths(config)
-    with RunLock(config.output_dir) as lock:  # one live run per directory, until the ranks are gone
-        check_before_launch(config, world)
+    model = check_before_launch(config, world)  # writes nothing: a refused run leaves nothing behind
+    with made_only_if_accepted(config.output_dir), RunLock(config.output_dir) as lock:  # one live run per directory
         claim_run_directory(config)
+        check_resumed_checkpoint(config, model)
+        del model
         rank_args = ["train", *([args.config_path] if args.config_path else []), *args.overrides]
         return launch(world, rank_args, config.log_dir, config.checkpoint.on_stop_timeout_s, debug=args.debug,
                       lock_file=lock.path)
@@ -153,27 +157,34 @@ def run_as_rank(config, args: TrainArgs) -> int:
 
 
 def cmd_plan(argv: list[str]) -> int:
-    from .distributed import detect_device_type
-    from .dtypes import DTYPES
+    from .parallel.ep import describe_expert_parallel
     from .plan import build_plan
     from .strategy import batch_arithmetic, describe_mesh
-    from .parallel.ep import describe_expert_parallel
-    from .train.memory import estimate_memory
+    from .train.memory import DEVICES, device_capacity, estimate_run, largest_micro_batch, tp_assignments
 
     parser = argparse.ArgumentParser(prog="fullshard plan")
-    parser.add_argument("source", help="a YAML config, a built-in model name, a local HF directory or a Hub id")
+    parser.add_argument("source", nargs="?", default=None,
+                        help="a YAML config, a built-in model name, a local HF directory or a Hub id "
+                             "(or --model.name_or_path=...)")
     parser.add_argument("--nproc", type=int, default=None, help="ranks the model is sharded over")
     parser.add_argument("--micro-batch-size", type=int, default=None)
     parser.add_argument("--seq-len", type=int, default=None)
+    parser.add_argument("--device", choices=sorted(DEVICES), default=None,
+                        help="the device to plan for (its allocator and capacity); cuda: this machine's GPU; "
+                             "default: this machine's device")
     parser.add_argument("--trust-remote-code", action="store_true", help="run the model repository's own code")
     parser.epilog = "--section.key=value overrides the config as for `fullshard train`"
-    args, args.overrides = parser.parse_known_args(argv)
+    args, args.overrides = parser.parse_known_args(joined_overrides(argv))
+    unknown = [a for a in args.overrides if not (a.startswith("--") and "." in a.split("=", 1)[0])]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    device, capacity = device_capacity(args.device)
     config, model = plan_config_and_model(args)
     nproc = args.nproc or config.train.nproc or default_nproc()
     dims = config.parallel_dims(nproc)
-    plan = build_plan(model, config.fsdp.plan)
-    assignments = tp_assignments(model, config.fsdp.tp_plan, dims.tp)
-    precision, fsdp = config.fsdp.mixed_precision, config.fsdp
+    fsdp = config.fsdp
+    plan = build_plan(model, fsdp.plan)
+    assignments = tp_assignments(model, fsdp.tp_plan, dims.tp)
     micro = args.micro_batch_size or config.train.micro_batch_size
     seq_len = args.seq_len or config.data.seq_len
     try:
@@ -182,12 +193,9 @@ def cmd_plan(argv: list[str]) -> int:
     except FullshardError as err:  # the model's plan is still worth showing; the estimate assumes accumulation
         print(f"note: {err}")
         accumulation = None
-    device_type = detect_device_type()
-    estimate = estimate_memory(model, plan, dims.dp_shard, micro, seq_len, DTYPES[precision],
-                               fsdp.activation_checkpointing, config.optim.name, accumulation_steps=accumulation,
-                               device_type=device_type, reduce_dtype=DTYPES[fsdp.reduce_dtype],
-                               tp_assignments=assignments, tp_size=dims.tp, cp_size=dims.cp, ep_size=dims.ep,
-                               loss_chunk_tokens=config.train.loss_chunk_tokens)
+    options = dict(optimizer=config.optim.name, accumulation_steps=accumulation, device_type=DEVICES[device][0],
+                   loss_chunk_tokens=config.train.loss_chunk_tokens)
+    run = estimate_run(model, fsdp, nproc, micro, seq_len, **options)
     print(f"{type(model).__name__}: {sum(p.numel() for p in model.parameters()):,} parameters, {describe_mesh(dims)}\n")
     print(plan.describe(model, dims.fsdp_shard_size))
     if dims.tp > 1:
@@ -195,41 +203,15 @@ def cmd_plan(argv: list[str]) -> int:
               "slice of the split ones):\n" + describe_tp(model, assignments, dims.tp))
     if dims.ep > 1:
         print("\n" + describe_expert_parallel(model, dims.ep, dims.efsdp))
-    print(f"\nper-rank memory estimate (micro batch {micro} x {seq_len} tokens over cp {dims.cp}, compute {precision}, "
-          f"activation checkpointing {fsdp.activation_checkpointing}, {config.optim.name}, "
-          f"loss chunks of {config.train.loss_chunk_tokens or 'all the'} tokens, "
-          f"{accumulation or 'unknown'} micro-batch(es) per step, {device_type}):")
-    print(estimate.describe())
-    if dims.pp > 1:
-        print(f"\npipeline (pp {dims.pp}, {fsdp.pp_schedule}): each stage's layers and per-rank memory estimate")
-        for line, stage in describe_pipeline(model, fsdp):
-            stage_plan = build_plan(stage, fsdp.plan)
-            stage_estimate = estimate_memory(
-                stage, stage_plan, dims.dp_shard, micro, seq_len, DTYPES[precision], fsdp.activation_checkpointing,
-                config.optim.name, accumulation_steps=accumulation, device_type=device_type,
-                reduce_dtype=DTYPES[fsdp.reduce_dtype], tp_assignments=tp_assignments(stage, fsdp.tp_plan, dims.tp),
-                tp_size=dims.tp, cp_size=dims.cp, loss_chunk_tokens=config.train.loss_chunk_tokens)
-            print(f"{line}\n" + "\n".join(f"    {row}" for row in stage_estimate.describe().splitlines()))
+    print_estimate(config, run, device, capacity, micro, seq_len, accumulation,
+                   lambda: largest_micro_batch(model, fsdp, nproc, seq_len, capacity, **options))
     return 0
 
 
-def describe_pipeline(model, fsdp):
-    """Each pipeline stage of `model` (on meta) with its one-line description."""
-    from .parallel.pp import build_stage, decoder_parts, held_ends, stage_layers
-
-    parts = decoder_parts(model)
-    ranges = stage_layers(model, parts, fsdp.pp_size * fsdp.pp_virtual_stages, fsdp.pp_layers_per_stage)
-    for index, layers in enumerate(ranges):
-        ends = [name for name, held in held_ends(parts, index, len(ranges)).items() if held]
-        stage = build_stage(model, parts, ranges, index)
-        params = sum(p.numel() for p in stage.parameters())
-        yield (f"stage {index} (pp rank {index % fsdp.pp_size}): layers {layers.start}-{layers.stop - 1}"
-               + (f" + {', '.join(ends)}" if ends else "") + f", {params:,} parameters"), stage
-
-
 def plan_config_and_model(args):
-    """The config `fullshard plan` was given (a YAML file or a model name, then `--section.key=value`
-    overrides as `fullshard train` takes them) and its model on meta."""
+    """The config `fullshard plan` was given (a YAML file or a model name, or only `--section.key=value`
+    overrides, as `fullshard train` takes them) and its model on meta, in `model.dtype`, LoRA applied
+    where the config trains with it."""
     from .train.config import load_config, parse_overrides
     from .train.preflight import build_meta_model
 
@@ -237,25 +219,77 @@ def plan_config_and_model(args):
     model = overrides.setdefault("model", {})
     if args.trust_remote_code:
         model["trust_remote_code"] = True
-    if args.source.endswith((".yaml", ".yml")):
+    if args.source is not None and args.source.endswith((".yaml", ".yml")):
         config = load_config(args.source, overrides)
     else:
-        model.setdefault("name_or_path", args.source)
+        if args.source is not None:
+            model.setdefault("name_or_path", args.source)
         config = load_config(None, overrides)
     from .towers import freeze
 
-    model = build_meta_model(config)
-    freeze(model, config.freeze)  # the table shows frozen towers as the run will have them
-    return config, model
+    meta = build_meta_model(config)
+    freeze(meta, config.freeze)  # the table shows frozen towers as the run will have them
+    if config.lora.enabled:
+        from .lora import apply_lora
+
+        meta = apply_lora(meta, config.lora.peft_fields())
+    return config, meta
 
 
-def tp_assignments(model, tp_plan, tp_size: int) -> dict[str, str]:
-    """Module name -> TP style, validated as the engine does (a `PlanError` naming the entry); none at tp 1."""
-    if tp_size == 1:
-        return {}
-    from .parallel.tp import plan_assignments, resolve_tp_plan
+def stored_dtype(config) -> str | None:
+    """The `torch_dtype` the model's config.json states (what its weights are stored in), if any."""
+    from .train.preflight import load_hf_config, resolve_model_dir
 
-    return plan_assignments(model, resolve_tp_plan(model, tp_plan), tp_size)
+    directory = resolve_model_dir(config.model.name_or_path)
+    if directory is None:
+        return None
+    dtype = getattr(load_hf_config(directory, config.model.trust_remote_code, config.model.name_or_path), "dtype", None)
+    return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
+def joined_overrides(argv: list[str]) -> list[str]:
+    """`--section.key value` as `--section.key=value`, so the value is not taken for the positional source."""
+    out, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if (arg.startswith("--") and "." in arg and "=" not in arg and i + 1 < len(argv)
+                and not argv[i + 1].startswith("--")):
+            out.append(f"{arg}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(arg)
+        i += 1
+    return out
+
+
+def print_estimate(config, run, device: str, capacity: int | None, micro: int, seq_len: int,
+                   accumulation: int | None, largest) -> None:
+    """The estimate's header (what it assumed), each rank's (or stage's) rows, and whether it fits."""
+    fsdp = config.fsdp
+    stored = stored_dtype(config)
+    print(f"\nper-rank memory estimate (micro batch {micro} x {seq_len} tokens over cp {fsdp.cp_size}, "
+          f"activation checkpointing {fsdp.activation_checkpointing}, "
+          f"loss chunks of {config.train.loss_chunk_tokens or 'all the'} tokens, "
+          f"{accumulation or 'unknown'} micro-batch(es) per step, {device}):\n"
+          f"assumed: {run.assumptions} (model.dtype={config.model.dtype}, fsdp.mixed_precision={fsdp.mixed_precision}"
+          + (f"; config.json's torch_dtype {stored} is only what is read from disk" if stored else "") + ")"
+          + ("; LoRA: the frozen base has no gradients or optimizer state" if config.lora.enabled else "")
+          + ("; offload_params: parameters, gradients and optimizer state in host memory, not counted on the device"
+             if fsdp.offload_params and not device.startswith("cpu") else ""))
+    for stage in run.stages:
+        if len(run.stages) > 1:
+            print(f"\n{stage.label}:")
+        print(stage.estimate.describe())
+    if len(run.stages) > 1:
+        largest = max(run.stages, key=lambda s: s.estimate.total)
+        print(f"\nlargest per-rank total: {largest.label.split(':')[0]}, {largest.estimate.total / 2**20:,.2f} MiB")
+    if capacity is not None:
+        fits = run.per_rank <= capacity
+        print(f"\nfits: {run.per_rank / 2**30:.1f} of {capacity / 2**30:.1f} GiB ({device})" if fits else
+              f"\ndoes NOT fit: {run.per_rank / 2**30:.1f} of {capacity / 2**30:.1f} GiB ({device})")
+        best = largest()
+        print(f"largest micro batch that fits at {seq_len} tokens: {best}" if best else
+              f"no micro batch fits at {seq_len} tokens: shard over more ranks, checkpoint activations or offload")
 
 
 def describe_tp(model, assignments: dict[str, str], tp_size: int) -> str:
@@ -299,7 +333,48 @@ def cmd_export(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "plan": cmd_plan, "export": cmd_export}
+# ---------------------------------------------------------------------------------------------- generate
+
+
+def generate_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fullshard generate", description=(
+        "Complete prompts with a model sharded over --nproc ranks (fullshard.generate): a Hugging Face "
+        "directory, or a training checkpoint (or a save directory: its newest complete checkpoint). The "
+        "tokenizer's chat template, when it has one, wraps each prompt as a user turn."))
+    parser.add_argument("path", help="a Hugging Face model directory or a training checkpoint")
+    parser.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for several)")
+    parser.add_argument("--nproc", type=int, default=None, help="ranks the model is sharded over (default: one "
+                        "per GPU, else 2)")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--sample", action="store_true", help="sample (default: greedy)")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def cmd_generate(argv: list[str]) -> int:
+    args = generate_parser().parse_args(argv)
+    if args.nproc is not None and args.nproc < 1:
+        return fail(f"--nproc must be a positive integer, got {args.nproc}")
+    if under_launcher():
+        from .generation import generate_text
+
+        log_dir = os.environ.get(LOG_DIR_ENV, os.path.join(os.getcwd(), ".fullshard-generate-logs"))
+        return run_rank(lambda: generate_text(args.path, args.prompt, max_new_tokens=args.max_new_tokens,
+                                              do_sample=args.sample, temperature=args.temperature, seed=args.seed),
+                        log_dir)
+    import tempfile
+
+    # the ranks get the line without --nproc, which torchrun's own parser would take for its option
+    rank_args = ["generate", args.path, "--max-new-tokens", str(args.max_new_tokens), "--temperature",
+                 str(args.temperature), "--seed", str(args.seed), *(["--sample"] if args.sample else [])]
+    for prompt in args.prompt:
+        rank_args.append(f"--prompt={prompt}")
+    with tempfile.TemporaryDirectory(prefix="fullshard-generate-") as log_dir:
+        return launch(args.nproc or default_nproc(), rank_args, log_dir, stop_timeout_s=5.0)
+
+
+COMMANDS = {"train": cmd_train, "plan": cmd_plan, "export": cmd_export, "generate": cmd_generate}
 
 
 def main(argv: list[str] | None = None) -> int:

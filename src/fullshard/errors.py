@@ -23,5 +23,14 @@ class LoadError(FullshardError, RuntimeError):
     """Pretrained weights that cannot be read into this model; the message names the keys and files."""
 
 
+class HubUnreachableError(LoadError):
+    """A Hub id that is in no local cache while the Hub cannot be reached (offline mode, no network)."""
+
+
 class CheckpointError(FullshardError, RuntimeError):
     """A training checkpoint that cannot be saved, found or resumed; the message names the path."""
+
+
+class WeightSyncError(FullshardError, RuntimeError):
+    """Weights that could not reach an inference engine (`fullshard.WeightSync`): the message names the
+    tensor or the engine."""

@@ -7,7 +7,9 @@ use them without importing the engine (which would close an import circle throug
 from __future__ import annotations
 
 import functools
+import inspect
 
+import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.utils.checkpoint import checkpoint
@@ -45,6 +47,10 @@ def needs_weight_in_backward(module: nn.Module) -> bool:
     return not (plain_embedding and module.max_norm is None and not module.sparse and not split)
 
 
+# the names a transformers block takes its KV (or state) cache by, old and new
+CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value", "layer_past", "cache_params")
+
+
 def apply_activation_checkpointing(model: nn.Module) -> None:
     """Recompute each outermost block in backward (non-reentrant checkpointing).
 
@@ -56,8 +62,32 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
         block = modules[name]
         if getattr(block, "_fullshard_checkpointed", False):
             continue
-        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+        block.forward = checkpointed(block.forward)
         block._fullshard_checkpointed = True
+
+
+def checkpointed(forward):
+    """`forward` recomputed in backward, and run without a cache whenever a backward may follow.
+
+    A model whose config says `use_cache` hands every block a cache even in training; the block
+    writes its keys into it, and the recompute writes them a second time (keys twice the mask's
+    length: a crash on any padded batch). transformers' own checkpointing drops the cache the
+    same way. Without gradients nothing is recomputed, so generation keeps its cache. The cache is
+    found by name, passed by keyword or by position.
+    """
+    positional = [p.name for p in inspect.signature(forward).parameters.values()
+                  if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    off = {name: None for name in CACHE_ARGUMENTS} | {"use_cache": False}
+    off_at = {index: off[name] for index, name in enumerate(positional) if name in off}
+
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        if torch.is_grad_enabled():
+            args = tuple(off_at[index] if index in off_at else arg for index, arg in enumerate(args))
+            kwargs = {key: off[key] if key in off else value for key, value in kwargs.items()}
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    return run
 
 
 def fsdp_units(model: nn.Module) -> dict[tuple[str, ...], list[nn.Parameter]]:

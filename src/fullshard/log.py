@@ -1,4 +1,6 @@
-"""One logger for the package, and a rank-0 helper so a message is printed once, not once per rank."""
+"""One logger for the package: a rank-0 helper so a message every rank shares is printed once, not once
+per rank, and `warn_rank` for what one rank does on its own (it says so itself, naming its rank; under
+`fullshard train` every rank's stderr is the launcher's console)."""
 
 from __future__ import annotations
 
@@ -32,3 +34,12 @@ def log_rank0(message: str, level: int = logging.INFO, once: bool = False) -> No
 
 def warn_rank0(message: str, once: bool = True) -> None:
     log_rank0(message, logging.WARNING, once=once)
+
+
+def warn_rank(message: str) -> None:
+    """Warn from this rank, whichever it is: a fallback this rank alone takes (its own file missing)
+    is said by the rank that takes it, not by rank 0, which did not."""
+    from .distributed import get_rank, get_world_size
+
+    _ensure_handler()
+    logger.warning(f"rank {get_rank()}: {message}" if get_world_size() > 1 else message)

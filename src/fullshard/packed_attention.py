@@ -8,11 +8,20 @@ a model whose config says `use_cache` builds an empty one in training too, so ev
 forward passes `use_cache=False`. Flash attention takes no mask: it reads document starts from the
 position ids only for a batch of one row, so a batch of several rows is handed the varlen kernel's
 `cu_seq_lens` (its rows flattened, every row start a document start), as transformers'
-`DataCollatorWithFlattening` hands them. Under context parallelism the all-to-all attention
+`DataCollatorWithFlattening` hands them. An mRoPE model (Qwen2-VL family) reads documents only from
+4-row position ids (text positions first, then its three rope rows): 2-D ones give it no document
+mask at all, so a text-only packed row gets its text positions in all four rows. A Gemma 3-style
+model (image tokens attending both ways inside their block, `token_type_ids`) gets its masks from
+here under SDPA and eager: transformers composes the block overlay of its sliding-window layers
+before remapping a packed row's indices to positions within each document, so there a token would
+read another document's image blocks at its own document-relative positions. Under context parallelism the all-to-all attention
 (`fullshard.parallel.cp`) builds the same block-diagonal mask from the whole row's position ids.
 """
 
 from __future__ import annotations
+
+import sys
+import weakref
 
 import torch
 from torch import nn
@@ -65,12 +74,66 @@ def attention_path(model: nn.Module, packed: bool) -> str:
     return f"attention: {name}; packed documents kept apart by {path}"
 
 
+def uses_mrope(model: nn.Module) -> bool:
+    """Whether the model positions its tokens with multimodal rope (a module with `get_rope_index`)."""
+    known = _MROPE.get(model)
+    if known is None:
+        known = _MROPE[model] = any(hasattr(type(m), "get_rope_index") for m in model.modules())
+    return known
+
+
+_MROPE: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
+
+
+def has_image_blocks(model: nn.Module) -> bool:
+    """Whether the model is transformers' Gemma 3 kind: image blocks bidirectional, composed with a
+    sliding window by the modelling module's `create_masks_for_vision_model`."""
+    return any(hasattr(sys.modules.get(cls.__module__), "create_masks_for_vision_model") for cls in type(model).__mro__)
+
+
+def image_block_masks(model: nn.Module, token_type_ids: torch.Tensor, positions: torch.Tensor) -> dict | None:
+    """Each layer type's mask for packed rows of a Gemma 3-style model, made of transformers' own mask
+    functions on row indices: (causal, or within one image block) and within one document, and for
+    sliding layers within the window. None when the rows are not packed or the attention takes no
+    dense mask (then transformers' own masks)."""
+    from transformers.masking_utils import (and_masks, blockwise_overlay, causal_mask_function, eager_mask,
+                                            find_packed_sequence_indices, or_masks, packed_sequence_mask_function,
+                                            sdpa_mask, sliding_window_overlay)
+
+    build = {"sdpa": sdpa_mask, "eager": eager_mask}.get(implementation_of(model))
+    documents = find_packed_sequence_indices(positions)
+    if build is None or documents is None:
+        return None
+    is_image = token_type_ids == 1
+    block_starts = is_image & ~torch.nn.functional.pad(is_image, (1, 0))[:, :-1]
+    blocks = torch.where(is_image, block_starts.cumsum(-1) - 1, -1)
+    base = and_masks(or_masks(causal_mask_function, blockwise_overlay(blocks)), packed_sequence_mask_function(documents))
+    config = model.config.get_text_config()
+    batch, length = positions.shape
+    dtype = next(model.parameters()).dtype
+    masks = {}
+    for layer_type in set(getattr(config, "layer_types", None) or ["full_attention"]):
+        function = base if layer_type != "sliding_attention" else and_masks(
+            base, sliding_window_overlay(config.sliding_window))
+        masks[layer_type] = build(batch_size=batch, q_length=length, kv_length=length, mask_function=function,
+                                  allow_is_causal_skip=False, device=positions.device, dtype=dtype)
+    return masks
+
+
 def packed_inputs(model: nn.Module, inputs: dict) -> dict:
     """The keyword arguments of a training forward over packed rows: `inputs` (`input_ids`,
     `position_ids`, ...) with no cache, so transformers reads documents from the position ids, and
     for flash attention the varlen lengths of every document of the flattened batch."""
     inputs = {**inputs, "use_cache": False}
     positions = inputs.get("position_ids")
+    if positions is not None and positions.ndim == 2 and uses_mrope(model):
+        inputs["position_ids"] = positions = positions[None].expand(4, *positions.shape)
+    if positions is not None and positions.ndim == 3:
+        positions = positions[0]  # the text positions, where documents restart
+    if positions is not None and "token_type_ids" in inputs and has_image_blocks(model):
+        masks = image_block_masks(model, inputs["token_type_ids"], positions)
+        if masks is not None:
+            inputs["attention_mask"] = masks
     if positions is not None and implementation_of(model) in FLASH:
         from transformers.modeling_flash_attention_utils import prepare_fa_kwargs_from_position_ids
 

@@ -8,7 +8,8 @@ HSDP rows, TP or EP splits, per-expert modules or pipeline stages held by other 
 
 One collective per bucket: up front every rank says (one object all-gather) which region of each
 state tensor it holds; then for each bucket every rank packs the regions it is the first holder
-of, cast to the written dtype, into its slot of one buffer, one `all_gather_into_tensor` (in place)
+of, cast to the written dtype, into its slot of one buffer, one all-gather (in place; on gloo one
+broadcast per rank, `distributed.all_gather_slots`)
 fills every slot, and the whole tensors are put together from it. A rank holds at most the
 gathered buffer and the bucket's tensors (each at most `bucket_bytes`; a tensor bigger than that is
 a bucket of its own) beyond what it already had, and nothing of the model, its optimizer or its
@@ -27,7 +28,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from .checkpoint.export import HubView, export_recipe, merge_lora, recipe_entries, recipe_view, source_dtype
 from .checkpoint.offline import checkpoint_hf_weights
-from .distributed import current_device, get_rank, get_world_size
+from .distributed import all_gather_slots, current_device, get_rank, get_world_size
 from .dtypes import resolve_dtype
 from .errors import CheckpointError
 from .fsdp import reshard_all
@@ -202,11 +203,37 @@ def _region(tensor: torch.Tensor, box: Box) -> torch.Tensor:
     return tensor
 
 
-def _gather_bucket(bucket: list[StreamUnit], state: dict, device: torch.device) -> list[list[torch.Tensor]]:
-    """Every input of the bucket's units, whole, on every rank: one all-gather of packed regions."""
+def _rank_ordered(bucket: list[StreamUnit], slot: int, world: int) -> bool:
+    """Whether the gathered buffer is itself the bucket's one whole tensor: one input, rank r holding
+    rows r * slot bytes in (FSDP's even Shard(0)), so the tensor is a view of it, with no copy out."""
+    if len(bucket) != 1 or len(bucket[0].inputs) != 1 or len(bucket[0].pieces) != world:
+        return False
+    item, rows = bucket[0].inputs[0], 0
+    for rank in range(world):
+        pieces = bucket[0].pieces[rank]
+        if len(pieces) != 1 or not item.shape:
+            return False
+        offset, shape = pieces[0][1]
+        if offset[0] != rows or any(offset[1:]) or tuple(shape[1:]) != item.shape[1:] or \
+                _numel(shape) * item.dtype.itemsize != slot:
+            return False
+        rows += shape[0]
+    return rows == item.shape[0]
+
+
+def _gather_bucket(bucket: list[StreamUnit], state: dict, device: torch.device,
+                   kept: torch.Tensor | None = None) -> tuple[list[list[torch.Tensor]], torch.Tensor | None]:
+    """Every input of the bucket's units, whole, on every rank: one all-gather of packed regions.
+    The gather buffer `kept` from the bucket before is reused when large enough (fresh memory costs a
+    page fault per page, on a CPU host more than the copy); returned is the buffer to keep."""
     rank, world = get_rank(), get_world_size()
     slot = max(sum(_rank_bytes(u, r) for u in bucket) for r in range(world))
-    gathered = torch.empty(slot * world, dtype=torch.uint8, device=device)
+    in_place = _rank_ordered(bucket, slot, world)
+    if in_place or kept is None or kept.numel() < slot * world or kept.device != device:
+        kept = None  # dropped before the new buffer is made: never two gather buffers at once
+        gathered = torch.empty(slot * world, dtype=torch.uint8, device=device)
+    else:
+        gathered = kept[:slot * world]
     position = rank * slot
     for unit in bucket:
         for index, box in unit.pieces.get(rank, []):
@@ -216,7 +243,10 @@ def _gather_bucket(bucket: list[StreamUnit], state: dict, device: torch.device) 
             packed.copy_(local_tensor(state[item.key]).detach())
             position += _aligned(nbytes)
     if world > 1 and slot:
-        dist.all_gather_into_tensor(gathered, gathered[rank * slot:(rank + 1) * slot])
+        all_gather_slots(gathered, slot)
+    if in_place:
+        item = bucket[0].inputs[0]
+        return [[gathered.view(item.dtype).view(item.shape)]], None
     wholes = [[torch.empty(i.shape, dtype=i.dtype, device=device) for i in u.inputs] for u in bucket]
     for source in range(world):
         position = source * slot
@@ -226,7 +256,7 @@ def _gather_bucket(bucket: list[StreamUnit], state: dict, device: torch.device) 
                 nbytes = _numel(box[1]) * item.dtype.itemsize
                 _region(tensors[index], box).copy_(gathered[position:position + nbytes].view(item.dtype).view(box[1]))
                 position += _aligned(nbytes)
-    return wholes
+    return wholes, gathered
 
 
 def _outputs(unit: StreamUnit, tensors: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
@@ -257,9 +287,9 @@ def hf_weight_buckets(model: torch.nn.Module, *, dtype: torch.dtype | str | None
     owner, state, recipe = _recipe(model, lora)
     out_dtype = resolve_dtype(dtype) or (None if lora == "adapter" else source_dtype(owner))
     units = plan_stream(state, recipe, out_dtype)
-    device = _device()
+    device, kept = _device(), None
     for bucket in buckets_of(units, bucket_bytes, get_world_size()):
-        wholes = _gather_bucket(bucket, state, device)
+        wholes, kept = _gather_bucket(bucket, state, device, kept)
         items = [pair for unit, tensors in zip(bucket, wholes) for pair in _outputs(unit, tensors)]
         del wholes
         yield items

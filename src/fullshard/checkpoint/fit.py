@@ -53,13 +53,12 @@ def fit_to_index(checkpoint: Path, metadata, state: dict, strict: bool, model=No
     index = metadata.state_dict_metadata
     model_state = state["model"]
     saved_model_keys = {k[len("model."):] for k in index if k.startswith("model.")}
-    missing = sorted(k for k in model_state if k not in saved_model_keys)
-    unexpected = sorted(k for k in saved_model_keys - set(model_state) if not held_elsewhere(model, k))
+    missing, unexpected, _ = weights_apart(metadata, model_state, model)
     problems = []
     if strict and missing:
-        problems.append(f"missing from the checkpoint: {few(missing)}")
+        problems.append(f"missing from the checkpoint: {few(missing, limit=3)}")
     if strict and unexpected:
-        problems.append(f"in the checkpoint but not in the model: {few(unexpected)}")
+        problems.append(f"in the checkpoint but not in the model: {few(unexpected, limit=3)}")
     if not strict:
         model_state = {k: v for k, v in model_state.items() if k in saved_model_keys}
     has_optim = any(k.startswith("optim.") for k in index)
@@ -89,13 +88,25 @@ def fit_to_index(checkpoint: Path, metadata, state: dict, strict: bool, model=No
         else:
             fresh.append(fqn)
     if absent:
-        problems.append(f"not in the checkpoint: {few(absent)}")
+        problems.append(f"not in the checkpoint: {few(absent, limit=3)}")
     if mismatched:
-        problems.append(f"shape mismatch: {few(mismatched)}")
+        problems.append(f"shape mismatch: {few(mismatched, limit=3)}")
     if problems:
         raise CheckpointError(f"checkpoint {checkpoint} does not fit this model: " + "; ".join(problems))
     unsaved = [name for name in states_absent if f"states.{name}" not in saved_prefixes]
     return Fit(model_state, sorted(fresh), states_absent, unsaved)
+
+
+def weights_apart(metadata, model_state: dict, model=None) -> tuple[list[str], list[str], list[str]]:
+    """The model's weights and the checkpoint's apart, each sorted: those missing from the
+    checkpoint, those only in it (other ranks' parts of a split model aside), those of another shape."""
+    index = metadata.state_dict_metadata
+    saved = {k[len("model."):]: v for k, v in index.items() if k.startswith("model.")}
+    missing = sorted(k for k in model_state if k not in saved)
+    unexpected = sorted(k for k in set(saved) - set(model_state) if not held_elsewhere(model, k))
+    reshaped = sorted(k for k, v in model_state.items() if k in saved and hasattr(saved[k], "size")
+                      and isinstance(v, torch.Tensor) and tuple(v.shape) != tuple(saved[k].size))
+    return missing, unexpected, reshaped
 
 
 def _optim_state_param(path: tuple) -> str | None:
@@ -118,5 +129,6 @@ def _prefixes(index) -> set[str]:
 
 
 def few(items: list[str], limit: int = 8) -> str:
+    """The first `limit` items, and how many there are in all when that is more."""
     shown = ", ".join(items[:limit])
-    return shown + (f" (and {len(items) - limit} more)" if len(items) > limit else "")
+    return shown + (f" ... ({len(items)} in all)" if len(items) > limit else "")

@@ -13,7 +13,7 @@ import random
 import numpy as np
 import torch
 
-from ..log import warn_rank0
+from ..log import warn_rank, warn_rank0
 
 
 def capture_rng_state() -> dict:
@@ -61,11 +61,15 @@ def derived_seed(base_seed: int, step: int, rank: int) -> int:
 def rederive_rng_state(base_seed: int, step: int, rank: int, saved_world: int, world: int,
                        reason: str | None = None) -> int:
     """Seed this rank from (base seed, step, rank) and say why: by default, that the checkpoint
-    was saved on another number of ranks; `reason` names another cause (no RNG file saved)."""
+    was saved on another number of ranks (rank 0 says it once, for every rank); `reason` names a
+    cause of this rank's own (its RNG file missing), which this rank says."""
     seed = derived_seed(base_seed, step, rank)
     seed_everything(seed)
-    reason = reason or (f"checkpoint was saved on {saved_world} ranks and is resumed on {world}: per-rank RNG "
-                        "states cannot be resharded")
-    warn_rank0(f"{reason}, so rank {rank} re-seeded python/numpy/torch RNGs with "
-               f"derived_seed(base_seed={base_seed}, step={step}, rank={rank}) = {seed}")
+    if reason is None:  # every rank re-derives: rank 0 says it for all
+        warn_rank0(f"checkpoint was saved on {saved_world} ranks and is resumed on {world}: per-rank RNG states "
+                   f"cannot be resharded, so every rank re-seeded python/numpy/torch RNGs with derived_seed(base_seed="
+                   f"{base_seed}, step={step}, rank)")
+    else:  # this rank alone: it says so itself
+        warn_rank(f"{reason}, so this rank re-seeded python/numpy/torch RNGs with "
+                  f"derived_seed(base_seed={base_seed}, step={step}, rank={rank}) = {seed}")
     return seed

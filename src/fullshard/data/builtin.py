@@ -6,6 +6,27 @@ from __future__ import annotations
 import random
 
 
+def builtin_tokenizer(name: str):
+    """What a built-in model reads text (and images) with: the byte tokenizer, or the tiny VLM's processor."""
+    return tiny_vlm_processor() if name in BUILTIN_VLMS else byte_tokenizer()
+
+
+def builtin_model_config(name: str, tokenizer, seq_len: int, sizes: dict):
+    """The transformers config and model class of a built-in model (`sizes`: train.config's BUILTIN_MODELS
+    entry), its vocabulary and special tokens its tokenizer's (so generate() stops at its end of text)."""
+    if name in BUILTIN_VLMS:
+        from transformers import Qwen2VLForConditionalGeneration
+
+        return tiny_vlm_config(tokenizer, seq_len, **sizes), Qwen2VLForConditionalGeneration
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaConfig(vocab_size=len(tokenizer), max_position_embeddings=seq_len, **special_token_ids(tokenizer),
+                       **sizes), LlamaForCausalLM
+
+
+BUILTIN_VLMS = ("tiny-qwen2-vl",)
+
+
 def builtin_corpus(num_docs: int = 5000, seed: int = 0) -> list[str]:
     """A generated corpus for the default run: short arithmetic facts, counting and templated
     sentences. It ships with the code (nothing to download) and has structure a tiny model
@@ -56,3 +77,99 @@ def special_token_ids(tokenizer) -> dict:
     the tokenizer's end of text."""
     return {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
             "pad_token_id": tokenizer.pad_token_id}
+
+
+# ------------------------------------------------------------------------------------------ built-in VLM
+
+VISION_TOKENS = ("<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+IMAGE_SIZE = 56  # pixels a side: a 4 x 4 grid of 14-pixel patches, 4 image tokens after the 2 x 2 merge
+# Qwen2-VL's chat template, cut to what the built-in data uses: string or list-of-parts content, images as
+# <|vision_start|><|image_pad|><|vision_end|> (the processor expands <|image_pad|> to the image's tokens)
+QWEN2_VL_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+SHAPES = ("circle", "square", "triangle")
+COLOURS = {"red": (220, 30, 30), "green": (30, 170, 40), "blue": (30, 60, 220), "yellow": (230, 210, 20),
+           "white": (250, 250, 250), "purple": (140, 40, 170)}
+QUESTIONS = ("What is in the image?", "Describe the picture.", "What do you see?")
+
+
+def tiny_vlm_processor():
+    """The built-in VLM's processor: the byte tokenizer with Qwen2-VL's special tokens and chat
+    template, and Qwen2-VL's image processor (PIL) making every image a 56 x 56 one."""
+    from transformers import Qwen2VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from .vision import image_only_processor_class
+
+    tokenizer = byte_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})
+    tokenizer.eos_token = "<|im_end|>"  # as Qwen2-VL's: an answer ends its turn, where generate() stops
+    tokenizer.chat_template = QWEN2_VL_TEMPLATE
+    pixels = IMAGE_SIZE * IMAGE_SIZE
+    images = Qwen2VLImageProcessorPil(min_pixels=pixels, max_pixels=pixels, patch_size=14, merge_size=2,
+                                      temporal_patch_size=2)
+    return image_only_processor_class(Qwen2VLProcessor)(images, tokenizer, chat_template=QWEN2_VL_TEMPLATE)
+
+
+def tiny_vlm_config(processor, seq_len: int, **sizes):
+    """A tiny Qwen2-VL: a 2-block vision tower over 14-pixel patches, merged 2 x 2 into a 2-layer
+    language model with mRoPE; token ids and vocabulary from the built-in processor."""
+    from transformers import Qwen2VLConfig
+
+    tokenizer = processor.tokenizer
+    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in (
+        ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}
+    hidden = sizes.get("hidden_size", 64)
+    text = dict(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=sizes.get("intermediate_size", 128),
+                num_hidden_layers=sizes.get("num_hidden_layers", 2), num_attention_heads=4, num_key_value_heads=2,
+                max_position_embeddings=max(seq_len, 256), tie_word_embeddings=False,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+                **special_token_ids(tokenizer))
+    vision = dict(depth=2, embed_dim=32, hidden_size=hidden, num_heads=2, mlp_ratio=2, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
+    return Qwen2VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False,
+                         **special_token_ids(tokenizer), **ids)
+
+
+def draw_shape(shape: str, colour: str, rng: random.Random):
+    """A 56 x 56 picture of one coloured shape on a grey background, placed and sized at random."""
+    from PIL import Image, ImageDraw
+
+    image = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), (90, 90, 90))
+    size = rng.randrange(22, 40)
+    x, y = rng.randrange(2, IMAGE_SIZE - size - 1), rng.randrange(2, IMAGE_SIZE - size - 1)
+    box, fill = (x, y, x + size, y + size), COLOURS[colour]
+    draw = ImageDraw.Draw(image)
+    if shape == "circle":
+        draw.ellipse(box, fill=fill)
+    elif shape == "square":
+        draw.rectangle(box, fill=fill)
+    else:
+        draw.polygon([(x + size // 2, y), (x, y + size), (x + size, y + size)], fill=fill)
+    return image
+
+
+def write_caption_set(directory, num_records: int = 600, seed: int = 0) -> None:
+    """The built-in image-caption data: `num_records` pictures of coloured shapes (PNG files) and
+    `captions.jsonl`, one conversation per picture asking what it shows and answering with the
+    colour and the shape, images named relative to the JSONL file."""
+    import json
+    from pathlib import Path
+
+    directory = Path(directory)
+    (directory / "images").mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    with open(directory / "captions.jsonl", "w", encoding="utf-8") as out:
+        for index in range(num_records):
+            shape, colour = rng.choice(SHAPES), rng.choice(sorted(COLOURS))
+            name = f"images/{index:05d}.png"
+            draw_shape(shape, colour, rng).save(directory / name)
+            messages = [{"role": "user", "content": [{"type": "image", "image": name},
+                                                     {"type": "text", "text": rng.choice(QUESTIONS)}]},
+                        {"role": "assistant", "content": [{"type": "text", "text": f"a {colour} {shape}"}]}]
+            out.write(json.dumps({"messages": messages}) + "\n")

@@ -88,6 +88,11 @@ class MixedRows(Rows):
             if not len(mine):
                 continue
             for column, values in part.take(self.row[indices[mine]].tolist()).items():
+                if isinstance(values, list):  # a row's images: one dict per row
+                    placed = out.setdefault(column, [{} for _ in indices])
+                    for slot, value in zip(mine.tolist(), values):
+                        placed[slot] = value
+                    continue
                 if column not in out:
                     out[column] = torch.empty((len(indices), *values.shape[1:]), dtype=values.dtype)
                 out[column][torch.from_numpy(mine)] = values

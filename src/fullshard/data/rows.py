@@ -5,6 +5,10 @@ The batch of step `s` is a pure function of (rows, seed, s): the rows of an epoc
 permutation and step `s` takes the next `global_batch_size` of them. The data position saved in a
 checkpoint is therefore just the step, and a resumed run continues with exactly the batch the
 uninterrupted run would have seen next, on any number of ranks.
+
+Rows with images carry them as `images`, one dict of image tensors per row (a list, so micro-batches
+slice it like the tensors), and an mRoPE model's position ids as (rows, 4, tokens): the text
+positions, then the three rope rows. `model_inputs` turns a micro-batch into the model's arguments.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ import torch
 
 from ..errors import ConfigError
 from .chat import IGNORE_INDEX
+from .pack import IMAGES, ROPE_COLUMNS
+from .vision import decode_images
 
 
 class Rows:
@@ -36,7 +42,30 @@ class Rows:
             ids = self.dataset[torch.as_tensor(indices) + self.start]
             return {"input_ids": ids, "labels": ids.clone()}
         picked = self.dataset[[int(i) + self.start for i in indices]]
-        return {k: torch.from_numpy(np.asarray(v, dtype=np.int64)) for k, v in picked.items()}
+        rows = {k: decode_rows(v) if k == IMAGES else torch.from_numpy(np.asarray(v, dtype=np.int64))
+                for k, v in picked.items()}
+        rope = [rows.pop(c) for c in ROPE_COLUMNS if c in rows]
+        if rope:  # text positions (documents restart them: what masks them apart), then the rope rows
+            rows["position_ids"] = torch.stack([rows["position_ids"], *rope], dim=1)
+        return rows
+
+
+def decode_rows(blobs) -> list[dict[str, torch.Tensor]]:
+    """Each row's image tensors: its documents' concatenated."""
+    return [decode_images(list(row)) for row in blobs]
+
+
+def model_inputs(batch: dict) -> dict:
+    """A micro-batch as model arguments: the rows' image tensors concatenated image by image (the
+    order of the image tokens in the flattened batch), position ids of an mRoPE model as (4, rows, tokens)."""
+    inputs = {k: v for k, v in batch.items() if k != IMAGES}
+    images = [row for row in batch.get(IMAGES, []) if row]
+    for key in images[0] if images else ():
+        inputs[key] = torch.cat([row[key] for row in images])
+    positions = inputs.get("position_ids")
+    if positions is not None and positions.ndim == 3:
+        inputs["position_ids"] = positions.transpose(0, 1)
+    return inputs
 
 
 def as_rows(sequences) -> Rows:

@@ -6,6 +6,8 @@ keep only their share. The data position is the stream's own state (`IterableDat
 plus the packer's carry and the rows read but not yet trained on; it is saved in every checkpoint,
 so a resumed run, on any world size, trains on exactly the next rows the uninterrupted run would
 have. Rows are not shuffled (a shuffle buffer cannot be checkpointed exactly); shuffle the files.
+Records dropped or truncated as longer than `data.seq_len` are said when the first one is met and
+counted at the end of every pass, as the cached path says them every run (`prepare.report_overlong`).
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ import torch.distributed as dist
 
 from ..distributed import get_local_rank, get_rank, get_world_size
 from ..errors import ConfigError
+from ..log import warn_rank0
 from .pack import COLUMNS, Packer
-from .prepare import TOKENIZE_RUNS, cache_key, on_node_first_rank
+from .prepare import TOKENIZE_RUNS, cache_key, on_node_first_rank, report_overlong
 from .rows import Rows, batch_hash, eval_batches, split_micro_batches
 from .sources import load_records, locate, quiet_datasets, resolve_source, source_read_error
 from .tokenize import RecordError, Tokenize, layouts, optional_fields
@@ -43,6 +46,8 @@ class StreamReader:
         self.packer = Packer(section.seq_len, pad, whole_documents=section.format == "chat", packing=section.packing)
         self.pending = {c: np.zeros((0, section.seq_len), np.int64) for c in COLUMNS}
         self.epoch, self.record, self._records = 0, 0, None
+        self.section = section
+        self.overlong = {"documents": 0, "dropped": 0, "truncated": 0}  # this pass's counts
 
     def _next_records(self) -> list[dict]:
         """Up to TOKENIZE_BATCH records; an empty list at the end of an epoch."""
@@ -65,6 +70,8 @@ class StreamReader:
         if not records:
             if self.record == 0:
                 raise ConfigError(f"{self.source.path} holds no records")
+            report_overlong(self.overlong, self.section, f"{self.source.path} (pass {self.epoch + 1})")
+            self.overlong = dict.fromkeys(self.overlong, 0)
             self.epoch, self.record, self._records = self.epoch + 1, 0, None
             self.dataset.load_state_dict(self.start_state)
             return
@@ -74,8 +81,22 @@ class StreamReader:
         except RecordError as err:
             raise ConfigError(f"{locate(self.source, err.row)} {err.reason}") from None
         self.record += len(records)
+        documents, dropped = self.packer.documents, self.packer.dropped
         rows = self.packer.add(out["input_ids"], out.get("labels"))
+        self._count_overlong(self.packer.documents - documents, self.packer.dropped - dropped,
+                             sum(out.get("truncated", [])))
         self.pending = {c: np.concatenate([self.pending[c], rows[c]]) for c in COLUMNS}
+
+    def _count_overlong(self, documents: int, dropped: int, truncated: int) -> None:
+        before = self.overlong["dropped"] + self.overlong["truncated"]
+        self.overlong = {"documents": self.overlong["documents"] + documents,
+                         "dropped": self.overlong["dropped"] + dropped,
+                         "truncated": self.overlong["truncated"] + truncated}
+        if before == 0 and dropped + truncated and self.epoch == 0:
+            done = "dropped" if dropped else "truncated to their first tokens"
+            warn_rank0(f"{self.source.path}: records longer than data.seq_len={self.section.seq_len} are {done} "
+                       f"(data.overlong={self.section.overlong}); the first by record {self.record}, counted at the "
+                       "end of each pass over the data")
 
     def next_rows(self, count: int, partial: bool = False) -> dict[str, np.ndarray]:
         """The next `count` rows (wrapping into the next epoch), or with `partial` at most one epoch's."""
@@ -92,12 +113,14 @@ class StreamReader:
 
     def state_dict(self) -> dict:
         return {"dataset": self.dataset.state_dict(), "epoch": self.epoch, "record": self.record,
-                "packer": self.packer.state_dict(), "pending": {c: v.tolist() for c, v in self.pending.items()}}
+                "packer": self.packer.state_dict(), "pending": {c: v.tolist() for c, v in self.pending.items()},
+                "overlong": dict(self.overlong)}
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.record, self._records = state["epoch"], state["record"], None
         self.dataset.load_state_dict(state["dataset"])
         self.packer.load_state_dict(state["packer"])
+        self.overlong = dict(state.get("overlong", self.overlong))
         seq_len = self.packer.seq_len
         self.pending = {c: np.asarray(v, np.int64).reshape(-1, seq_len) for c, v in state["pending"].items()}
 

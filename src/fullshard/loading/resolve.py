@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ..distributed import get_local_rank
 from ..distributed import all_ranks_agree_ok
-from ..errors import LoadError
+from ..errors import HubUnreachableError, LoadError
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SINGLE = "model.safetensors"
@@ -53,18 +53,23 @@ def resolve_checkpoint_dir(name_or_path: str | os.PathLike, revision: str | None
         raise LoadError(f"checkpoint path {str(path)!r} is a file; pass the directory that holds it")
     repo_id = str(name_or_path)
     downloader = get_local_rank() == 0
-    result, error = None, ""
+    result, error, unreachable = None, "", False
     if downloader:
-        result, error = _snapshot(repo_id, revision, cache_dir, local_files_only=False)
-    all_ranks_agree_ok(error == "", error, LoadError)  # the others wait here until the download is done (or failed)
+        result, error, unreachable = _snapshot(repo_id, revision, cache_dir, local_files_only=False)
+    # the others wait here until the download is done (or failed)
+    all_ranks_agree_ok(error == "", error, HubUnreachableError if unreachable else LoadError)
     if not downloader:
-        result, error = _snapshot(repo_id, revision, cache_dir, local_files_only=True)
+        result, error, unreachable = _snapshot(repo_id, revision, cache_dir, local_files_only=True)
     all_ranks_agree_ok(error == "", error, LoadError)
     return result
 
 
-def _snapshot(repo_id: str, revision: str | None, cache_dir, local_files_only: bool) -> tuple[Path | None, str]:
-    from huggingface_hub import snapshot_download
+def _snapshot(repo_id: str, revision: str | None, cache_dir,
+              local_files_only: bool) -> tuple[Path | None, str, bool]:
+    """(directory, "", False), or (None, what went wrong, whether it is that the Hub cannot be
+    reached: the client's own connection error is no news to the user, and is left out)."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
 
     def fetch(patterns: list[str]) -> Path:
         return Path(snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, allow_patterns=patterns,
@@ -74,11 +79,17 @@ def _snapshot(repo_id: str, revision: str | None, cache_dir, local_files_only: b
         directory = fetch([*METADATA_PATTERNS, "*.safetensors"])
         if not any(directory.glob("*.safetensors")):
             directory = fetch([*METADATA_PATTERNS, "*.bin"])
-        return directory, ""
+        return directory, "", False
+    except LocalEntryNotFoundError:  # not cached, and the Hub not asked (offline) or not answering
+        if local_files_only:
+            return None, f"{repo_id!r} is not a local directory and not in the local cache", False
+        offline = " (HF_HUB_OFFLINE is set)" if constants.HF_HUB_OFFLINE else ""
+        return None, (f"{repo_id!r} is not a local directory, not in the local cache, and the Hub is "
+                      f"unreachable{offline}"), True
     except Exception as exc:  # noqa: BLE001 - reported on every rank by the caller
         where = "in the local cache (offline)" if local_files_only else "on the Hub or in the local cache"
         return None, (f"{repo_id!r} is not a local directory and could not be found {where}: "
-                      f"{type(exc).__name__}: {exc}")
+                      f"{type(exc).__name__}: {exc}"), False
 
 
 def find_checkpoint_files(directory: str | os.PathLike) -> CheckpointFiles:

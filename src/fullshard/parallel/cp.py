@@ -28,6 +28,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 import torch.distributed._functional_collectives as funcol
 
+from ..distributed import all_gather_single
 from ..errors import ConfigError, PlanError
 from ..packed_attention import CONTEXT_PARALLEL as ATTENTION_NAME
 from ..packed_attention import document_causal_mask
@@ -108,7 +109,7 @@ class RowDocuments:
 
     def _whole_rows(self, positions: torch.Tensor) -> torch.Tensor:
         (batch, part), cp = positions.shape, self.group.size()
-        parts = funcol.all_gather_tensor(positions.contiguous(), 0, self.group)  # rank i's parts: rows i*batch..
+        parts = all_gather_single(positions.contiguous(), 0, self.group)  # rank i's parts: rows i*batch..
         return parts.view(cp, batch, part).permute(1, 0, 2).reshape(batch, cp * part)
 
 

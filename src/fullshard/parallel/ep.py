@@ -38,6 +38,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from ..distributed import all_gather_single, all_gather_single_autograd
 from ..errors import PlanError
 from ..towers import glob_regex
 
@@ -295,10 +296,10 @@ def global_router_loss(model: nn.Module, group) -> bool:
         def over_all_ranks(gate_logits, *args, **kwargs):
             group = _ROUTER_GROUP.get()
             if group is not None and isinstance(gate_logits, (tuple, list)) and gate_logits:
-                gate_logits = tuple(funcol.all_gather_tensor_autograd(g, 0, group) for g in gate_logits)
+                gate_logits = tuple(all_gather_single_autograd(g, 0, group) for g in gate_logits)
                 mask = kwargs.get("attention_mask", args[2] if len(args) > 2 else None)
                 if mask is not None:
-                    mask = funcol.all_gather_tensor(mask.contiguous(), 0, group)
+                    mask = all_gather_single(mask.contiguous(), 0, group)
                     args, kwargs = args[:2], {**kwargs, "attention_mask": mask}
             return original(gate_logits, *args, **kwargs)
 

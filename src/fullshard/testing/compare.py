@@ -10,7 +10,7 @@ import torch.distributed as dist
 from ..distributed import get_rank, get_world_size
 from ..optim import clip_grad_norm, global_grad_norm
 from ..tensors import replicated
-from .zoo import build_model, make_batch
+from .zoo import build_model, make_batch, make_padded_batch
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -132,3 +132,30 @@ def train_against_reference(
     if inspect is not None:
         out["inspect"] = inspect(model)
     return out
+
+
+def train_on_padded_batches(name: str, make_model: Callable[[], torch.nn.Module], steps: int = 2,
+                            lr: float = 1e-3) -> dict:
+    """Train the sharded model `make_model()` builds (zoo model `name`) on this rank's slice of padded
+    batches (`make_padded_batch`): its per-step losses and grad norms and its final weights, for
+    comparing two ways of building the same model (activation checkpointing on and off, say)."""
+    model = make_model()
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, eps=1e-6)
+    out = {"loss": [], "norm": []}
+    for step in range(steps):
+        batch = data_slice(make_padded_batch(name, seed=step), get_rank(), get_world_size())
+        loss = model(**batch).loss
+        loss.backward()
+        out["norm"].append(float(global_grad_norm(model.parameters())))
+        optimizer.step()
+        optimizer.zero_grad()
+        out["loss"].append(float(loss.detach()))
+    out["weights"] = full_state(model)
+    return out
+
+
+def largest_gap(a: dict, b: dict) -> float:
+    """The largest difference between two `train_on_padded_batches` results (losses, norms, weights)."""
+    return max(*(abs(x - y) for key in ("loss", "norm") for x, y in zip(a[key], b[key])),
+               *((a["weights"][k] - b["weights"][k]).abs().max().item() for k in a["weights"]))

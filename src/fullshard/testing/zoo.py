@@ -106,3 +106,17 @@ def make_batch(name: str, batch_size: int = 4, seq_len: int = 16, seed: int = 1)
     generator = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(1, VOCAB, (batch_size, seq_len), generator=generator)
     return {"input_ids": input_ids, "labels": input_ids.clone()}
+
+
+def make_padded_batch(name: str, batch_size: int = 4, seq_len: int = 16, seed: int = 1) -> dict[str, torch.Tensor]:
+    """`make_batch` with an attention mask: even rows padded on the left, odd rows on the right, each
+    by a different length (the padding's labels ignored), as RL and chat batches arrive."""
+    batch = make_batch(name, batch_size, seq_len, seed)
+    mask = torch.ones_like(batch["input_ids"])
+    for row in range(batch_size):
+        pad = 1 + (3 * row) % (seq_len // 2)
+        mask[row, :pad] = 0 if row % 2 == 0 else 1
+        if row % 2:
+            mask[row, seq_len - pad:] = 0
+    batch["labels"][mask == 0] = -100
+    return {**batch, "attention_mask": mask}

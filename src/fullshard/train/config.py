@@ -49,6 +49,8 @@ BUILTIN_MODELS = {
                        num_key_value_heads=2, tie_word_embeddings=False),
     "micro-llama": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                         num_key_value_heads=2, tie_word_embeddings=False),
+    # a Qwen2-VL (data/builtin.py): its language model's sizes; without data.path it trains on generated pictures
+    "tiny-qwen2-vl": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2),
 }
 
 
@@ -57,7 +59,7 @@ class ModelSection:
     """The model to train."""
 
     name_or_path: str = "tiny-llama"
-    """a built-in config (tiny-llama, micro-llama: random weights, byte tokenizer), a local HF directory or a Hub id"""
+    """a built-in config (tiny-llama, micro-llama: random weights, byte tokenizer; tiny-qwen2-vl: a vision-language model), a local HF directory or a Hub id"""
     dtype: str = "fp32"
     """dtype of the sharded master weights (fp32, bf16, fp16)"""
     trust_remote_code: bool = False
@@ -95,7 +97,9 @@ class DataSection:
     chat_template: Optional[str] = None
     """a Jinja chat template, or a file holding one; unset: the tokenizer's"""
     overlong: Literal["drop", "truncate"] = "drop"
-    """a conversation (or, unpacked, a document) longer than seq_len: drop it, or keep its first seq_len tokens"""
+    """a conversation (or, unpacked, a document) longer than seq_len: drop it, or keep its first seq_len tokens (with images: up to the first image it would split)"""
+    bad_images: Literal["error", "drop"] = "error"
+    """an image-text record with a missing or unreadable image, or image tokens that do not match its images: stop naming it, or drop and count it"""
     seq_len: int = 128
     """tokens per packed row"""
     packing: bool = True
@@ -543,17 +547,44 @@ def _yaml_value(value) -> str:
 
 
 def _first_line(doc: str | None) -> str:
-    line = (doc or "").strip().split("\n")[0]
-    return "" if re.match(r"`?\w+`?: ", line) else line  # a docstring that opens with a key describes the key
+    """A section's line: the first sentence of its docstring's first paragraph, whole."""
+    paragraph = " ".join((doc or "").strip().split("\n\n")[0].split())
+    return "" if re.match(r"`?\w+`?: ", paragraph) else first_sentence(paragraph)
+
+
+def first_sentence(text: str) -> str:
+    """`text` up to the end of its first sentence (a '. ' outside parentheses and not after e.g. or
+    i.e.), without its final stop: never a cut inside a sentence."""
+    depth = 0
+    for index, char in enumerate(text):
+        depth += (char in "([") - (char in ")]")
+        if depth == 0 and text.startswith(". ", index) and not text[:index].endswith(("e.g", "i.e")):
+            return text[:index]
+    return text.rstrip(".")
+
+
+def docstring_entries(cls) -> dict[str, str]:
+    """`key: text` (or `a / b: text`) entries of a class docstring and its bases', each with its
+    continuation lines (indented further than the key), as one line."""
+    found: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        entry: list[str] | None = None
+        indent = 0
+        for line in (klass.__doc__ or "").splitlines():
+            match = re.match(r"^(\s*)`?([\w /`]+?)`?:\s+(.+)$", line)
+            if entry is not None and line.strip() and len(line) - len(line.lstrip()) > indent and not (
+                    match and len(match.group(1)) == indent):
+                entry.append(line.strip())
+                continue
+            entry = None
+            if match:
+                indent, entry = len(match.group(1)), [match.group(3)]
+                for key in match.group(2).replace("`", "").split("/"):
+                    found[key.strip()] = entry
+    return {key: " ".join(parts) for key, parts in found.items()}
 
 
 def _docstring_keys(cls) -> dict[str, str]:
-    """`key: text` (or `a / b: text`) lines of a class docstring and its bases', for keys defined
-    in a class whose source we do not own; the text is cut at its first clause."""
-    found: dict[str, str] = {}
-    for klass in reversed(cls.__mro__):
-        for match in re.finditer(r"^\s*`?([\w /`]+?)`?:\s+(.+)$", klass.__doc__ or "", re.M):
-            text = re.split(r"; |\. ", match.group(2))[0].rstrip(".;,")
-            for key in match.group(1).replace("`", "").split("/"):
-                found[key.strip()] = text
-    return found
+    """The first sentence of each docstring entry (`docstring_entries`): the help of keys defined
+    in a class whose source we do not own."""
+    return {key: first_sentence(text) for key, text in docstring_entries(cls).items()}

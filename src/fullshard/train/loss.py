@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..data.rows import model_inputs
 from ..packed_attention import packed_inputs
 from .chunked_loss import DEFAULT_LOSS_CHUNK_TOKENS, IGNORE_INDEX, chunked_loss_sum
 
@@ -74,7 +75,7 @@ class PendingTargetCount:
 def causal_lm_loss_sum(model: torch.nn.Module, batch: dict, chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS) -> torch.Tensor:
     """Sum of the next-token cross-entropy over the batch's target tokens, in fp32; the logits of
     `chunk_tokens` tokens at a time where the model allows (0: all at once)."""
-    inputs = packed_inputs(model, {k: v for k, v in batch.items() if k not in NOT_MODEL_INPUTS})
+    inputs = packed_inputs(model, model_inputs({k: v for k, v in batch.items() if k not in NOT_MODEL_INPUTS}))
     targets = aligned_targets(batch)
     if chunk_tokens > 0:
         loss = chunked_loss_sum(model, inputs, targets, chunk_tokens)

@@ -64,10 +64,22 @@ class MemoryEstimate:
     saved_loss: int = 0  # the loss's share of `activations`, freed when the backward starts
     first_unit_gradients: int = 0  # the sharded gradients of the unit the backward starts with
     recompute: int = 0  # activation checkpointing: the layer being recomputed and its activations' gradients
+    input_unit_gradients: int = 0  # the sharded gradients of the unit the forward starts with (the embedding's)
+    backward_gathered: int = 0  # the two largest units gathered in backward (a plain embedding is not)
+    in_flight: int = 0  # a pipeline stage: the micro-batches whose activations it holds at once (0: no pipeline)
+    pipeline_gradients: int = 0  # a pipeline stage: its whole gradients, unsharded until the last micro-batch
+    gradients_between_forwards: bool = False  # 1F1B: a later micro-batch's forward runs beside them
+    offloaded: bool = False  # offload_params: the shards, their gradients and optimizer state live in host memory
+
+    @property
+    def device_gradients(self) -> int:
+        return 0 if self.offloaded else self.gradients
 
     @property
     def forward_peak(self) -> int:
-        grads = self.gradients if self.gradients_in_forward else 0
+        grads = self.device_gradients if self.gradients_in_forward else 0
+        if self.in_flight:
+            grads = self.pipeline_gradients if self.gradients_between_forwards else 0
         return self.largest_unit + self.activations + self.loss + grads
 
     @property
@@ -77,15 +89,24 @@ class MemoryEstimate:
         last layer prefetched) or at the end (every gradient, only the root unit gathered unless a
         layer is recomputed). One unit's gradient buffers and a recomputed layer's are the same at
         every layer: they add to both ends."""
-        grads_at_start = self.gradients if self.gradients_in_forward else self.first_unit_gradients
+        if self.in_flight:
+            # the first micro-batch's backward: one unit's gradients beside every activation; after it,
+            # the stage's whole gradients (FSDP reduces them at the last one) beside the others'
+            start = self.backward_gathered + self.activations - self.saved_loss + self.largest_unit
+            after_first = self.gathered + self.activations * (self.in_flight - 1) // self.in_flight
+            return self.recompute + max(start, after_first + self.pipeline_gradients)
+        grads_at_start = self.device_gradients if self.gradients_in_forward else self.first_unit_gradients
         start = self.gathered + self.activations - self.saved_loss + grads_at_start
-        # recomputing the first layer gathers its unit again while the root unit is gathered
-        end = (self.gathered if self.recompute else self.largest_unit) + self.gradients
+        # recomputing the first layer gathers its unit again while the root unit is gathered, before
+        # the embedding's gradients exist
+        end = (self.gathered + self.device_gradients - self.input_unit_gradients * (not self.offloaded)
+               if self.recompute else self.largest_unit + self.device_gradients)
         return self.unit_gradients + self.recompute + max(start, end)
 
     @property
     def total(self) -> int:
-        return self.parameters + self.optimizer + self.allocator + max(self.forward_peak, self.backward_peak)
+        held = 0 if self.offloaded else self.parameters + self.optimizer
+        return held + self.allocator + max(self.forward_peak, self.backward_peak)
 
     def rows(self) -> list[tuple[str, int]]:
         return [("parameters (shard)", self.parameters), ("gradients (shard)", self.gradients),
@@ -95,35 +116,71 @@ class MemoryEstimate:
                 ("one unit's unsharded gradients", self.unit_gradients),
                 ("recomputed layer and its gradients", self.recompute), ("allocator rounding", self.allocator),
                 ("at the end of the forward", self.forward_peak), ("in the backward", self.backward_peak),
-                ("total (parameters, optimizer, rounding, larger moment)", self.total)]
+                ("total (parameters, optimizer, rounding, larger moment)" if not self.offloaded else
+                 "total on the device (offloaded: gathered units, activations, rounding)", self.total)]
 
     def describe(self) -> str:
         width = max(len(name) for name, _ in self.rows())
         return "\n".join(f"{name.ljust(width)}  {value / 2**20:>10.2f} MiB" for name, value in self.rows())
 
 
-def layer_activation_values(config) -> int:
-    """Values one decoder layer saves for backward, per token."""
+def text_config(config):
+    """The language model's config of a composite one (a VLM's `text_config`), else the config itself."""
+    return getattr(config, "get_text_config", lambda: config)()
+
+
+def layer_activation_values(config, tp: int = 1, cp: int = 1) -> int:
+    """Values one decoder layer saves for backward, per token: 6H around its two norms (inputs,
+    normalised values, the projections' shared input), which every tp rank holds whole, and the
+    attention's queries and output, keys and values, and the MLP's four intermediates, which a tp
+    rank holds 1/tp of (its heads, its slice of the MLP width). Under cp the attention repeats the
+    key/value heads to the query heads before its all-to-all (keys and values H wide), and its
+    all-to-alls keep about 3H more (2-3H measured at cp 2: bench_memory)."""
     hidden, inter = config.hidden_size, config.intermediate_size
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or hidden // heads
-    return 8 * hidden + 2 * kv_heads * head_dim + 4 * inter
+    kv = hidden if cp > 1 and kv_heads < heads else kv_heads * head_dim
+    return 6 * hidden + (2 * hidden + 2 * kv + 4 * inter) // tp + (3 * hidden // tp if cp > 1 else 0)
 
 
 def activation_bytes(config, micro_batch_size: int, seq_len: int, compute_bytes: int,
-                     activation_checkpointing: bool = False, chunked_loss: bool = False) -> int:
+                     activation_checkpointing: bool = False, chunked_loss: bool = False,
+                     layers: int | None = None, first: bool = True, last: bool = True, tp: int = 1,
+                     cp: int = 1) -> int:
     """What autograd saves for one micro-batch: the layers, the embedding and final norm (3H), the
     rotary cos/sin shared by the layers, the int64 ids, labels and positions, and the loss's fp32
-    log-softmax (4V bytes), or, chunked, the hidden states' gradient it holds (H values)."""
-    per_layer = config.hidden_size if activation_checkpointing else layer_activation_values(config)
-    body = config.num_hidden_layers * per_layer
+    log-softmax (4V bytes), or, chunked, the hidden states' gradient it holds (H values). A pipeline
+    stage holds `layers` of them, the embedding only if `first`, the final norm and loss only if `last`."""
+    layers = config.num_hidden_layers if layers is None else layers
+    per_layer = config.hidden_size if activation_checkpointing else layer_activation_values(config, tp, cp)
     rotary = 2 * (getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
     tokens = micro_batch_size * seq_len
-    norms = 1 if activation_checkpointing else 2 * config.num_hidden_layers + 1
-    loss = compute_bytes * config.hidden_size if chunked_loss else 4 * config.vocab_size
-    return tokens * (compute_bytes * (body + 3 * config.hidden_size + rotary) + 3 * 8 + loss
+    ends = (2 if first else 0) + (1 if last else 0)  # the embedding's output and its copy; the final norm's
+    norms = (0 if activation_checkpointing else 2 * layers) + (1 if last else 0)
+    loss = (compute_bytes * config.hidden_size if chunked_loss else 4 * config.vocab_size) if last else 0
+    return tokens * (compute_bytes * (layers * per_layer + ends * config.hidden_size + rotary) + 3 * 8 + loss
                      + norms * norm_upcast_bytes(config, compute_bytes))
+
+
+def frozen_inputs(model: nn.Module) -> int:
+    """Values per token a decoder layer does not save because its Linear layers are frozen (LoRA's
+    base): a frozen Linear keeps no input for a weight gradient. Counted once per parent module and
+    input width (a shared input, as gate and up projections have, is one tensor), and not where an
+    adapter wraps the layer (its own input is saved)."""
+    from ..plan import find_blocks
+
+    layer = next((model.get_submodule(name) for name in find_blocks(model)
+                  if any(True for _ in model.get_submodule(name).parameters())), None)
+    if layer is None or all(p.requires_grad for p in layer.parameters()):
+        return 0
+    adapted = {id(m.base_layer) for m in layer.modules() if hasattr(m, "base_layer")}
+    widths = set()
+    for name, module in layer.named_modules():
+        if (type(module) is nn.Linear and id(module) not in adapted and not module.weight.requires_grad
+                and "lora_" not in name):
+            widths.add((name.rpartition(".")[0], module.in_features))
+    return sum(width for _, width in widths)
 
 
 def norm_upcast_bytes(config, compute_bytes: int) -> int:
@@ -136,7 +193,9 @@ def estimate_memory(model: nn.Module, plan: ShardingPlan, shard_size: int, micro
                     optimizer: str = "adamw", accumulation_steps: int | None = None,
                     device_type: str = "cuda", reduce_dtype: torch.dtype = torch.float32,
                     tp_assignments: dict[str, str] | None = None, tp_size: int = 1, cp_size: int = 1,
-                    ep_size: int = 1, loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS) -> MemoryEstimate:
+                    ep_size: int = 1, loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS,
+                    stage_rows: int | None = None, in_flight: int = 1,
+                    all_forwards_first: bool = False) -> MemoryEstimate:
     """The estimate for `model` (real or on meta) sharded by `plan` over `shard_size` (dp_shard) x
     `cp_size` ranks, after the modules of `tp_assignments` (name -> TP style) are split `tp_size` ways.
     With `ep_size` > 1 each MoE experts module is a unit of its own that gathers only this rank's
@@ -144,50 +203,88 @@ def estimate_memory(model: nn.Module, plan: ShardingPlan, shard_size: int, micro
     where no other rank holds them (ep = dp_shard x cp) they are not gathered at all, only cast to the
     compute dtype if it differs.
 
-    `accumulation_steps` None (unknown) counts the gradients through the forward, as when
-    micro-batches accumulate; `device_type` "cpu" has no allocator rounding; `loss_chunk_tokens`
-    is `train.loss_chunk_tokens`.
-    """
+    `accumulation_steps` None (unknown) counts the gradients through the forward; `device_type`
+    "cpu" has no allocator rounding. A pipeline stage (`estimate_run`) is `stage_rows` x `seq_len`."""
     split = TensorParallelSplit(model, tp_assignments or {}, tp_size)
     units = _unit_bytes(model, plan, shard_size * cp_size, compute_dtype, optimizer,
                         ALLOCATOR_BLOCK if device_type != "cpu" else 1, split,
                         expert_units(model, ep_size, shard_size * cp_size))
     seq_len = -(-seq_len // cp_size)  # this rank's part of each sequence
-    # a VLM's activations are its language model's (the vision tower's, per image, are not counted)
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    compute_bytes, tokens = compute_dtype.itemsize, micro_batch_size * seq_len
-    head = chunked_head(model, loss_chunk_tokens, tp_assignments or {})
-    activations = activation_bytes(config, micro_batch_size, seq_len, compute_bytes, activation_checkpointing,
-                                   chunked_loss=head is not None)
-    if head is None:
-        loss, saved_loss = tokens * config.vocab_size * LOSS_TRANSIENT_BYTES_PER_LOGIT, tokens * config.vocab_size * 4
-    else:
-        # a chunk's logits; the head's gradient, made in the forward; the head unit's all-gather
-        # buffer, which FSDP frees only when the root's forward ends; and a second copy of the hidden
-        # states' gradient (the one it saves), live while the final norm's backward takes it on
-        # (bench_loss measures these)
-        chunk_bytes = CHUNK_BYTES_PER_LOGIT + (compute_bytes if compute_bytes < 4 else 0)
-        head_bytes = sum(p.numel() for p in head.parameters()) * compute_bytes
-        loss = (min(loss_chunk_tokens, tokens) * config.vocab_size * chunk_bytes + 2 * head_bytes
-                + tokens * config.hidden_size * compute_bytes)
-        saved_loss = tokens * config.hidden_size * compute_bytes
-    # a checkpointed layer's backward recomputes its activations and then holds their gradients
-    # beside them: about two layers' worth in all, measured (bench_memory)
-    layer = compute_bytes * layer_activation_values(config) + 2 * norm_upcast_bytes(config, compute_bytes)
-    recompute = 2 * tokens * layer if activation_checkpointing else 0
+    config, compute_bytes = text_config(model.config), compute_dtype.itemsize
+    stage = getattr(model, "fullshard_stage", None)  # a pipeline stage: its layers, ends and micro-batches
+    layers, first, last = (len(stage.layers), stage.first, stage.last) if stage else (None, True, True)
+    if stage is not None:
+        micro_batch_size = stage_rows or micro_batch_size  # one pipeline micro-batch
+    tokens = micro_batch_size * seq_len
+    # the layers' projections split over tp (the auto plan's are): their activations are split too
+    layer_tp = tp_size if any(".layers." in f".{name}." for name in (tp_assignments or {})) else 1
+    head = chunked_head(model, loss_chunk_tokens, tp_assignments or {}) if last else None
+    activations = in_flight * activation_bytes(config, micro_batch_size, seq_len, compute_bytes,
+                                               activation_checkpointing, chunked_loss=head is not None,
+                                               layers=layers, first=first, last=last, tp=layer_tp, cp=cp_size)
+    activations += in_flight * tokens * compute_bytes * layout_values(
+        model, config, expert_units(model, ep_size, shard_size * cp_size), activation_checkpointing, layers,
+        first, last, stage is not None, head is None)
+    loss, saved_loss = loss_bytes(config, head, tokens, compute_bytes, loss_chunk_tokens, in_flight) if last else (0, 0)
+    # a checkpointed layer's backward recomputes its activations, freeing them as their gradients
+    # arrive: about one layer's worth at its highest, measured (bench_memory)
+    layer = (compute_bytes * layer_activation_values(config, layer_tp, cp_size)
+             + 2 * norm_upcast_bytes(config, compute_bytes))
+    recompute = tokens * layer if activation_checkpointing else 0
     full = sorted(units["full"].values(), reverse=True)
     largest = max(units["full"], key=units["full"].get)
     reduce_copy = reduce_dtype.itemsize if reduce_dtype != compute_dtype else 0
     trainable = sum(units["grad"].values())
     return MemoryEstimate(
         parameters=units["shard"], gradients=trainable, optimizer=OPTIMIZER_STATES[optimizer] * trainable,
-        gathered=sum(full[:2]), activations=activations,
-        loss=loss,
+        gathered=sum(full[:2]), activations=activations, loss=loss,
         unit_gradients=units["numel"][largest] * reduce_copy + full[0] + units["grad"].get(largest, 0),
         allocator=units["rounding"], gradients_in_forward=accumulation_steps is None or accumulation_steps > 1,
         largest_unit=full[0], saved_loss=saved_loss,
         first_unit_gradients=max(units["grad"].values(), default=0), recompute=recompute,
+        input_unit_gradients=next(iter(units["grad"].values()), 0),
+        backward_gathered=sum(sorted(units["backward_full"].values(), reverse=True)[:2]),
+        in_flight=in_flight if stage is not None else 0,
+        pipeline_gradients=units["trainable_numel"] * compute_bytes if stage is not None else 0,
+        gradients_between_forwards=stage is not None and not all_forwards_first,
     )
+
+
+def layout_values(model: nn.Module, config, experts: dict, activation_checkpointing: bool, layers: int | None,
+                  first: bool, last: bool, pipelined: bool, whole_logits: bool) -> int:
+    """Values per token that the layout adds to (or, frozen, takes from) what the layers save."""
+    values = 0
+    if experts and not activation_checkpointing:
+        # the dispatch keeps the rows the all-to-all brought (top-k per token) as its experts' input
+        top_k = getattr(config, "num_experts_per_tok", 1) or 1
+        values += len({unit for unit, _, _ in experts.values()}) * top_k * config.hidden_size
+    if not activation_checkpointing:
+        values -= (config.num_hidden_layers if layers is None else layers) * frozen_inputs(model)
+    if pipelined:
+        # the schedule keeps, until each micro-batch's backward, the output a stage sends and its
+        # gradient's buffer (2H per token), the input it receives with its gradient and copies, and
+        # on the last stage the loss's few extra buffers (about 6H in all, measured at pp 2:
+        # bench_memory), and its whole logits where the loss is not chunked
+        values += ((0 if last else 2) + (0 if first else 6)) * config.hidden_size
+        values += config.vocab_size if last and whole_logits else 0
+    return values
+
+
+def loss_bytes(config, head: nn.Module | None, tokens: int, compute_bytes: int, loss_chunk_tokens: int,
+               in_flight: int = 1) -> tuple[int, int]:
+    """(the loss's buffers beyond what it saves, what it saves) for `tokens` tokens: whole logits, or chunked."""
+    if head is None:
+        return tokens * config.vocab_size * LOSS_TRANSIENT_BYTES_PER_LOGIT, tokens * config.vocab_size * 4
+    # a chunk's logits; the head's gradient, made in the forward (each micro-batch in flight on a
+    # pipeline stage holds its own); the head unit's all-gather buffer, which FSDP frees only when
+    # the root's forward ends; and a second copy of the hidden states' gradient (the one it saves),
+    # live while the final norm's backward takes it on (bench_loss measures these)
+    chunk_bytes = CHUNK_BYTES_PER_LOGIT + (compute_bytes if compute_bytes < 4 else 0)
+    head_bytes = sum(p.numel() for p in head.parameters()) * compute_bytes
+    trains_head = any(p.requires_grad for p in head.parameters())  # a frozen head (LoRA) gets no gradient
+    loss = (min(loss_chunk_tokens, tokens) * config.vocab_size * chunk_bytes + (1 + trains_head * in_flight) * head_bytes
+            + tokens * config.hidden_size * compute_bytes)
+    return loss, tokens * config.hidden_size * compute_bytes
 
 
 def chunked_head(model: nn.Module, loss_chunk_tokens: int, tp_assignments: dict[str, str]) -> nn.Linear | None:
@@ -252,7 +349,8 @@ def _unit_bytes(model: nn.Module, plan: ShardingPlan, shard_size: int, compute_d
     """Per FSDP unit: its all-gathered bytes in the compute dtype (a tp rank gathers its 1/tp), its
     element count and this rank's gradient shard; over the model: this rank's parameter shard and
     the allocator's rounding."""
-    out = {"full": {}, "numel": {}, "grad": {}, "shard": 0, "rounding": 0}
+    out = {"full": {}, "numel": {}, "grad": {}, "shard": 0, "rounding": 0, "trainable_numel": 0, "backward_full": {}}
+    modules = dict(model.named_modules())
     for name, full_param in model.named_parameters():
         param = split.local(name, full_param)
         per_rank = shard_bytes(param, shard_size)[1]
@@ -263,7 +361,10 @@ def _unit_bytes(model: nn.Module, plan: ShardingPlan, shard_size: int, compute_d
         out["shard"] += per_rank
         out["full"][unit] = out["full"].get(unit, 0) + gathered * compute_dtype.itemsize
         out["numel"][unit] = out["numel"].get(unit, 0) + gathered
+        if type(modules.get(name.rpartition(".")[0])) is not nn.Embedding:  # FSDP does not gather those for backward
+            out["backward_full"][unit] = out["backward_full"].get(unit, 0) + gathered * compute_dtype.itemsize
         if full_param.requires_grad:
+            out["trainable_numel"] += param.numel()
             out["grad"][unit] = out["grad"].get(unit, 0) + per_rank
         copies = 1 + (1 + OPTIMIZER_STATES[optimizer]) * full_param.requires_grad  # the weight, its gradient and moments
         out["rounding"] += copies * (-(-per_rank // block) * block - per_rank)
@@ -301,3 +402,170 @@ def measured_peak_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, run,
     with tracker:
         run()
     return max(snapshot["Total"] for snapshot in tracker.get_tracker_snapshot("peak").values())
+
+
+# ---------------------------------------------------------------------------------------------- a run's plan
+
+
+@dataclass
+class StageEstimate:
+    """The estimate for one rank's share of a run: the whole model, or one pipeline stage."""
+
+    label: str
+    estimate: MemoryEstimate
+
+
+@dataclass
+class RunEstimate:
+    """Per-rank estimates of a training run: one for the whole model, or one per pipeline stage."""
+
+    stages: list[StageEstimate]
+    assumptions: str  # the dtypes and layout the estimate assumed, for the plan's header
+
+    @property
+    def per_rank(self) -> int:
+        """The largest rank's total: what every rank must fit."""
+        return max(s.estimate.total for s in self.stages)
+
+
+def training_dtypes(model: nn.Module, engine) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
+    """(master weights, compute, gradient reduce) dtypes of `model` trained under `engine`: the
+    masters, their gradients and the optimizer state keep the parameters' own dtype (the model is
+    built in `model.dtype`); FSDP computes in `mixed_precision` and, off (fp32), in the masters'
+    dtype, reducing in `reduce_dtype` only where mixed precision is on."""
+    from ..dtypes import DTYPES
+
+    trainable = [p for p in model.parameters() if p.requires_grad] or list(model.parameters())
+    master = trainable[0].dtype if trainable else torch.float32
+    if engine.mixed_precision == "fp32":
+        return master, master, master
+    return master, DTYPES[engine.mixed_precision], DTYPES[engine.reduce_dtype]
+
+
+def estimate_run(model: nn.Module, engine, world_size: int, micro_batch_size: int, seq_len: int, *,
+                 optimizer: str = "adamw", accumulation_steps: int | None = None, device_type: str = "cuda",
+                 loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS) -> RunEstimate:
+    """The per-rank memory of training `model` (real or on meta, in the dtype it trains in, LoRA
+    applied if it trains with it) under `engine` (an `EngineConfig` or its dict) on `world_size`
+    ranks, `micro_batch_size` x `seq_len` tokens per rank and micro-batch: one estimate, or one
+    per pipeline stage."""
+    from ..distributed import ParallelDims
+    from ..engine import EngineConfig
+    from ..plan import build_plan
+
+    engine = EngineConfig.from_any(engine)
+    dims = ParallelDims(engine.dp_replicate, engine.dp_shard, world_size, cp=engine.cp_size, tp=engine.tp_size,
+                        pp=engine.pp_size, ep=engine.ep_size)
+    master, compute, reduce = training_dtypes(model, engine)
+
+    def one(module: nn.Module, **stage) -> MemoryEstimate:
+        estimate = estimate_memory(
+            module, build_plan(module, engine.plan), dims.dp_shard, micro_batch_size, seq_len, compute,
+            engine.activation_checkpointing, optimizer, accumulation_steps=accumulation_steps,
+            device_type=device_type, reduce_dtype=reduce,
+            tp_assignments=tp_assignments(module, engine.tp_plan, dims.tp), tp_size=dims.tp, cp_size=dims.cp,
+            ep_size=dims.ep, loss_chunk_tokens=loss_chunk_tokens, **stage)
+        estimate.offloaded = engine.offload_params and device_type != "cpu"
+        return estimate
+
+    assumptions = (f"master weights, gradients and {optimizer} state in {_name(master)}, compute in {_name(compute)}"
+                   + (f", gradients reduced in {_name(reduce)}" if reduce != compute else ""))
+    if dims.pp == 1:
+        return RunEstimate([StageEstimate("every rank", one(model))], assumptions)
+    from ..parallel.pp import microbatches_of
+
+    pipeline_micro = microbatches_of(dims.pp, engine.pp_microbatches)
+    rows = max(micro_batch_size // pipeline_micro, 1)
+    stages = []
+    for label, stage, index, count in pipeline_stages(model, engine):
+        # GPipe runs every micro-batch's forward before the first backward; 1F1B keeps at most as
+        # many in flight as there are stages after this one, itself included
+        flight = pipeline_micro if engine.pp_schedule == "GPipe" else min(pipeline_micro, count - index)
+        stages.append(StageEstimate(label, one(stage, stage_rows=rows, in_flight=flight,
+                                               all_forwards_first=engine.pp_schedule == "GPipe")))
+    return RunEstimate(stages, assumptions + f", {engine.pp_schedule} over {pipeline_micro} pipeline micro-batches")
+
+
+def estimate_rank_bytes(model: nn.Module, engine, world_size: int, micro_batch_size: int, seq_len: int,
+                        **kwargs) -> int:
+    """The largest rank's estimated peak bytes (`estimate_run(...).per_rank`): what a GPU run compares
+    with `torch.cuda.max_memory_allocated()` (pass `device_type="cuda"`)."""
+    return estimate_run(model, engine, world_size, micro_batch_size, seq_len, **kwargs).per_rank
+
+
+def pipeline_stages(model: nn.Module, engine):
+    """(label, stage module, stage index, stage count) for each pipeline stage of `model`."""
+    from ..parallel.pp import build_stage, decoder_parts, held_ends, stage_layers
+
+    parts = decoder_parts(model)
+    ranges = stage_layers(model, parts, engine.pp_size * engine.pp_virtual_stages, engine.pp_layers_per_stage)
+    for index, layers in enumerate(ranges):
+        ends = [name for name, held in held_ends(parts, index, len(ranges)).items() if held]
+        stage = build_stage(model, parts, ranges, index)
+        params = sum(p.numel() for p in stage.parameters())
+        yield (f"stage {index} (pp rank {index % engine.pp_size}): layers {layers.start}-{layers.stop - 1}"
+               + (f" + {', '.join(ends)}" if ends else "") + f", {params:,} parameters"), stage, index, len(ranges)
+
+
+def tp_assignments(model: nn.Module, tp_plan, tp_size: int) -> dict[str, str]:
+    """Module name -> TP style, validated as the engine does (a `PlanError` naming the entry); none at tp 1."""
+    if tp_size == 1:
+        return {}
+    from ..parallel.tp import plan_assignments, resolve_tp_plan
+
+    return plan_assignments(model, resolve_tp_plan(model, tp_plan), tp_size)
+
+
+def _name(dtype: torch.dtype) -> str:
+    from ..dtypes import DTYPES
+
+    return next((name for name, d in DTYPES.items() if d == dtype), str(dtype))
+
+
+# what torch.cuda.get_device_properties(...).total_memory reports for each card (the job's own CUDA
+# context, a few hundred MiB, comes out of it too); cpu: the host's memory, shared by its ranks
+DEVICES = {"h100": ("cuda", 79.19 * 2**30), "h200": ("cuda", 139.8 * 2**30), "a100-80g": ("cuda", 79.15 * 2**30),
+           "a100-40g": ("cuda", 39.39 * 2**30), "cpu": ("cpu", None), "cuda": ("cuda", None)}
+
+
+def device_capacity(device: str | None) -> tuple[str, int | None]:
+    """(device name, bytes one rank may use) for `--device`: a named card, `cuda` (this machine's
+    first GPU), `cpu` (the host's memory), or None (this machine's device)."""
+    from ..errors import ConfigError
+
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("--device=cuda plans for this machine's GPU, and it has none: name the card "
+                              f"(one of {', '.join(n for n in DEVICES if n not in ('cpu', 'cuda'))})")
+        return f"cuda ({torch.cuda.get_device_name(0)})", torch.cuda.get_device_properties(0).total_memory
+    if device == "cpu":
+        import os
+
+        return "cpu", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return device, int(DEVICES[device][1])
+
+
+def largest_micro_batch(model: nn.Module, engine, world_size: int, seq_len: int, capacity: int,
+                        limit: int = 1 << 14, **kwargs) -> int:
+    """The largest micro batch (rows of `seq_len` tokens; under pp a multiple of its pipeline
+    micro-batches) whose per-rank estimate fits `capacity` bytes; 0 if none does."""
+    from ..engine import EngineConfig
+    from ..parallel.pp import microbatches_of
+
+    engine = EngineConfig.from_any(engine)
+    step = microbatches_of(engine.pp_size, engine.pp_microbatches) if engine.pp_size > 1 else 1
+
+    def fits(multiple: int) -> bool:
+        return estimate_run(model, engine, world_size, multiple * step, seq_len, **kwargs).per_rank <= capacity
+
+    low, high = 0, 1
+    while fits(high):
+        low, high = high, high * 2
+        if high * step > limit:
+            return low * step  # at least this: more rows than anyone runs
+    while high - low > 1:  # fits(low), not fits(high)
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low * step

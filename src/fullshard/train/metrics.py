@@ -37,7 +37,7 @@ def flops_per_token(num_params: int, num_layers: int, hidden_size: int, seq_len:
 
 def model_flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
     """FLOPs per trained token for a transformers model (embedding lookups are not matmuls and are excluded)."""
-    config = model.config
+    config = model.config.get_text_config()  # a vision-language model's language model sets the shape
     total, lookup = parameter_counts(model)
     return flops_per_token(total - lookup, config.num_hidden_layers, config.hidden_size, seq_len)
 

@@ -6,21 +6,25 @@ process before any rank starts, so a mistake is one line naming the key instead 
 Hub id (resolved from the local cache when offline, downloaded once otherwise), built on the meta
 device from its config (no weights read) so the sharding plan is validated against the real module
 names, and its attention implementation against packing. `build_meta_model` is the same model for
-`fullshard plan`. The output paths and the run directory's rules (one live run, one run's
-checkpoints) are `rundir`'s.
+`fullshard plan`. None of it writes anything, so a refused run leaves nothing behind.
+`check_resumed_checkpoint` then holds the checkpoint the run would resume against that model and
+`train.steps` (run with the directory's lock held, after `rundir` settled whose checkpoints it keeps).
+The output paths and the run directory's rules (one live run, one run's checkpoints) are `rundir`'s.
 """
 
 from __future__ import annotations
 
 import difflib
+import re
 from pathlib import Path
 
-from ..errors import CheckpointError, ConfigError, FullshardError, PlanError
+from ..errors import CheckpointError, ConfigError, FullshardError, HubUnreachableError, PlanError
 from ..packed_attention import attention_path, use_attention
 from .config import BUILTIN_MODELS, TrainConfig
 
 
-def check_before_launch(config: TrainConfig, world_size: int) -> None:
+def check_before_launch(config: TrainConfig, world_size: int):
+    """Every check of `config` that needs no run directory; returns the model on meta (LoRA applied)."""
     config.accumulation_steps(world_size)
     _check_resume(config.checkpoint.resume)
     _check_data(config)
@@ -41,6 +45,7 @@ def check_before_launch(config: TrainConfig, world_size: int) -> None:
         raise PlanError(f"fsdp.plan: {err}") from None
     _check_parallel(model, config.fsdp)
     _check_init_from(config, model)
+    return model
 
 
 def _check_init_from(config: TrainConfig, model) -> None:
@@ -66,6 +71,49 @@ def _check_init_from(config: TrainConfig, model) -> None:
     if config.checkpoint.init_optimizer and not any(k.startswith("optim.") for k in index.state_dict_metadata):
         raise ConfigError(f"{key} holds no optimizer state (saved without an optimizer): set "
                           "checkpoint.init_optimizer=false")
+
+
+
+NEW_RUN = "another train.output_dir, or checkpoint.resume=none with checkpoint.overwrite=true"
+
+
+def check_resumed_checkpoint(config: TrainConfig, model) -> None:
+    """The checkpoint this run would resume (`checkpoint.resume`: the newest in the run's own
+    directory, or the one named) must hold this model's weights by name and shape, and a step no
+    later than `train.steps`: else one line naming the first keys, their count and what to do.
+    One the ranks could not read is left to them (`auto` falls back past it, or names it)."""
+    from ..checkpoint import layout
+    from ..checkpoint.fit import weights_apart
+    from ..safe_dcp import read_dcp_metadata
+
+    resume = config.checkpoint.resume
+    if resume == "none":
+        return
+    if resume == "auto":
+        found = layout.complete_checkpoints(config.checkpoint_dir)
+        if not found:
+            return
+        checkpoint, start_anew = found[0], NEW_RUN
+    else:
+        checkpoint, start_anew = layout.resolve_checkpoint(resume), "checkpoint.resume=none"
+    try:
+        metadata = read_dcp_metadata(checkpoint / layout.STATE_DIR, CheckpointError)
+        step = int(layout.read_json(checkpoint / layout.TRAINER_STATE)["step"])
+    except (CheckpointError, KeyError, TypeError, ValueError):
+        return
+    where = f"checkpoint.resume={resume}"
+    missing, unexpected, reshaped = weights_apart(metadata, model.state_dict(), model)
+    if missing or unexpected or reshaped:
+        counts = ", ".join(f"{len(keys)} {what}" for keys, what in ((missing, "missing from it"), (unexpected, "only in it"),
+                                                                  (reshaped, "of another shape")) if keys)
+        keys = [*missing, *unexpected, *reshaped]
+        raise CheckpointError(f"{where}: checkpoint {checkpoint} does not fit this model ({counts}: "
+                              f"{', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''}): use the model it was trained "
+                              f"from, or start a new run: {start_anew}")
+    if step > config.train.steps:
+        raise ConfigError(f"{where}: checkpoint {checkpoint} is at step {step}, past train.steps="
+                          f"{config.train.steps}: raise train.steps to at least {step} to continue it, or start a "
+                          f"new run: {start_anew}")
 
 
 def _check_parallel(model, fsdp) -> None:
@@ -147,30 +195,50 @@ def resolve_model_dir(name: str) -> Path | None:
 
     try:
         return resolve_checkpoint_dir(name)
+    except HubUnreachableError:  # a mistyped name, likely: say what it is not, not the Hub client's error
+        from huggingface_hub import constants
+
+        offline = " (HF_HUB_OFFLINE is set)" if constants.HF_HUB_OFFLINE else ""
+        what = ("not in the local Hub cache" if "/" in name
+                else f"not a built-in name ({_near_builtin(name)})")
+        raise ConfigError(f"model.name_or_path={name!r} is not a local directory, {what}, and the Hub is "
+                          f"unreachable{offline}") from None
     except FullshardError as err:
         builtins = "" if "/" in name else f" (the built-in models are {', '.join(BUILTIN_MODELS)})"
         raise ConfigError(f"model.name_or_path={name!r}: {err}{builtins}") from None
 
 
+def _near_builtin(name: str) -> str:
+    """"did you mean 'micro-llama'?" for a name near a built-in one (case and word order aside), else
+    the built-in names."""
+    def words(text: str) -> str:
+        return "-".join(sorted(re.split(r"[-_/ .]+", text.lower())))
+
+    by_words = {words(builtin): builtin for builtin in BUILTIN_MODELS}
+    close = (difflib.get_close_matches(name.lower(), BUILTIN_MODELS, n=1, cutoff=0.6)
+             or [by_words[m] for m in difflib.get_close_matches(words(name), by_words, n=1, cutoff=0.6)])
+    return f"did you mean {close[0]!r}?" if close else f"the built-in names are {', '.join(BUILTIN_MODELS)}"
+
+
 def build_meta_model(config: TrainConfig):
-    """The model of `config` on the meta device: a built-in Llama, or a directory's / Hub id's config."""
+    """The model of `config` on the meta device, in the dtype training keeps (`model.dtype`, whatever
+    the stored `torch_dtype`): a built-in Llama, or a directory's / Hub id's config."""
+    from ..dtypes import DTYPES
     from ..loading import init_empty_model, meta_init
 
-    name = config.model.name_or_path
+    name, dtype = config.model.name_or_path, DTYPES[config.model.dtype]
     directory = resolve_model_dir(name)
     if directory is None:
-        from transformers import LlamaConfig, LlamaForCausalLM
+        from ..data.builtin import builtin_model_config, builtin_tokenizer
 
-        from .data import byte_tokenizer
-
-        hf_config = LlamaConfig(vocab_size=len(byte_tokenizer()), max_position_embeddings=config.data.seq_len,
-                                **BUILTIN_MODELS[name])
+        hf_config, model_class = builtin_model_config(name, builtin_tokenizer(name), config.data.seq_len,
+                                                      BUILTIN_MODELS[name])
         with meta_init():
-            return LlamaForCausalLM(hf_config)
+            return model_class._from_config(hf_config, dtype=dtype)
     hf_config = load_hf_config(directory, config.model.trust_remote_code, name)
     # the model class is transformers' own (config.architectures); init_empty_model(trust_remote_code=True)
     # would pass the flag on to the model's __init__
-    return init_empty_model(hf_config)
+    return init_empty_model(hf_config, dtype=dtype)
 
 
 def load_hf_config(directory: Path, trust_remote_code: bool, name: str):

@@ -15,6 +15,10 @@ The rules, as the README states them:
   before launch, unless `checkpoint.overwrite: true`, which deletes the old run first: its
   checkpoint directory leaves in one rename (after it, nothing of the old run can be resumed),
   then its export, metrics and plot.
+- **A restarted run is the same run.** Under `torchrun --max-restarts`, workers restarted after a
+  failure find the checkpoints their own run wrote; each checkpoint names its run (`run_identity`:
+  torchrun's run id, kept over restarts), so a restart continues them (its newest one), whatever
+  `checkpoint.resume` says, instead of being refused as another run or deleting them.
 - **Writable outputs.** Every directory a run writes (or, where it does not exist yet, the parent
   it will be made in) takes a probe file before launch, so a read-only `checkpoint.dir` is one line
   naming the key, not a run lost at its first save.
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+from contextlib import contextmanager
 import json
 import os
 import shutil
@@ -153,26 +158,53 @@ def lock_for_this_process(output_dir: Path) -> RunLock | None:
 # ---------------------------------------------------------------------------------------------- the run's checkpoints
 
 
-def claim_run_directory(config) -> None:
+def run_identity() -> str | None:
+    """This run, the same over torchrun's restarts of its workers: torchrun's run id (a fresh one per
+    `--standalone` job, the `--rdzv-id` given otherwise), or, where it is torchrun's default "none",
+    the agent process that restarts them (host and PID). None outside torchrun."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id is None:
+        return None
+    return run_id if run_id not in ("", "none") else f"{socket.gethostname()}:{os.getppid()}"
+
+
+def written_by_this_run(checkpoint: Path) -> bool:
+    """Whether `checkpoint` was saved by this very run, before torchrun restarted its workers."""
+    me = run_identity()
+    if me is None:
+        return False
+    try:
+        saved = layout.read_json(checkpoint / layout.TRAINER_STATE).get("extra_state", {}).get("run")
+    except (CheckpointError, AttributeError):
+        return False
+    return saved == me
+
+
+def claim_run_directory(config) -> str:
     """Enforce "one run's checkpoints per directory" for `config` (see the module docstring);
-    with `checkpoint.overwrite`, delete the old run. Call it holding the lock."""
+    with `checkpoint.overwrite`, delete the old run. Call it holding the lock. Returns the
+    `checkpoint.resume` to follow: "auto" for workers torchrun restarted, whose run wrote the
+    directory's checkpoints, else the config's."""
     save_dir, resume = config.checkpoint_dir, config.checkpoint.resume
     for debris in config.output_dir.glob(f"{layout.TRASH_PREFIX}*"):  # an overwrite that was killed midway
         shutil.rmtree(debris, ignore_errors=True) if debris.is_dir() else debris.unlink(missing_ok=True)
     layout.finish_interrupted(save_dir)
     existing = layout.complete_checkpoints(save_dir)
     if not existing or resume == "auto":
-        return
+        return resume
     newest = existing[0]
+    if written_by_this_run(newest):
+        warn_rank0(f"{newest} was saved by this run before torchrun restarted its workers: resuming it")
+        return "auto"
     key = "checkpoint.dir" if config.checkpoint.dir else "train.output_dir"
     where = f"{key}={config.checkpoint.dir or config.train.output_dir!r}"
     if resume != "none":
         try:
             resumed = layout.resolve_checkpoint(resume).resolve()
         except CheckpointError:
-            return  # preflight names it
+            return resume  # preflight names it
         if resumed == newest.resolve():
-            return  # continuing the run the directory holds
+            return resume  # continuing the run the directory holds
         if resumed.parent == save_dir.resolve():
             raise ConfigError(f"checkpoint.resume={resume!r} is an older step of the run in {save_dir}, whose newest "
                               f"checkpoint is {newest}: resuming it there would mix two runs' checkpoints; copy it "
@@ -186,6 +218,7 @@ def claim_run_directory(config) -> None:
     remove_run(save_dir, config.output_dir)
     warn_rank0(f"checkpoint.overwrite: deleted the previous run in {config.output_dir} (its newest checkpoint was "
                f"{newest.name})")
+    return resume
 
 
 def remove_run(save_dir: Path, output_dir: Path) -> None:
@@ -203,6 +236,23 @@ def remove_run(save_dir: Path, output_dir: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- write access
+
+
+@contextmanager
+def made_only_if_accepted(directory: Path):
+    """The directories of `directory`'s path that do not exist yet are removed again if the block
+    raises (a run refused under the lock), each only while empty: a refused run leaves nothing."""
+    missing = [p for p in (directory.absolute(), *directory.absolute().parents) if not p.exists()]
+    try:
+        yield
+    except BaseException:
+        for path in missing:  # deepest first
+            try:
+                path.rmdir()
+            except OSError:
+                break
+        raise
+
 
 
 def output_paths(config) -> list[tuple[str, Path]]:

@@ -15,8 +15,9 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint import CheckpointManager, export_hf, source_dtype
-from ..data.builtin import special_token_ids
-from ..distributed import ParallelDims, barrier, get_rank, get_world_size, run_agreed
+from ..data.builtin import builtin_model_config, builtin_tokenizer
+from ..data.vision import is_multimodal
+from ..distributed import ParallelDims, barrier, broadcast_from_rank0, get_rank, get_world_size, run_agreed
 from ..dtypes import DTYPES, dtype_name
 from ..fsdp import reshard_all
 from ..log import log_rank0, warn_rank0
@@ -26,13 +27,13 @@ from ..packed_attention import attention_path, use_attention
 from ..strategy import FSDPStrategy, describe_mesh
 from ..tensors import parameter_counts
 from .config import BUILTIN_MODELS, ConfigError, TrainConfig
-from .data import byte_tokenizer, load_data
+from .data import load_data
 from .chunked_loss import DEFAULT_LOSS_CHUNK_TOKENS
 from .loss import causal_lm_loss_sum, target_count
 from .metrics import (NO_PLOT, MetricsLogger, Throughput, check_report_to, model_flops_per_token, peak_device_flops,
                       peak_memory_gb, plot_loss)
 from .pp_step import pipeline_evaluate, pipeline_of, pipeline_train_step
-from .rundir import claim_run_directory, lock_for_this_process
+from .rundir import claim_run_directory, lock_for_this_process, run_identity
 from .step import train_step
 from .stop import StopRequest
 
@@ -76,11 +77,16 @@ class ContextSplit:
 
 
 def load_tokenizer(config: TrainConfig):
+    """The run's tokenizer, or for a vision-language model its processor (images, tokenizer, chat template)."""
     if config.model.name_or_path in BUILTIN_MODELS:
-        return byte_tokenizer()
+        return builtin_tokenizer(config.model.name_or_path)
     from transformers import AutoTokenizer
 
     name, trust = config.model.name_or_path, config.model.trust_remote_code
+    if is_vision_language(name, trust):
+        from ..data.vision import load_processor
+
+        return load_processor(name, trust)
     try:
         tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust)
     except ValueError as err:
@@ -94,6 +100,37 @@ def load_tokenizer(config: TrainConfig):
     return tokenizer
 
 
+def is_vision_language(name: str, trust_remote_code: bool) -> bool:
+    """Whether the model at `name` is one transformers builds for image-text-to-text."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    try:
+        model_type = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code).model_type
+    except (OSError, ValueError):
+        return False  # loading the tokenizer names the problem
+    return model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+
+def rope_index(config: TrainConfig, tokenizer):
+    """For a vision-language model with mRoPE, the position rows its data is built with (`data.vision.RopeIndex`)."""
+    from ..data.vision import RopeIndex
+
+    if not is_multimodal(tokenizer):
+        return None
+    name = config.model.name_or_path
+    if name in BUILTIN_MODELS:
+        return RopeIndex.of(builtin_model_config(name, tokenizer, config.data.seq_len, BUILTIN_MODELS[name])[0])
+    from transformers import AutoConfig
+
+    return RopeIndex.of(AutoConfig.from_pretrained(name, trust_remote_code=config.model.trust_remote_code))
+
+
+def text_tokenizer(tokenizer):
+    """The tokenizer itself, also when the run reads with a processor."""
+    return getattr(tokenizer, "tokenizer", tokenizer)
+
+
 def build_model(config: TrainConfig, strategy: FSDPStrategy, tokenizer) -> torch.nn.Module:
     """A sharded model: a built-in config with seeded random weights, or a local HF directory
     loaded slice by slice into the shards."""
@@ -105,15 +142,21 @@ def build_model(config: TrainConfig, strategy: FSDPStrategy, tokenizer) -> torch
 
         return from_pretrained(config.model.name_or_path, engine=strategy.engine(), dtype=dtype, lora=lora,
                                attn_implementation=config.model.attn_implementation).train()
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    # its special tokens are the tokenizer's, so generate() stops at the tokenizer's end of text
-    hf_config = LlamaConfig(vocab_size=len(tokenizer), max_position_embeddings=config.data.seq_len,
-                            **special_token_ids(tokenizer), **BUILTIN_MODELS[config.model.name_or_path])
-    model = use_attention(LlamaForCausalLM._from_config(hf_config, dtype=dtype), config.model.attn_implementation)
+    name = config.model.name_or_path
+    hf_config, model_class = builtin_model_config(name, tokenizer, config.data.seq_len, BUILTIN_MODELS[name])
+    model = use_attention(model_class._from_config(hf_config, dtype=dtype), config.model.attn_implementation)
     if lora is not None:
         model = apply_lora(model, lora)
     return strategy.prepare_model(model, is_training=True)
+
+
+def parameters_line(model: torch.nn.Module) -> str:
+    """"35,040 parameters", and where some are frozen (LoRA) how many of them train: "36,576
+    parameters, 1,536 trainable" (sharded or not: a DTensor counts its global elements)."""
+    total, params = parameter_counts(model)[0], list(model.parameters())
+    if all(p.requires_grad for p in params):
+        return f"{total:,} parameters"
+    return f"{total:,} parameters, {sum(p.numel() for p in params if p.requires_grad):,} trainable"
 
 
 @torch.no_grad()
@@ -149,7 +192,7 @@ class Trainer:
     def _resume(self, manager: CheckpointManager, model, optimizer, scheduler, strategy, data, batches) -> int:
         """The step this run starts at: where its own newest checkpoint left off, or 0 for a new
         run, which `checkpoint.init_from` starts from another run's weights."""
-        resume = self.config.checkpoint.resume
+        resume = self._resume_from
         extra = None
         if resume != "none":
             extra = manager.load(model, optimizer, scheduler, states={"strategy": strategy}, path=resume)
@@ -201,13 +244,14 @@ class Trainer:
 
     def _claim_directory(self) -> None:
         """Rank 0 (or the launcher before it) holds the output directory and settles whose
-        checkpoints it keeps, before anything of this run is written there."""
+        checkpoints it keeps, before anything of this run is written there; every rank learns what
+        to resume (workers torchrun restarted resume what their run saved)."""
         def claim():
             if self._lock is not None:
                 self._lock.acquire()
-            claim_run_directory(self.config)
+            return claim_run_directory(self.config)
 
-        run_agreed(claim, on_rank=0, error_type=ConfigError)
+        self._resume_from = broadcast_from_rank0(run_agreed(claim, on_rank=0, error_type=ConfigError))
 
     def _build(self, stop: StopRequest) -> "Run":
         """Everything a run needs, in order: the strategy (process group), data, model, optimizer,
@@ -222,7 +266,10 @@ class Trainer:
             warn_rank0(f"optim.warmup_steps={config.optim.warmup_steps} >= train.steps={config.train.steps}: the "
                        "learning rate never reaches optim.lr")
         tokenizer = load_tokenizer(config)
-        data = load_data(config.data, tokenizer)
+        if is_multimodal(tokenizer) and (config.fsdp.cp_size > 1 or config.fsdp.pp_size > 1):
+            raise ConfigError("image-text data is not split over context- or pipeline-parallel ranks yet: "
+                              "set fsdp.cp_size=1 and fsdp.pp_size=1")
+        data = load_data(config.data, tokenizer, rope_index(config, tokenizer))
         model = build_model(config, strategy, tokenizer)
         optimizer = strategy.create_optimizer(
             model, lr=config.optim.lr, weight_decay=config.optim.weight_decay, name=config.optim.name,
@@ -242,11 +289,11 @@ class Trainer:
             end = min(end, start + config.train.stop_after)
         logger = MetricsLogger(config.output_dir, config.train.steps, start, enabled=rank == 0,
                                report_to=report_to, config=config.to_dict())
-        log_rank0(f"{config.model.name_or_path}: {parameter_counts(model)[0]:,} parameters, "
+        log_rank0(f"{config.model.name_or_path}: {parameters_line(model)}, "
                   f"{describe_mesh(dims)}, {data.describe()} of {config.data.seq_len} tokens, "
                   f"steps {start}..{end} of {config.train.steps}" + (f" (resumed from step {start})" if start else ""))
         log_rank0(attention_path(model, config.data.packing))
-        split = ContextSplit(dims, rank, tokenizer.pad_token_id)
+        split = ContextSplit(dims, rank, text_tokenizer(tokenizer).pad_token_id)
         eval_rows = config.train.eval_batches * config.train.global_batch_size  # the same rows on any batching
         evals = split(data.eval_batches(config.train.micro_batch_size, dp_rank, dp_size, eval_rows))
         checkpoint = manager.last_load_info["path"] if start else None
@@ -255,7 +302,7 @@ class Trainer:
 
     def _extra_state(self, run: "Run", step: int) -> dict:
         return {"data": {"position": step, "fingerprint": run.data.fingerprint(), **run.batches.state_dict()},
-                "config": self.config.to_dict()}
+                "config": self.config.to_dict(), "run": run_identity()}
 
     def _train(self, run: "Run") -> dict:
         """The steps of this run: train, log, evaluate and checkpoint on the configured intervals."""

@@ -1,0 +1,337 @@
+"""Conversations with images, read with the model's own processor, labelled on the assistant's text.
+
+A record is a chat whose turns carry content parts, the form transformers' processors' chat
+templates take: `{"type": "image", "image": "path.png"}` beside `{"type": "text", "text": ...}`
+(a relative path is relative to the data file's directory). Each record is rendered with the
+processor's chat template; the processor then loads the images (PIL), expands each image
+placeholder to the image's tokens and tokenizes. The assistant turns are located by rendering
+prefixes (`chat.assistant_spans`) and moved past the expanded placeholders before them; a token
+is a target when it starts inside an assistant turn and is not an image token.
+
+A document is then its token ids and labels, the processor's per-token columns (`mm_token_type_ids`,
+`token_type_ids`), for mRoPE models (Qwen2-VL family) its three rope rows from the model's own
+`get_rope_index` run on the document alone, and its image tensors (`pixel_values`,
+`image_grid_thw`, ...) as one safetensors blob, image-major (one row per image or per patch), so the
+images of a packed row are the concatenation of its documents'. A conversation that does not fit
+a row is cut, by `data.overlong=truncate`, before the first image it would split, keeping the
+images before the cut. Everything here runs once per node, into the data cache (`prepare.py`).
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import ConfigError
+from .chat import IGNORE_INDEX, ROLES, RecordError, assistant_spans
+from .pack import IMAGES as IMAGE_KEY, ROPE_COLUMNS
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
+TEXT_OUTPUTS = ("input_ids", "attention_mask", "offset_mapping", "text_replacement_offsets")
+
+
+def is_multimodal(processor) -> bool:
+    """Whether `processor` (what `load_processor` returns) reads images."""
+    return getattr(processor, "image_processor", None) is not None
+
+
+def load_processor(name: str, trust_remote_code: bool = False):
+    """The processor saved with a vision-language model (images, tokenizer, chat template). A model
+    directory without one, or a processor that cannot be built here, is one `ConfigError` naming it.
+    Without torchvision, a processor whose only need of it is its video half is built without that half."""
+    import transformers
+    from transformers import AutoProcessor
+    from transformers.utils import is_torchvision_available
+
+    if Path(name).is_dir() and not any((Path(name) / f).is_file() for f in PROCESSOR_FILES):
+        raise ConfigError(f"model.name_or_path={name!r} is a vision-language model without a processor (none of "
+                          f"{', '.join(PROCESSOR_FILES)}): save the model's processor beside it (processor.save_pretrained)")
+    try:
+        processor = AutoProcessor.from_pretrained(name, trust_remote_code=trust_remote_code)
+    except Exception as err:  # noqa: BLE001 - transformers raises many types here; each becomes one line
+        cls = getattr(transformers, _saved_processor_class(name) or "-", None)
+        if is_torchvision_available() or cls is None or "video_processor" not in cls.get_attributes():
+            reason = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+            needs = "" if is_torchvision_available() else " (torchvision is not installed: pip install torchvision)"
+            raise ConfigError(f"model.name_or_path={name!r}: its processor cannot be loaded{needs}: {reason}") from None
+        processor = image_only_processor_class(cls).from_pretrained(name, trust_remote_code=trust_remote_code)
+    if not is_multimodal(processor):
+        raise ConfigError(f"model.name_or_path={name!r} is a vision-language model but its directory has no image "
+                          "processor (preprocessor_config.json / processor_config.json): save the model's processor "
+                          "with it (processor.save_pretrained)")
+    return processor
+
+
+def image_only_processor_class(processor_class):
+    """`processor_class` taking images and text only. transformers' Qwen2-VL family processors insist on
+    a video processor, which exists only with torchvision; this same-named subclass leaves it out, so
+    an image-only processor builds (and saves, as `processor_class`, the family's own name) without it."""
+    attributes = [a for a in processor_class.get_attributes() if "video" not in a]
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        processor_class.__init__(self, image_processor, tokenizer, chat_template=chat_template, **kwargs)
+
+    def __reduce__(self):  # the class is made here, so a pickle (datasets' worker processes) makes it again
+        return _rebuild_image_only, (processor_class, self.__dict__)
+
+    if processor_class not in _IMAGE_ONLY:
+        _IMAGE_ONLY[processor_class] = type(processor_class.__name__, (processor_class,), {
+            "__init__": __init__, "get_attributes": classmethod(lambda cls: list(attributes)),
+            "__reduce__": __reduce__, "__module__": __name__})
+    return _IMAGE_ONLY[processor_class]
+
+
+_IMAGE_ONLY: dict = {}
+
+
+def _rebuild_image_only(processor_class, state: dict):
+    cls = image_only_processor_class(processor_class)
+    processor = cls.__new__(cls)
+    processor.__dict__.update(state)
+    return processor
+
+
+def _saved_processor_class(name: str) -> str | None:
+    import json
+
+    for file in PROCESSOR_FILES:
+        path = Path(name) / file
+        if path.is_file():
+            return json.loads(path.read_text()).get("processor_class")
+    return None
+
+
+def processor_id(processor) -> str:
+    """What of a processor decides the data besides its tokenizer: its image processor's settings and class."""
+    images = processor.image_processor
+    return f"{type(processor).__name__} {type(images).__name__} {images.to_json_string()}"
+
+
+def encode_images(tensors: dict[str, torch.Tensor]) -> bytes:
+    """A document's image tensors as bytes for the cache (safetensors: reading them runs no code)."""
+    from safetensors.torch import save
+
+    return save({k: v.contiguous() for k, v in tensors.items()}) if tensors else b""
+
+
+def decode_images(blobs) -> dict[str, torch.Tensor]:
+    """The image tensors of several documents (or rows), concatenated image by image."""
+    from safetensors.torch import load
+
+    parts = [load(bytes(b)) for b in blobs if b is not None and len(b)]
+    return {k: torch.cat([p[k] for p in parts]) for k in parts[0]} if parts else {}
+
+
+class RopeIndex:
+    """A document's mRoPE positions (3, tokens) from the model's own `get_rope_index`, run on the
+    document alone, so a packed document is positioned as it would be unpacked. The method runs on
+    a bare instance of the model's base class holding only its config (no weights)."""
+
+    def __init__(self, config, model_class):
+        self.config, self.model_class, self._owner = config, model_class, None
+
+    @classmethod
+    def of(cls, config) -> "RopeIndex | None":
+        """The rope index of the model `config` describes, or None when its positions are 1-D."""
+        from transformers import MODEL_MAPPING
+
+        model_class = MODEL_MAPPING.get(type(config), None) if type(config) in MODEL_MAPPING else None
+        return cls(config, model_class) if model_class is not None and hasattr(model_class, "get_rope_index") else None
+
+    def __getstate__(self):
+        return {"config": self.config, "model_class": self.model_class, "_owner": None}
+
+    def __call__(self, ids: np.ndarray, token_types: np.ndarray, images: dict) -> np.ndarray:
+        if self._owner is None:
+            owner = self.model_class.__new__(self.model_class)
+            torch.nn.Module.__init__(owner)
+            owner.config, owner.rope_deltas = self.config, None
+            self._owner = owner
+        method = self._owner.get_rope_index
+        accepted = inspect.signature(method).parameters
+        inputs = {"input_ids": torch.as_tensor(ids)[None], "mm_token_type_ids": torch.as_tensor(token_types)[None],
+                  **{k: v for k, v in images.items() if k in accepted and k.endswith("grid_thw")}}
+        positions, _ = method(**inputs)
+        return positions[:, 0].numpy()
+
+
+def vision_messages(row: int, messages) -> tuple[list[dict], list[str]]:
+    """A record's turns with their content parts (text or image; a string content is one text part)
+    and the image paths in order, checked."""
+    if not isinstance(messages, list) or not messages:
+        raise RecordError(row, "has no messages (a list of {role, content})")
+    turns, paths = [], []
+    for turn in messages:
+        if not isinstance(turn, dict) or turn.get("role") not in ROLES:
+            raise RecordError(row, f"has a turn that is not {{role: {'/'.join(ROLES)}, content}}: {turn!r}")
+        content = turn.get("content")
+        if isinstance(content, str):
+            turns.append({"role": turn["role"], "content": content})
+            continue
+        if not isinstance(content, list):
+            raise RecordError(row, f"has a turn whose content is neither text nor a list of parts: {turn!r}")
+        parts = []
+        for part in content:
+            # rows read through Arrow carry every part's fields, the absent ones as None
+            part = {k: v for k, v in part.items() if v is not None} if isinstance(part, dict) else part
+            if not isinstance(part, dict) or part.get("type") not in ("text", "image"):
+                raise RecordError(row, f"has a content part that is neither {{type: text, text}} nor "
+                                       f"{{type: image, image: path}}: {part!r}")
+            if part["type"] == "image":
+                if not isinstance(part.get("image"), str):
+                    raise RecordError(row, f"has an image part without a file path: {part!r}")
+                paths.append(part["image"])
+            elif not isinstance(part.get("text"), str):
+                raise RecordError(row, f"has a text part without text: {part!r}")
+            parts.append(part)
+        turns.append({"role": turn["role"], "content": parts})
+    if not any(t["role"] == "assistant" for t in turns):
+        raise RecordError(row, "is a conversation with no assistant turn (nothing to train on)")
+    return turns, paths
+
+
+def open_image(row: int, path: Path):
+    """The image at `path`, decoded, as RGB; a missing or unreadable file is a `RecordError` naming it."""
+    from PIL import Image, UnidentifiedImageError
+
+    if not path.is_file():
+        raise RecordError(row, f"names image {path}, which does not exist")
+    try:
+        with Image.open(path) as image:
+            return image.convert("RGB")
+    except (UnidentifiedImageError, OSError, ValueError) as err:
+        raise RecordError(row, f"names image {path}, which cannot be read as an image: {err}") from None
+
+
+class VisionTokenize:
+    """The picklable batch function for image-text chat records (what `Tokenize` is for text):
+    ids, labels, the processor's per-token columns, rope rows, the image tensors, and whether the
+    record was truncated or dropped for a broken image (`data.bad_images=drop`)."""
+
+    def __init__(self, processor, section, base_dir: Path, rope: RopeIndex | None):
+        from .chat import chat_template_of
+
+        self.processor, self.base_dir, self.rope = processor, Path(base_dir), rope
+        self.field = section.messages_field
+        self.seq_len, self.overlong = section.seq_len, section.overlong
+        self.drop_broken = getattr(section, "bad_images", "error") == "drop"
+        self.template = chat_template_of(processor, section.chat_template)
+        probe = processor(text=["a"], add_special_tokens=False)  # which per-token columns the processor gives
+        self.columns = tuple(sorted([k for k, v in probe.items() if k not in TEXT_OUTPUTS and _per_token(v, None)]
+                                    + (list(ROPE_COLUMNS) if rope is not None else [])))
+
+    def __call__(self, batch: dict, indices: list[int]) -> dict:
+        if self.field not in batch:
+            raise RecordError(indices[0], f"has no field {self.field!r} (image-text records are chat messages)")
+        documents = []
+        for k, row in enumerate(indices):
+            try:
+                documents.append(self.document(row, batch[self.field][k]))
+            except RecordError:
+                if not self.drop_broken:
+                    raise
+                documents.append(None)
+        out = {"input_ids": [], "labels": [], "truncated": [], "broken": [], IMAGE_KEY: [],
+               **{c: [] for c in self.columns}}
+        for doc in documents:
+            out["broken"].append(doc is None)
+            doc = doc or self._empty()
+            out["truncated"].append(bool(doc.get("truncated", False)))
+            for key in ("input_ids", "labels", IMAGE_KEY, *self.columns):
+                out[key].append(doc[key])
+        return out
+
+    def _empty(self) -> dict:
+        return {"input_ids": [], "labels": [], IMAGE_KEY: b"", "truncated": False, **{c: [] for c in self.columns}}
+
+    def document(self, row: int, messages) -> dict:
+        turns, names = vision_messages(row, messages)
+        files = [Path(n).expanduser() if Path(n).expanduser().is_absolute() else self.base_dir / n for n in names]
+        images = [open_image(row, f) for f in files]
+        text, spans = assistant_spans(self.processor, self.template, turns, row)
+        placeholder = getattr(self.processor, "image_token", None)
+        if placeholder and text.count(placeholder) != len(images):
+            raise RecordError(row, f"renders {text.count(placeholder)} image placeholder(s) {placeholder!r} for "
+                                   f"{len(images)} image(s) ({', '.join(map(str, files)) or 'none'}): image tokens "
+                                   "must not appear in the text")
+        try:
+            encoded = self.processor(text=[text], images=images or None, add_special_tokens=False,
+                                     return_offsets_mapping=True, return_text_replacement_offsets=True)
+        except (ValueError, IndexError, StopIteration) as err:
+            raise RecordError(row, f"has image tokens that do not match its image(s) "
+                                   f"({', '.join(map(str, files))}): {err}") from None
+        ids = np.asarray(encoded["input_ids"][0], np.int64)
+        columns = {k: np.asarray(v[0], np.int64) for k, v in encoded.items()
+                   if k not in TEXT_OUTPUTS and _per_token(v, len(ids))}
+        image_tensors = {k: torch.as_tensor(np.asarray(v)) for k, v in encoded.items()
+                         if k not in TEXT_OUTPUTS and k not in columns}
+        is_image = self._image_tokens(ids, columns)
+        self._check_image_tokens(row, files, is_image, encoded, len(images))
+        labels = self._labels(ids, spans, encoded, is_image)
+        if self.rope is not None:
+            types = columns.get("mm_token_type_ids", is_image.astype(np.int64))
+            columns.update(zip(ROPE_COLUMNS, self.rope(ids, types, image_tensors)))
+        if tuple(sorted(columns)) != self.columns:
+            raise RecordError(row, f"is processed into the columns {sorted(columns)}, not {list(self.columns)}")
+        doc = {"input_ids": ids, "labels": labels, **columns}
+        if len(ids) > self.seq_len:
+            if self.overlong == "drop":
+                return self._empty()
+            cut, kept = self._cut(is_image)
+            doc = {k: v[:cut] for k, v in doc.items()}
+            image_tensors = self._first_images(images[:kept]) if kept < len(images) else image_tensors
+            doc["truncated"] = True
+        doc = {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in doc.items()}
+        doc[IMAGE_KEY] = encode_images(image_tensors)
+        return doc
+
+    def _image_tokens(self, ids: np.ndarray, columns: dict) -> np.ndarray:
+        types = columns.get("mm_token_type_ids", columns.get("token_type_ids"))
+        if types is not None:
+            return types != 0
+        image_id = getattr(self.processor, "image_token_id", None)
+        return ids == image_id if image_id is not None else np.zeros(len(ids), bool)
+
+    def _check_image_tokens(self, row: int, files, is_image: np.ndarray, encoded, count: int) -> None:
+        """Every image expanded to tokens, none left over (a placeholder written in the text)."""
+        runs = int((is_image & ~np.concatenate([[False], is_image[:-1]])).sum())
+        replaced = len(encoded.get("text_replacement_offsets", [[]])[0])
+        if count and (runs == 0 or replaced != count):
+            raise RecordError(row, f"has image tokens that do not match its image(s) ({', '.join(map(str, files))}): "
+                                   f"{replaced} placeholder(s) expanded for {count} image(s)")
+
+    def _labels(self, ids: np.ndarray, spans, encoded, is_image: np.ndarray) -> np.ndarray:
+        """Targets: tokens starting inside an assistant turn (moved past the expanded placeholders) that are no image tokens."""
+        starts = np.asarray([start for start, _ in encoded["offset_mapping"][0]], np.int64)
+        replacements = encoded.get("text_replacement_offsets", [[]])[0]
+        ends = np.asarray([r["span"][1] for r in replacements], np.int64)
+        gained = np.concatenate([[0], np.cumsum([(r["new_span"][1] - r["new_span"][0]) - (r["span"][1] - r["span"][0])
+                                                 for r in replacements])]).astype(np.int64)
+        trained = np.zeros(len(ids), bool)
+        for start, end in spans:
+            start, end = (c + gained[np.searchsorted(ends, c, side="right")] for c in (start, end))
+            trained |= (starts >= start) & (starts < end)
+        return np.where(trained & ~is_image, ids, IGNORE_INDEX)
+
+    def _cut(self, is_image: np.ndarray) -> tuple[int, int]:
+        """Where an overlong document is cut (at most seq_len tokens, never inside an image) and how many images stay."""
+        cut = self.seq_len
+        while 0 < cut < len(is_image) and is_image[cut] and is_image[cut - 1]:
+            cut -= 1
+        starts = is_image & ~np.concatenate([[False], is_image[:-1]])
+        return cut, int(starts[:cut].sum())
+
+    def _first_images(self, images: list) -> dict:
+        """The image tensors of the images kept by a cut (each image is processed on its own)."""
+        if not images:
+            return {}
+        processed = self.processor.image_processor(images, return_tensors="pt")
+        return {k: torch.as_tensor(v) for k, v in processed.items()}
+
+
+def _per_token(value, length: int | None) -> bool:
+    """Whether a processor output is a per-token column (a batch of token lists, as the tokenizer returns them)."""
+    return (isinstance(value, list) and bool(value) and isinstance(value[0], list)
+            and (length is None or len(value[0]) == length))

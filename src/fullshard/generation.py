@@ -1,0 +1,149 @@
+"""Generation from a sharded model: every FSDP unit gathered once per call, not once per token.
+
+transformers' `generate` runs a forward per new token; on an FSDP model each forward would
+all-gather every unit again. Here every unit is unsharded once (one all-gather each), told not to
+reshard after its forward, and transformers' own `generate` runs on the whole weights; after it,
+every unit is resharded and its reshard setting restored. Each rank brings its own prompts; with
+`synced_gpus` (transformers' flag for FSDP / ZeRO-3) a rank whose sequences are done keeps
+running forwards until every rank is done, so a layout whose forward has collectives (TP, EP)
+stays in step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+from .distributed import get_world_size
+from .errors import ConfigError
+from .fsdp import reshard_all
+from .tensors import holds_part
+
+
+@contextlib.contextmanager
+def gathered(model: nn.Module):
+    """Every FSDP unit of `model` unsharded for the block (one all-gather each, a collective), and
+    kept unsharded across forwards; resharded, with its own reshard setting back, after."""
+    groups = [group for module in model.modules() if isinstance(module, FSDPModule)
+              for group in module._get_fsdp_state()._fsdp_param_groups]
+    settings = [group.post_forward_mesh_info for group in groups]
+    try:
+        for group in groups:
+            group.post_forward_mesh_info = None  # what `set_reshard_after_forward(False)` sets
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.unshard()
+        yield model
+    finally:
+        for group, setting in zip(groups, settings):
+            group.post_forward_mesh_info = setting
+        reshard_all(model)
+
+
+def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+             **generate_kwargs) -> torch.Tensor:
+    """`model.generate(input_ids, attention_mask, **generate_kwargs)` on a sharded model; call on
+    every rank, each with its own prompts (any count, zero included, and length; left-pad a batch).
+
+    The parameters are gathered once for the call and freed after; greedy decoding gives exactly
+    what transformers' `generate` gives on the same weights in one process. The model is in eval
+    mode for the call and back in its own mode after.
+    """
+    if holds_part(model):
+        raise ConfigError("fullshard.generate does not run a pipelined model (each rank holds only its stages); "
+                          "export it (fullshard.export_hf) and generate from the export")
+    device = next(model.parameters()).device
+    empty = input_ids.shape[0] == 0
+    if empty:  # this rank still takes part in every step's collectives, on a one-token prompt
+        input_ids, attention_mask = torch.zeros(1, 1, dtype=torch.long), None
+    input_ids = input_ids.to(device)
+    attention_mask = attention_mask.to(device) if attention_mask is not None else torch.ones_like(input_ids)
+    training = model.training
+    model.eval()
+    try:
+        with gathered(model), torch.no_grad():
+            output = model.generate(input_ids=input_ids, attention_mask=attention_mask,
+                                    synced_gpus=get_world_size() > 1, **generate_kwargs)
+    finally:
+        model.train(training)
+    if empty:
+        sequences = output.sequences if hasattr(output, "sequences") else output
+        return sequences[:0]
+    return output
+
+
+# ------------------------------------------------------------------------------ `fullshard generate`
+
+
+@contextlib.contextmanager
+def model_directory(path: str):
+    """An HF directory (or Hub id) as it is; a training checkpoint (or a save directory's newest) exported
+    by rank 0 into a temporary directory, removed after the block."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from .checkpoint import export_checkpoint
+    from .checkpoint.layout import is_complete
+    from .distributed import barrier, broadcast_from_rank0, get_rank, run_agreed
+    from .errors import CheckpointError
+
+    local = Path(path)
+    checkpoint = local.is_dir() and (is_complete(local) or not (local / "config.json").is_file())
+    if not checkpoint:
+        yield path
+        return
+    temporary = broadcast_from_rank0(tempfile.mkdtemp(prefix="fullshard-generate-") if get_rank() == 0 else None)
+    try:
+        run_agreed(lambda: export_checkpoint(path, Path(temporary) / "hf"), on_rank=0, error_type=CheckpointError)
+        yield str(Path(temporary) / "hf")
+    finally:
+        barrier()
+        if get_rank() == 0:
+            shutil.rmtree(temporary, ignore_errors=True)
+
+
+def prompt_text(tokenizer, prompt: str) -> str:
+    """The prompt as the model saw prompts in training: a user turn of its chat template, if it has one."""
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                             add_generation_prompt=True)
+    return prompt
+
+
+def generate_text(path: str, prompts: list[str], *, max_new_tokens: int = 64, do_sample: bool = False,
+                  temperature: float = 1.0, seed: int = 0) -> list[str]:
+    """Every rank: load `path` sharded, complete its share of `prompts`, and return (rank 0 also prints)
+    every completion, in the prompts' order."""
+    import torch.distributed as dist
+    from transformers import AutoTokenizer
+
+    from .distributed import get_rank, init_distributed
+    from .pretrained import from_pretrained
+
+    init_distributed()
+    rank, world = get_rank(), get_world_size()
+    torch.manual_seed(seed + rank)
+    with model_directory(path) as directory:
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+        model = from_pretrained(directory)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    mine = list(range(rank, len(prompts), world))
+    texts = [prompt_text(tokenizer, prompts[i]) for i in mine]
+    encoded = tokenizer(texts or [""], return_tensors="pt", padding=True, add_special_tokens=not tokenizer.chat_template)
+    ids, mask = (encoded["input_ids"], encoded["attention_mask"]) if texts else (encoded["input_ids"][:0], None)
+    sampling = dict(do_sample=True, temperature=temperature) if do_sample else dict(do_sample=False)
+    output = generate(model, ids, mask, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, **sampling)
+    completions = tokenizer.batch_decode(output[:, ids.shape[1]:], skip_special_tokens=True)
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, list(zip(mine, completions)))
+    ordered = [text for _, text in sorted(pair for part in everyone for pair in part)]
+    if rank == 0:
+        for prompt, completion in zip(prompts, ordered):
+            print(f"### {prompt}\n{completion}\n", flush=True)
+    return ordered

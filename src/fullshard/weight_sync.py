@@ -1,0 +1,461 @@
+"""Weights from the sharded trainer to inference engines in other processes, a bucket at a time.
+
+An RL loop trains the actor with FSDP on some ranks and samples rollouts with an inference engine
+(vLLM, SGLang, a plain transformers model) in other processes. After every optimizer step the new
+weights go from the trainer to every engine:
+
+    trainer, every rank:   sync = WeightSync.trainer(host, port, num_engines)   ...   sync.push(model)
+    engine e:              sync = WeightSync.engine(host, port, e, num_engines) ...   sync.pull(llm.load_weights)
+
+The two sides meet over a TCPStore hosted by trainer rank 0 and talk in a process group of their
+own (gloo on CPU, NCCL on CUDA) made of trainer rank 0 and the engines, built beside torch's
+default group, so the trainer's world size does not matter. Every trainer rank iterates
+`hf_weight_buckets` (one collective per bucket); rank 0 packs each bucket into one flat buffer
+with a header (names, shapes, dtypes, per-tensor checksums) and broadcasts it while the next
+bucket is gathered. An engine checks the checksums and hands the bucket's `(name, tensor)` pairs
+to `load_weights`, vLLM's `load_weights(iterable)` signature. Anything that goes wrong (a name the
+engine refuses, a wrong shape, a checksum, a dead engine) is one `WeightSyncError` naming the
+tensor or engine on every trainer rank and every engine; nothing waits longer than `timeout_s`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable, Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .weights import hf_weight_buckets
+from .distributed import all_ranks_agree_ok, current_device, get_rank
+from .errors import WeightSyncError
+from .tensors import named_state_tensors
+
+BUCKET, END, ABORT = 1, 2, 3  # what a control message announces
+ALIGN = 16  # every tensor starts 16-byte aligned in a bucket's buffer, so it can be viewed in its dtype
+STATUS_BYTES = 4096  # an engine's verdict on a push: empty, or its error message
+PREFIX = "fullshard/weight_sync"
+_DTYPES = {str(t).removeprefix("torch."): t for t in (
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
+    torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2)}
+
+
+@dataclass
+class SyncReport:
+    """One push or pull: the push's number (1, 2, ...), tensors and bytes sent, seconds taken."""
+
+    version: int
+    tensors: int
+    bytes: int
+    seconds: float
+
+
+# ------------------------------------------------------------------------------------- the wire format
+
+
+def _padded(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def _checksums(payload: torch.Tensor, header: dict) -> list[int]:
+    """Each tensor's bytes summed as int64 words, wrapping (its padding is zero): one number per
+    tensor, so a mismatch names the tensor; the sum runs at memory speed, on the buffer's device."""
+    sums = [payload[offset:offset + _padded(nbytes)].view(torch.int64).sum()
+            for offset, nbytes in zip(header["offsets"], header["nbytes"])]
+    return torch.stack(sums).tolist() if sums else []
+
+
+def _buffer(reused: torch.Tensor | None, nbytes: int, device: torch.device) -> torch.Tensor:
+    """`nbytes` of a byte buffer kept between buckets and pushes: fresh memory costs a page fault per
+    page on first touch, which on a CPU host takes longer than the copy into it."""
+    if reused is None or reused.numel() < nbytes or reused.device != device:
+        reused = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return reused
+
+
+def packed_bytes(pairs: list[tuple[str, torch.Tensor]]) -> int:
+    """The payload's size: every tensor's bytes, each padded to `ALIGN`."""
+    return sum(_padded(t.numel() * t.element_size()) for _, t in pairs)
+
+
+def sent_in_place(pairs: list[tuple[str, torch.Tensor]], device: torch.device) -> bool:
+    """A bucket of one tensor is sent from where the tensor lies (no copy) when its bytes allow."""
+    if len(pairs) != 1:
+        return False
+    tensor = pairs[0][1]
+    nbytes = tensor.numel() * tensor.element_size()
+    return (tensor.is_contiguous() and tensor.device == device and nbytes == _padded(nbytes)
+            and tensor.data_ptr() % ALIGN == 0)
+
+
+def pack_bucket(pairs: list[tuple[str, torch.Tensor]], device: torch.device,
+                buffer: torch.Tensor | None = None) -> tuple[bytes, torch.Tensor]:
+    """A bucket as (header, payload): the payload one flat byte buffer holding every tensor, each
+    aligned (the start of `buffer` when it is large enough), the header JSON with names, shapes,
+    dtypes, offsets and checksums."""
+    header = {"names": [], "shapes": [], "dtypes": [], "offsets": [], "nbytes": []}
+    offset = 0
+    for name, tensor in pairs:
+        nbytes = tensor.numel() * tensor.element_size()
+        for key, value in zip(header, (name, list(tensor.shape), str(tensor.dtype).removeprefix("torch."), offset, nbytes)):
+            header[key].append(value)
+        offset += _padded(nbytes)
+    if sent_in_place(pairs, device):
+        payload = pairs[0][1].detach().reshape(-1).view(torch.uint8)
+    else:
+        payload = _buffer(buffer, offset, device)[:offset]
+        for (_, tensor), start, nbytes in zip(pairs, header["offsets"], header["nbytes"]):
+            payload[start + nbytes:start + _padded(nbytes)].zero_()
+            if nbytes:
+                payload[start:start + nbytes].copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
+    header["checksums"] = _checksums(payload, header)
+    return json.dumps(header).encode(), payload
+
+
+def unpack_bucket(header_bytes: bytes, payload: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """The `(name, tensor)` pairs of a received bucket, views of `payload`, after checking every
+    tensor's checksum (a mismatch names the tensor)."""
+    header = json.loads(header_bytes)
+    for name, expected, found in zip(header["names"], header["checksums"], _checksums(payload, header)):
+        if expected != found:
+            raise WeightSyncError(f"checksum mismatch for {name!r}: sent {expected}, received {found}")
+    pairs = []
+    for name, shape, dtype, offset, nbytes in zip(*(header[k] for k in ("names", "shapes", "dtypes", "offsets", "nbytes"))):
+        pairs.append((name, payload[offset:offset + nbytes].view(_DTYPES[dtype]).view(shape)))
+    return pairs
+
+
+def _tracked(pairs: list[tuple[str, torch.Tensor]], seen: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in pairs:
+        seen.append(name)
+        yield name, tensor
+
+
+def feed(load_weights: Callable[[Iterable], object], pairs: list[tuple[str, torch.Tensor]]) -> None:
+    """`load_weights(pairs)`, its failure named by the pair it was consuming; a pair it never
+    consumed is a name it did not take."""
+    seen: list[str] = []
+    try:
+        load_weights(_tracked(pairs, seen))
+    except Exception as err:  # noqa: BLE001 - turned into the named error every side raises
+        at = f" at {seen[-1]!r}" if seen else ""
+        raise WeightSyncError(f"load_weights failed{at}: {type(err).__name__}: {err}") from err
+    if len(seen) < len(pairs):
+        raise WeightSyncError(f"load_weights did not take {pairs[len(seen)][0]!r} (it stopped reading the weights there)")
+
+
+def weight_loader(model: nn.Module) -> Callable[[Iterable[tuple[str, torch.Tensor]]], set[str]]:
+    """A `load_weights(iterable)` for a plain (unsharded) transformers model: copies each tensor
+    into the parameter or persistent buffer of that HF name. An unknown name, another shape or
+    another dtype is refused by name before anything of the call's tensors is copied."""
+    targets = named_state_tensors(model)
+
+    def load_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        checked = []
+        for name, tensor in weights:
+            target = targets.get(name)
+            if target is None:
+                raise WeightSyncError(f"{name!r} is not a parameter or buffer of {type(model).__name__}")
+            if tuple(tensor.shape) != tuple(target.shape) or tensor.dtype != target.dtype:
+                raise WeightSyncError(f"{name!r}: received {tuple(tensor.shape)} {tensor.dtype}, the model has "
+                                      f"{tuple(target.shape)} {target.dtype}")
+            checked.append((name, target, tensor))
+        with torch.no_grad():
+            for _, target, tensor in checked:
+                target.copy_(tensor)
+        return {name for name, _, _ in checked}
+
+    return load_weights
+
+
+# ------------------------------------------------------------------------------------- the connection
+
+
+def _backend(device: torch.device) -> str:
+    return "gloo" if device.type == "cpu" else "nccl"
+
+
+def _group(store, rank: int, size: int, device: torch.device, timeout: timedelta):
+    """The sync's own process group, built directly (not `init_process_group`), so it lives beside
+    the default group, or in an engine process that has none."""
+    prefixed = dist.PrefixStore(f"{PREFIX}/group", store)
+    if device.type == "cpu":
+        return dist.ProcessGroupGloo(prefixed, rank, size, timeout)
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    return dist.ProcessGroupNCCL(prefixed, rank, size, options)
+
+
+def _status(message: str, device: torch.device) -> torch.Tensor:
+    raw = message.encode()[:STATUS_BYTES]
+    status = torch.zeros(STATUS_BYTES, dtype=torch.uint8)
+    status[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else status[:0]
+    return status.to(device)
+
+
+def _message(status: torch.Tensor) -> str:
+    raw = bytes(status.cpu().tolist())
+    return raw.rstrip(b"\0").decode(errors="replace")
+
+
+class WeightSync:
+    """Build with `WeightSync.trainer` (every trainer rank) or `WeightSync.engine` (each engine process)."""
+
+    def __init__(self, role: str, store, group, rank: int, num_engines: int, device: torch.device, timeout_s: float):
+        self.role, self.store, self.group, self.rank = role, store, group, rank
+        self.num_engines, self.device, self.timeout_s = num_engines, device, timeout_s
+        self.version = 0
+        self.broken = ""  # why the connection cannot be used any more
+        self.buffer: torch.Tensor | None = None  # packing (trainer) or receiving (engine) buffer, kept
+
+    # -------------------------------------------------------------- rendezvous
+
+    @classmethod
+    def trainer(cls, host: str, port: int, num_engines: int, timeout_s: float = 60) -> "WeightSync":
+        """Call on every trainer rank (a collective of the default group). Rank 0 hosts the
+        rendezvous at host:port and joins the engines' group; the others only gather buckets."""
+        if num_engines < 1:
+            raise WeightSyncError(f"num_engines must be >= 1, got {num_engines}")
+        device = current_device()
+        store = group = None
+        message = ""
+        if get_rank() == 0:
+            try:
+                store, group = cls._host(host, port, num_engines, device, timeout_s)
+            except Exception as err:  # noqa: BLE001 - every trainer rank raises it
+                message = f"weight sync rendezvous at {host}:{port}: {type(err).__name__}: {err}"
+        all_ranks_agree_ok(not message, message, WeightSyncError)
+        return cls("trainer", store, group, get_rank(), num_engines, device, timeout_s)
+
+    @staticmethod
+    def _host(host: str, port: int, num_engines: int, device: torch.device, timeout_s: float):
+        timeout = timedelta(seconds=timeout_s)
+        store = dist.TCPStore(host, port, is_master=True, timeout=timeout, wait_for_workers=False)
+        store.set(f"{PREFIX}/backend", _backend(device))
+        keys = [f"{PREFIX}/engine/{e}" for e in range(num_engines)]
+        try:
+            store.wait(keys, timeout)
+        except Exception:
+            missing = [e for e, key in enumerate(keys) if not store.check([key])]
+            store.set(f"{PREFIX}/verdict", f"engines {missing} never joined")
+            raise WeightSyncError(f"engines {missing} of {num_engines} did not join within {timeout_s:g} s") from None
+        counts = {e: int(store.get(key)) for e, key in enumerate(keys)}
+        wrong = {e: n for e, n in counts.items() if n != num_engines}
+        verdict = f"the trainer expects {num_engines} engines, engines {wrong} said otherwise" if wrong else "ok"
+        store.set(f"{PREFIX}/verdict", verdict)
+        if wrong:
+            raise WeightSyncError(verdict)
+        return store, _group(store, 0, num_engines + 1, device, timeout)
+
+    @classmethod
+    def engine(cls, host: str, port: int, engine_rank: int, num_engines: int, timeout_s: float = 60,
+               device: torch.device | str | None = None) -> "WeightSync":
+        """Call in each engine process (no default process group needed): join the trainer's
+        rendezvous as engine `engine_rank` of `num_engines`."""
+        if not 0 <= engine_rank < num_engines:
+            raise WeightSyncError(f"engine_rank {engine_rank} is not in 0..{num_engines - 1}")
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        timeout = timedelta(seconds=timeout_s)
+        store = dist.TCPStore(host, port, is_master=False, timeout=timeout, wait_for_workers=False)
+        backend = store.get(f"{PREFIX}/backend").decode()
+        if backend != _backend(device):
+            raise WeightSyncError(f"the trainer syncs over {backend}, engine {engine_rank} is on {device} "
+                                  f"({_backend(device)}): give both the same kind of device")
+        store.set(f"{PREFIX}/engine/{engine_rank}", str(num_engines))
+        verdict = store.get(f"{PREFIX}/verdict").decode()
+        if verdict != "ok":
+            raise WeightSyncError(f"engine {engine_rank}: the trainer refused the rendezvous: {verdict}")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        group = _group(store, engine_rank + 1, num_engines + 1, device, timeout)
+        return cls("engine", store, group, engine_rank + 1, num_engines, device, timeout_s)
+
+    def close(self) -> None:
+        """Drop the group, the store (the trainer's rank 0 hosts it: close it last) and the buffer."""
+        self.group = self.store = self.buffer = None
+        self.broken = self.broken or "closed"
+
+    # -------------------------------------------------------------- collectives of the sync's group
+
+    def _broadcast(self, tensor: torch.Tensor):
+        return self.group.broadcast([tensor], dist.BroadcastOptions())
+
+    def _control(self, kind: int, header_len: int = 0, payload_len: int = 0) -> list:
+        control = torch.tensor([kind, header_len, payload_len, self.version], dtype=torch.int64, device=self.device)
+        return [(self._broadcast(control), control)]
+
+    def _verdicts(self, message: str) -> list[str]:
+        """Every member's error message (empty when fine), gathered in one collective."""
+        outputs = [torch.empty(STATUS_BYTES, dtype=torch.uint8, device=self.device) for _ in range(self.num_engines + 1)]
+        self.group.allgather([outputs], [_status(message, self.device)]).wait()
+        return [_message(status) for status in outputs]
+
+    # -------------------------------------------------------------- trainer side
+
+    def push(self, model: nn.Module, *, dtype: torch.dtype | str | None = None, bucket_bytes: int = 256 * 2**20,
+             lora: str = "merge") -> SyncReport:
+        """Send every weight of `model` (as `fullshard.hf_weight_buckets` yields them) to every
+        engine; call on every trainer rank in step. Raises `WeightSyncError` on every trainer rank
+        when any engine failed (naming the tensor), died, or did not come to `pull` in `timeout_s`."""
+        if self.role != "trainer":
+            raise WeightSyncError("push is the trainer's side; an engine calls pull")
+        started = time.perf_counter()
+        self.version += 1
+        message = self.broken and f"the weight sync is broken since an earlier push: {self.broken}"
+        if self.rank == 0 and not message:
+            message = self._announce()
+        all_ranks_agree_ok(not message, message, WeightSyncError)
+        buckets = hf_weight_buckets(model, dtype=dtype, bucket_bytes=bucket_bytes, lora=lora)
+        tensors, nbytes, message = self._send(buckets) if self.rank == 0 else self._follow(buckets)
+        if message:
+            self.broken = message
+        all_ranks_agree_ok(not message, message, WeightSyncError)
+        return SyncReport(self.version, tensors, nbytes, time.perf_counter() - started)
+
+    def _announce(self) -> str:
+        """Rank 0 tells the engines push `version` starts and waits for each to come to `pull`."""
+        self.store.set(f"{PREFIX}/push", str(self.version))
+        keys = [f"{PREFIX}/ready/{self.version}/{e}" for e in range(self.num_engines)]
+        try:
+            self.store.wait(keys, timedelta(seconds=self.timeout_s))
+        except Exception:  # noqa: BLE001 - the store says timeout or a lost connection alike
+            missing = [e for e, key in enumerate(keys) if not self.store.check([key])]
+            self.broken = f"engines {missing} did not come to pull push {self.version} within {self.timeout_s:g} s"
+            return f"weight sync push {self.version}: {self.broken} (dead, or not calling pull)"
+        return ""
+
+    @staticmethod
+    def _follow(buckets) -> tuple[int, int, str]:
+        """A trainer rank other than 0 takes part in each bucket's gather, and sends nothing."""
+        tensors = nbytes = 0
+        for bucket in buckets:
+            tensors += len(bucket)
+            nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
+        return tensors, nbytes, ""
+
+    def _send(self, buckets) -> tuple[int, int, str]:
+        """Rank 0: each bucket packed and broadcast while the next one is gathered (at most one
+        in flight). A failed broadcast stops the sending but not the gathering, so the other
+        trainer ranks finish their collectives and all raise together."""
+        tensors = nbytes = 0
+        in_flight: list = []
+        failure = ""
+        try:
+            for bucket in buckets:
+                tensors += len(bucket)
+                nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
+                if failure:
+                    continue
+                try:
+                    failure = self._wait(in_flight) or failure
+                    in_flight = [] if failure else self._send_bucket(bucket)
+                except Exception as err:  # noqa: BLE001 - reported on every trainer rank
+                    failure = f"sending to the engines: {type(err).__name__}: {err}"
+                del bucket
+        except BaseException:
+            if not failure:  # the gather itself failed on every rank: stop the engines waiting for buckets
+                self._try(lambda: self._wait(in_flight) or self._wait(self._control(ABORT)))
+            raise
+        failure = failure or self._try(lambda: self._wait(in_flight) or self._wait(self._control(END, tensors, nbytes)))
+        if failure:
+            return tensors, nbytes, f"weight sync push {self.version}: {failure}"
+        engines = self._try(lambda: self._verdicts(""))
+        if isinstance(engines, str):
+            return tensors, nbytes, f"weight sync push {self.version}: {engines}"
+        errors = [f"engine {e - 1}: {text}" for e, text in enumerate(engines) if text]
+        return tensors, nbytes, (f"weight sync push {self.version}: " + "; ".join(errors)) if errors else ""
+
+    def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> list:
+        if not sent_in_place(bucket, self.device):
+            self.buffer = _buffer(self.buffer, packed_bytes(bucket), self.device)
+        header, payload = pack_bucket(bucket, self.device, self.buffer)
+        header_tensor = torch.frombuffer(bytearray(header), dtype=torch.uint8).to(self.device)
+        return [*self._control(BUCKET, len(header), payload.numel()),
+                (self._broadcast(header_tensor), header_tensor), (self._broadcast(payload), payload)]
+
+    @staticmethod
+    def _wait(works: list) -> str:
+        for work, _ in works:
+            work.wait()
+        return ""
+
+    def _try(self, fn):
+        """`fn()`, or the error it raised as a message (the connection is then broken)."""
+        try:
+            return fn()
+        except Exception as err:  # noqa: BLE001
+            return f"{type(err).__name__}: {err}"
+
+    # -------------------------------------------------------------- engine side
+
+    def pull(self, load_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], object],
+             wait_s: float | None = None) -> SyncReport:
+        """Wait (up to `wait_s`, default without limit) for the trainer's next push and hand each
+        bucket's `(name, tensor)` pairs to `load_weights`. Raises `WeightSyncError` naming the
+        tensor when this or another engine's `load_weights` refused one, or a checksum failed."""
+        if self.role != "engine":
+            raise WeightSyncError("pull is an engine's side; the trainer calls push")
+        if self.broken:
+            raise WeightSyncError(f"the weight sync is broken since an earlier pull: {self.broken}")
+        self.version += 1
+        self.store.wait([f"{PREFIX}/push"], timedelta(seconds=wait_s if wait_s is not None else 10**8))
+        self._wait_for_push(wait_s)
+        self.store.set(f"{PREFIX}/ready/{self.version}/{self.rank - 1}", "1")
+        started = time.perf_counter()
+        try:
+            tensors, nbytes, mine = self._receive(load_weights)
+            verdicts = self._verdicts(mine)
+        except WeightSyncError as err:
+            self.broken = str(err)
+            raise
+        except Exception as err:  # noqa: BLE001 - a lost trainer or a timeout
+            self.broken = f"{type(err).__name__}: {err}"
+            raise WeightSyncError(f"engine {self.rank - 1}, push {self.version}: {self.broken}") from err
+        errors = [f"engine {e - 1}: {text}" for e, text in enumerate(verdicts) if text]
+        if errors:
+            self.broken = "; ".join(errors)
+            raise WeightSyncError(f"weight sync push {self.version}: {self.broken}")
+        return SyncReport(self.version, tensors, nbytes, time.perf_counter() - started)
+
+    def _wait_for_push(self, wait_s: float | None) -> None:
+        deadline = None if wait_s is None else time.monotonic() + wait_s
+        while int(self.store.get(f"{PREFIX}/push")) < self.version:
+            if deadline is not None and time.monotonic() > deadline:
+                raise WeightSyncError(f"engine {self.rank - 1}: no push {self.version} within {wait_s:g} s")
+            time.sleep(0.01)
+
+    def _receive(self, load_weights) -> tuple[int, int, str]:
+        """Every bucket until the end mark; after a failure the rest are received and dropped, so
+        the trainer's broadcasts complete, and the failure is this engine's verdict."""
+        tensors = nbytes = 0
+        failure = ""
+        while True:
+            control = torch.empty(4, dtype=torch.int64, device=self.device)
+            self._broadcast(control).wait()
+            kind, header_len, payload_len, version = control.tolist()
+            if version != self.version:
+                raise WeightSyncError(f"engine {self.rank - 1} expected push {self.version}, the trainer sent {version}")
+            if kind == ABORT:
+                raise WeightSyncError(f"engine {self.rank - 1}: the trainer aborted push {self.version} (its gather failed)")
+            if kind == END:
+                if not failure and (header_len, payload_len) != (tensors, nbytes):
+                    failure = f"received {tensors} tensors / {nbytes} bytes, the trainer sent {header_len} / {payload_len}"
+                return tensors, nbytes, failure
+            header = torch.empty(header_len, dtype=torch.uint8, device=self.device)
+            self.buffer = _buffer(self.buffer, payload_len, self.device)
+            payload = self.buffer[:payload_len]
+            self._broadcast(header).wait()
+            self._broadcast(payload).wait()
+            if failure:
+                continue
+            try:
+                pairs = unpack_bucket(bytes(header.cpu().numpy()), payload)
+                feed(load_weights, pairs)
+                tensors += len(pairs)
+                nbytes += sum(t.numel() * t.element_size() for _, t in pairs)
+            except WeightSyncError as err:
+                failure = str(err)

@@ -1,0 +1,143 @@
+"""fullshard.generate at world 2 against transformers' generate on the export, in one spawned group."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from fullshard.testing import build_model, run_distributed
+from fullshard.testing.zoo import VOCAB
+
+NAME = "llama"
+PAD = 0
+
+
+def left_padded(lengths: list[int], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.full((len(lengths), width), PAD, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, length in enumerate(lengths):
+        ids[row, width - length:] = torch.randint(3, VOCAB, (length,), generator=generator)
+        mask[row, width - length:] = 1
+    return ids, mask
+
+
+PROMPTS = {0: ([5], 1), 1: ([3, 7, 4], 2)}  # rank -> (prompt lengths, seed): counts and lengths differ
+
+
+def _generate_checks(out: str) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from fullshard import FSDP2Engine, export_hf
+    from fullshard import generate
+
+    rank, result = dist.get_rank(), {}
+    model = FSDP2Engine().shard_model(build_model(NAME))
+    export_hf(model, Path(out) / "export")
+    plain = AutoModelForCausalLM.from_pretrained(Path(out) / "export").eval()
+    greedy = dict(do_sample=False, pad_token_id=PAD)
+
+    # an EOS rank 0's only prompt reaches at its third new token, so rank 0 is done long before rank 1
+    ids0, mask0 = left_padded(*PROMPTS[0])
+    eos = int(plain.generate(ids0, attention_mask=mask0, max_new_tokens=3, min_new_tokens=3, **greedy)[0, -1])
+    ids, mask = left_padded(*PROMPTS[rank])
+    ours = generate(model, ids, mask, max_new_tokens=12, eos_token_id=eos, **greedy)
+    theirs = plain.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=eos, **greedy)
+    result["equal"] = torch.equal(ours, theirs)
+    result["length"] = ours.shape[1] - ids.shape[1]
+    result["training_after"] = model.training
+
+    # the all-gathers of one call do not grow with the number of new tokens
+    counts, original = [], dist.all_gather_single
+
+    def counting(*args, **kwargs):
+        counts[-1] += 1
+        return original(*args, **kwargs)
+
+    dist.all_gather_single = counting
+    try:
+        for new in (2, 10):
+            counts.append(0)
+            generate(model, ids, mask, max_new_tokens=new, min_new_tokens=new, **greedy)
+    finally:
+        dist.all_gather_single = original
+    result["all_gathers"] = counts
+
+    # a rank with no prompts takes part; the other's output is still transformers'
+    ids, mask = (ids[:0], mask[:0]) if rank == 0 else (ids, mask)
+    ours = generate(model, ids, mask, max_new_tokens=6, **greedy)
+    result["empty_shape"] = tuple(ours.shape)
+    result["empty_other_equal"] = rank == 0 or torch.equal(ours, plain.generate(ids, attention_mask=mask, max_new_tokens=6,
+                                                                                  **greedy))
+    # after generating, the model trains as before: sharded again, a step's gradients as in one process
+    batch = {"input_ids": ids0, "labels": ids0}
+    model.train()
+    loss = model(**batch).loss
+    plain.train()
+    result["loss_after"] = (float(loss), float(plain(**batch).loss))
+    return result
+
+
+def test_generate_greedy_at_world_2_equals_transformers(tmp_path):
+    results = run_distributed(_generate_checks, 2, str(tmp_path))
+    for rank, result in enumerate(results):
+        assert result["equal"], f"rank {rank}: greedy output differs from transformers' generate"
+        assert result["training_after"], "generate left the model in eval mode"
+        a, b = result["all_gathers"]
+        assert a == b and a > 0, result["all_gathers"]
+        assert result["empty_other_equal"]
+        assert abs(result["loss_after"][0] - result["loss_after"][1]) < 1e-5, result["loss_after"]
+    assert results[0]["length"] == 3 < results[1]["length"], (results[0]["length"], results[1]["length"])
+    assert results[0]["empty_shape"][0] == 0
+
+
+TEMPLATE = ("{% for m in messages %}<user>{{ m['content'] }}</user>{% endfor %}"
+            "{% if add_generation_prompt %}<bot>{% endif %}")
+PROMPTS_CLI = ["1 plus 2 is", "counting: 3 4", "hi"]
+
+
+def _save_checkpoint(model_dir: str, save_dir: str) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from fullshard import CheckpointManager, FSDP2Engine
+
+    model = FSDP2Engine().shard_model(AutoModelForCausalLM.from_pretrained(model_dir))
+    CheckpointManager(save_dir).save(1, model, tokenizer=AutoTokenizer.from_pretrained(model_dir))
+
+
+def test_fullshard_generate_command_from_a_directory_and_a_checkpoint(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from fullshard.data.builtin import byte_tokenizer, special_token_ids
+
+    tokenizer = byte_tokenizer()
+    tokenizer.chat_template = TEMPLATE
+    model = build_model(NAME, vocab_size=len(tokenizer), **special_token_ids(tokenizer)).eval()
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    run_distributed(_save_checkpoint, 1, str(tmp_path / "model"), str(tmp_path / "ckpts"))
+
+    expected = []
+    for prompt in PROMPTS_CLI:  # what one process of plain transformers completes, chat template applied
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                             add_generation_prompt=True)
+        ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+                             pad_token_id=tokenizer.pad_token_id)
+        expected.append(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src"), OMP_NUM_THREADS="1",
+               CUDA_VISIBLE_DEVICES="")
+    for source in (tmp_path / "model", tmp_path / "ckpts"):
+        args = [sys.executable, "-m", "fullshard.cli", "generate", str(source), "--nproc", "2", "--max-new-tokens", "6"]
+        for prompt in PROMPTS_CLI:
+            args += ["--prompt", prompt]
+        done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+        for prompt, completion in zip(PROMPTS_CLI, expected):
+            assert f"### {prompt}\n{completion}\n" in done.stdout, (source, prompt, completion, done.stdout[-2000:])

@@ -1,0 +1,98 @@
+"""The memory plan (`fullshard plan`, `fullshard.train.memory`): the dtypes training keeps, pipeline
+stages, devices, composite configs, and the estimate against the measured peak of every layout."""
+
+import re
+
+import pytest
+import torch
+
+from fullshard.cli import main
+
+LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                 num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, tie_word_embeddings=False,
+                 architectures=["LlamaForCausalLM"])
+EIGHT_GPUS = ["--nproc", "8", "--fsdp.mixed_precision=bf16", "--fsdp.activation_checkpointing=true", "--seq-len",
+              "4096", "--micro-batch-size", "1", "--device", "h100"]
+
+
+def _config_dir(root, name: str, dtype: str | None, **fields):
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(**fields)
+    config.dtype = None if dtype is None else getattr(torch, dtype)
+    config.save_pretrained(root / name)
+    text = (root / name / "config.json").read_text()
+    assert ('"bfloat16"' in text) == (dtype == "bfloat16")  # what a Hub config says, or nothing
+    return root / name
+
+
+def _mib(printed: str, row: str) -> list[float]:
+    return [float(v.replace(",", "")) for v in re.findall(re.escape(row) + r" +([\d,.]+) MiB", printed)]
+
+
+def test_plan_counts_the_dtype_training_keeps_not_the_stored_one(tmp_path, capsys):
+    """An 8B Llama's config with and without `torch_dtype: bfloat16` gives the same per-rank total:
+    fp32 master weights, gradients and AdamW state (model.dtype), bf16 compute; model.dtype=bf16 less."""
+    totals = {}
+    for dtype in ("bfloat16", None):
+        directory = _config_dir(tmp_path, str(dtype), dtype, **LLAMA3_8B)
+        assert main(["plan", f"--model.name_or_path={directory}", *EIGHT_GPUS]) == 0
+        printed = capsys.readouterr().out
+        assert "assumed: master weights, gradients and adamw state in fp32, compute in bf16" in printed, printed
+        assert ("config.json's torch_dtype bfloat16 is only what is read from disk" in printed) == (dtype is not None)
+        totals[dtype] = _mib(printed, "total (parameters, optimizer, rounding, larger moment)")[0]
+        # fp32 masters: 8.03e9 parameters x 4 bytes / 8 ranks, AdamW twice that
+        assert _mib(printed, "parameters (shard)")[0] == pytest.approx(8.03e9 * 4 / 8 / 2**20, rel=0.01)
+        assert re.search(r"fits: [\d.]+ of 79\.2 GiB \(h100\)", printed) and "largest micro batch that fits" in printed
+    assert totals["bfloat16"] == totals[None] > 1.3 * 15_676, totals  # 15,676 MiB: the bf16 masters it assumed before
+    assert main(["plan", f"--model.name_or_path={tmp_path / 'None'}", *EIGHT_GPUS, "--model.dtype=bf16"]) == 0
+    assert _mib(capsys.readouterr().out, "total (parameters, optimizer, rounding, larger moment)")[0] < totals[None]
+
+
+def test_pipeline_stages_hold_their_own_layers_and_only_the_head_stage_the_loss():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fullshard.train.memory import estimate_run
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(**LLAMA3_8B))
+    engine = {"mixed_precision": "bf16", "pp_size": 2, "tp_size": 2, "pp_microbatches": 4}
+    gpipe, one_f_one_b = (estimate_run(model, {**engine, "pp_schedule": schedule}, 8, 4, 8192)
+                          for schedule in ("GPipe", "1F1B"))
+    head, body = gpipe.stages[1].estimate, gpipe.stages[0].estimate
+    assert "lm_head" in gpipe.stages[1].label and "lm_head" not in gpipe.stages[0].label
+    assert body.loss == body.saved_loss == 0 and head.loss > 0 and head.saved_loss > 0
+    # GPipe keeps all 4 micro-batches in flight on every stage; 1F1B at most 2 on stage 0, 1 on the last
+    assert one_f_one_b.stages[0].estimate.activations == body.activations / 2
+    assert one_f_one_b.stages[1].estimate.activations == head.activations / 4
+    assert gpipe.per_rank == max(s.estimate.total for s in gpipe.stages)
+
+
+def test_plan_devices_and_model_forms(tmp_path, capsys):
+    """--model.name_or_path alone (as train takes it), a VLM config (its text config), --device."""
+    from transformers import Qwen2_5_VLConfig
+
+    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=256, bos_token_id=1, eos_token_id=2)
+    Qwen2_5_VLConfig(text_config=text, vision_config=dict(depth=1, hidden_size=32, out_hidden_size=64, num_heads=2,
+                                                          intermediate_size=64),
+                     architectures=["Qwen2_5_VLForConditionalGeneration"]).save_pretrained(tmp_path / "vlm")
+    assert main(["plan", "--model.name_or_path", str(tmp_path / "vlm"), "--nproc", "2", "--device", "a100-40g"]) == 0
+    printed = capsys.readouterr().out
+    assert "model.language_model.layers.1" in printed and re.search(r"fits: [\d.]+ of 39\.4 GiB", printed), printed
+    assert main(["plan", "--model.name_or_path=micro-llama", "--nproc", "2", "--device", "cpu"]) == 0
+    assert "largest micro batch that fits" in capsys.readouterr().out
+    if not torch.cuda.is_available():
+        assert main(["plan", "micro-llama", "--device", "cuda"]) == 2
+        assert "--device=cuda plans for this machine's GPU, and it has none" in capsys.readouterr().err
+
+
+def test_estimate_is_at_most_10_percent_above_the_measured_peak_in_every_layout():
+    """Every layout of `memory_matrix.CELLS` (per pipeline stage): estimate / measured peak in [1.00, 1.10]."""
+    from fullshard.testing.memory_matrix import run_cells
+
+    ratios = {f"{name} / stage {row['stage']}": row["estimate"] / row["peak"]
+              for name, rows in run_cells().items() for row in rows}
+    assert len(ratios) >= 16
+    off = {cell: round(ratio, 4) for cell, ratio in ratios.items() if not 1.0 <= ratio <= 1.10}
+    assert not off, off
