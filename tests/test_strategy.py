@@ -222,7 +222,7 @@ def test_options_are_an_engine_config_and_a_few_named_ones():
                           dp_shard=1, dcp_path="/some/dcp", timeout_s=7.0, compile=True, prefetch=1, tp_size=2,
                           tp_plan={"model.layers.*.mlp.up_proj": "colwise"}, cp_size=2, ep_size=2, pp_size=2,
                           pp_schedule="Interleaved1F1B", pp_microbatches=2, pp_virtual_stages=2,
-                          pp_layers_per_stage=[1, 1, 1, 1])
+                          pp_layers_per_stage=[1, 1, 1, 1], freeze=["vision", "projector"])
     changed = {f.name for f in fields(EngineConfig) if getattr(config, f.name) != f.default}
     assert changed == {f.name for f in fields(EngineConfig)}  # the check below could fail on any field
     strategy = FSDPStrategy(config=config, accumulation_policy="defer_sync", adam_offload=True)
