@@ -101,7 +101,8 @@ def test_memory_estimate_matches_what_tp_and_cp_ranks_hold(runs):
     assert plain.parameters > estimate.parameters  # dp 2 x cp 2 shards over 4: the check above could fail
     halved = estimate_memory(model, auto_plan(model), 2, 2, 16)
     split = estimate_memory(model, auto_plan(model), 2, 2, 32, cp_size=2)
-    assert split.activations == halved.activations < plain.activations
+    # a cp rank saves its half of each sequence's activations, plus what its all-to-all attention keeps
+    assert halved.activations < split.activations < plain.activations
 
 
 @pytest.mark.parametrize("layout", ["tp2", "cp2"])
