@@ -276,7 +276,6 @@ def _train_and_save(directories: dict, checkpoint_root: str) -> dict:
     image + text rows."""
     from fullshard import FSDP2Engine, from_pretrained
     from fullshard.checkpoint import CheckpointManager, export_hf
-    from fullshard.testing.vlm_parity import SCHEDULE
 
     out = {}
     for model_type, directory in directories.items():

@@ -21,7 +21,6 @@ Rules the auto plan follows, each for a reason:
 
 from __future__ import annotations
 
-import re
 import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any
