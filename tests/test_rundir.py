@@ -224,7 +224,7 @@ def test_tensorboard_only_when_asked(tmp_path, monkeypatch):
 def test_commands_and_model_names_the_user_mistyped(tmp_path, capsys):
     assert main(["trian"]) == 2
     assert capsys.readouterr().err == ("fullshard: error: unknown command 'trian'; the commands are train, plan, "
-                                       "export (fullshard --help)\n")
+                                       "export, generate (fullshard --help)\n")
     assert main(["train", "--model.name_or_path=tiny-lama"]) == 2
     err = capsys.readouterr().err
     assert "did you mean 'tiny-llama'? The built-in models are tiny-llama, micro-llama" in err and err.count("\n") == 1

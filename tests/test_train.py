@@ -18,7 +18,7 @@ FSDP_SET = {"mixed_precision": "bf16", "reduce_dtype": "bf16", "reshard_after_fo
             "dp_shard": 1, "dcp_path": "/nowhere/dcp", "timeout_s": 77.0, "compile": True, "prefetch": 2,
             "tp_plan": {"model.layers.*.mlp.up_proj": "colwise"}, "tp_size": 2, "cp_size": 2, "ep_size": 2,
             "pp_size": 2, "pp_schedule": "Interleaved1F1B", "pp_microbatches": 2, "pp_virtual_stages": 2,
-            "pp_layers_per_stage": [1, 1, 1, 1]}
+            "pp_layers_per_stage": [1, 1, 1, 1], "freeze": "none"}
 # the mesh these ask for has 16 ranks: the 2-rank engine is built with them at 1, and the strategy's
 # config (what every engine it builds is made from) is checked whole; test_train_parallel builds tp/cp engines
 NEEDS_MORE_RANKS = {"tp_size": 1, "cp_size": 1, "ep_size": 1, "pp_size": 1, "pp_virtual_stages": 1}
