@@ -5,6 +5,9 @@
 - `hf_weights` at world 2 and 4 yields exactly what `export_hf` writes (names, shapes, dtypes, bits)
   for FSDP, HSDP, TP, CP, EP, PP, LoRA merged and adapter-only, buffers, a bf16 cast; one all-gather
   per bucket; training after iterating goes on with the losses of a run that never iterated.
+- A half-precision export (and stream) keeps in fp32 what transformers keeps there: a bf16 DeepSeek-V3
+  its router weights and `e_score_correction_bias` (`_keep_in_fp32_modules_strict`), an fp16 GPT-OSS
+  its norms (`_keep_in_fp32_modules`): the tensors of `from_pretrained(dtype=...)` + `save_pretrained`.
 - Memory: a 224 MB model streamed in 16 MiB buckets peaks at most 2 buckets + its largest tensor
   above where it started, where gathering the full state dict needs the whole model.
 - `checkpoint_hf_weights` (one process, no group) equals the offline export of the same checkpoint.
@@ -175,6 +178,7 @@ def _checkpoint_checks(root: Path) -> dict:
     model = FSDP2Engine({"ep_size": 2, "mixed_precision": "fp32"}).prepare_model(build_model("ep_deepseek_v3"))
     CheckpointManager(root / "ckpt", async_save=False).save(1, model)
     live, _, _ = streamed(model)
+    streamed_bf16, _, _ = streamed(model, dtype=torch.bfloat16)
     out = {}
     if dist.get_rank() == 0:
         export_checkpoint(root / "ckpt", root / "offline")
@@ -183,6 +187,10 @@ def _checkpoint_checks(root: Path) -> dict:
         out["live"] = differences(live, offline)
         bf16 = dict(checkpoint_hf_weights(root / "ckpt", dtype=torch.bfloat16))
         out["bf16"] = sorted({str(t.dtype) for t in bf16.values()})
+        out["bf16_fp32"] = sorted(k for k, t in bf16.items() if t.dtype == torch.float32)
+        export_checkpoint(root / "ckpt", root / "offline_bf16", dtype=torch.bfloat16)
+        out["bf16_offline"] = differences(bf16, read_dir(root / "offline_bf16"))
+        out["bf16_live"] = differences(streamed_bf16, bf16)
     return out
 
 
@@ -195,6 +203,19 @@ def _with_buffers(name: str):
     return model
 
 
+def _half_save_pretrained(build, dtype: torch.dtype, root: Path, label: str) -> dict:
+    """The export `label` of the model `build()` makes, cast to `dtype`, against transformers' own: the
+    model's fp32 save loaded with `from_pretrained(dtype=dtype)`, then `save_pretrained` (rank 0)."""
+    if dist.get_rank() != 0:
+        return {}
+    model = build()
+    model.save_pretrained(root / f"{label}_fp32")
+    type(model).from_pretrained(root / f"{label}_fp32", dtype=dtype).save_pretrained(root / f"{label}_hf")
+    ours = read_dir(root / label)
+    return {"diff": differences(ours, read_dir(root / f"{label}_hf")),
+            "fp32": sorted(k for k, t in ours.items() if t.dtype == torch.float32)}
+
+
 def _world_2(root: str) -> dict:
     root, out = Path(root), {}
     fsdp = lambda name: FSDP2Engine({"mixed_precision": "fp32"}).prepare_model(build_model(name))  # noqa: E731
@@ -205,6 +226,12 @@ def _world_2(root: str) -> dict:
     out["qwen3_moe_ep2"] = _stream_vs_export(ep2.prepare_model(build_model("ep_qwen3_moe")), root, "qwen3_moe_ep2")
     out["deepseek_v3_ep2"] = _stream_vs_export(ep2.prepare_model(_with_buffers("ep_deepseek_v3")), root, "dsv3")
     out["dsv3_bias_in_stream"] = [k for k in read_dir(root / "dsv3") if k.endswith("e_score_correction_bias")]
+    dsv3 = lambda: _with_buffers("ep_deepseek_v3")  # noqa: E731
+    out["dsv3_bf16"] = _stream_vs_export(ep2.prepare_model(dsv3()), root, "dsv3_bf16", dtype=torch.bfloat16)
+    out["gpt_oss_fp16"] = _stream_vs_export(fsdp("ep_gpt_oss"), root, "gpt_oss_fp16", dtype=torch.float16)
+    out["half_vs_save_pretrained"] = {
+        "dsv3_bf16": _half_save_pretrained(dsv3, torch.bfloat16, root, "dsv3_bf16"),
+        "gpt_oss_fp16": _half_save_pretrained(lambda: build_model("ep_gpt_oss"), torch.float16, root, "gpt_oss_fp16")}
     pp2 = FSDP2Engine({"pp_size": 2, "mixed_precision": "fp32"})
     out["llama_pp2"] = _stream_vs_export(pp2.prepare_model(build_model("llama")), root, "llama_pp2")
     out["qwen3_pp2_tied"] = _stream_vs_export(pp2.prepare_model(build_model("qwen3")), root, "qwen3_pp2")
@@ -251,7 +278,7 @@ def _assert_stream(result: dict, label) -> None:
 
 
 @pytest.mark.parametrize("label", ["llama", "qwen3_tied", "llama_bf16", "qwen3_moe_ep2", "deepseek_v3_ep2", "llama_pp2",
-                                   "qwen3_pp2_tied", "list_moe_ep2"])
+                                   "qwen3_pp2_tied", "list_moe_ep2", "dsv3_bf16", "gpt_oss_fp16"])
 def test_stream_equals_export_at_world_2(world_2, label):
     for r in world_2:
         _assert_stream(r[label], label)
@@ -264,6 +291,18 @@ def test_stream_equals_export_at_world_4(world_4):
         for label, result in r.items():
             if label != "moe_export":
                 _assert_stream(result, label)
+
+
+def test_half_exports_keep_in_fp32_what_transformers_keeps(world_2):
+    result = world_2[0]["half_vs_save_pretrained"]
+    for label, r in result.items():
+        assert r["diff"] == [], (label, r)
+    layers = range(2)
+    assert result["dsv3_bf16"]["fp32"] == [f"model.layers.{i}.mlp.gate.{leaf}" for i in layers
+                                           for leaf in ("e_score_correction_bias", "weight")]
+    assert result["gpt_oss_fp16"]["fp32"] == sorted([f"model.layers.{i}.{norm}.weight" for i in layers
+                                                     for norm in ("input_layernorm", "post_attention_layernorm")]
+                                                    + ["model.norm.weight"])
 
 
 def test_lora_stream_merged_and_adapter_equal_their_exports(world_2):
@@ -282,7 +321,10 @@ def test_training_after_streaming_continues_as_if_never_streamed(world_2, run):
 def test_checkpoint_weights_equal_the_offline_export_and_the_live_stream(world_2):
     result = world_2[0]["checkpoint"]
     assert result["offline"] == [] and result["live"] == [], result
-    assert result["bf16"] == ["torch.bfloat16"], result
+    assert result["bf16"] == ["torch.bfloat16", "torch.float32"], result  # the router's, as transformers keeps it
+    assert result["bf16_fp32"] == [f"model.layers.{i}.mlp.gate.{leaf}" for i in range(2)
+                                   for leaf in ("e_score_correction_bias", "weight")], result
+    assert result["bf16_offline"] == [] and result["bf16_live"] == [], result
 
 
 def test_moe_exports_have_the_hub_layout_at_ep_1_2_and_4(world_2, world_4):

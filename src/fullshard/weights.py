@@ -278,7 +278,7 @@ def hf_weight_buckets(model: torch.nn.Module, *, dtype: torch.dtype | str | None
     The tensors are what `export_hf` writes (for a LoRA model with `lora="merge"`, what
     `export_merged` writes; with `lora="adapter"`, only the adapter under PEFT's file names, as
     `save_adapter` writes it): Hub names and layout, cast to `dtype` (default: the dtype the model was
-    loaded from; the adapter keeps its own). They lie on the process group's device (the CPU for
+    loaded from; the adapter keeps its own) but for what transformers keeps in fp32 at that dtype. They lie on the process group's device (the CPU for
     gloo). Beyond the model, a rank holds at most one gather buffer and one bucket (each at most
     `bucket_bytes`, or one tensor bigger than that) while a bucket is made; one collective per bucket.
     """

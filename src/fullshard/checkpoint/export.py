@@ -119,7 +119,34 @@ def hub_recipe(model: torch.nn.Module, names: dict[str, str], merges: dict, shap
             recipe["merges"][hub_name] = merges[view.source]
         if view.view is not None:
             recipe["views"][hub_name] = [list(view.view[0]), list(view.view[1]), view.view[2]]
+    kept = kept_in_fp32(model, {hub_name: view.source for hub_name, view in views.items()})
+    if kept:
+        recipe["fp32"] = kept
     return recipe
+
+
+def kept_in_fp32(model: torch.nn.Module, own_names: dict[str, str]) -> dict[str, list[str]]:
+    """transformers' rule for what stays fp32 when a model is loaded in a half dtype
+    (`from_pretrained(dtype=...)`, then `save_pretrained` writes it so): `_keep_in_fp32_modules`
+    in fp16, `_keep_in_fp32_modules_strict` in fp16 and bf16 (DeepSeek-V3's router weight and
+    `e_score_correction_bias`), their globs searched in the model's own tensor names as transformers
+    does. `own_names`: Hub name -> the model's name of the tensor it comes from. Returns, per half
+    dtype's name, the Hub names kept in fp32 (recorded in the recipe, so an offline export without
+    the model follows it too)."""
+    plan_of = getattr(model, "_get_dtype_plan", None)
+    if not callable(plan_of):
+        return {}
+    from transformers.core_model_loading import build_glob_alternation
+
+    kept = {}
+    for half in (torch.float16, torch.bfloat16):
+        globs = [glob for glob, dtype in plan_of(half).items() if dtype == torch.float32]
+        if globs:
+            pattern = build_glob_alternation(globs)[0]
+            names = [hub for hub, own in own_names.items() if pattern.search(own)]
+            if names:
+                kept[dtype_name(half)] = names
+    return kept
 
 
 def export_recipe(model: torch.nn.Module, shapes) -> dict:
@@ -180,9 +207,13 @@ class Entry:
         return numel * self.dtype.itemsize
 
 
-def written_dtype(stored: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
-    """What a stored tensor is written as: floating point cast to `dtype` (None: as stored), the rest as stored."""
-    return dtype if stored.is_floating_point and dtype is not None else stored
+def written_dtype(recipe: dict, name: str, stored: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
+    """What the recipe's Hub tensor `name`, stored as `stored`, is written as: floating point cast to
+    `dtype` (None: as stored), except what transformers keeps in fp32 at that dtype (`kept_in_fp32`);
+    the rest as stored. The export, the weight stream and the offline export all ask here."""
+    if not stored.is_floating_point or dtype is None:
+        return stored
+    return torch.float32 if name in recipe.get("fp32", {}).get(dtype_name(dtype), ()) else dtype
 
 
 def plan_files(entries: list[Entry], max_bytes: int) -> list[tuple[str, list[Entry]]]:
@@ -339,7 +370,7 @@ def recipe_entries(recipe: dict, state: dict, out_dtype: torch.dtype) -> list[En
     for name, key in recipe["names"].items():
         view = recipe_view(recipe, name)
         shape = view.view[0] if view.view is not None else tuple(state[key].shape)
-        entries.append(Entry(name, tuple(shape), written_dtype(state[key].dtype, out_dtype)))
+        entries.append(Entry(name, tuple(shape), written_dtype(recipe, name, state[key].dtype, out_dtype)))
     return entries
 
 
@@ -523,7 +554,8 @@ def export_hf(model: torch.nn.Module, output_dir: str | os.PathLike, tokenizer=N
 
     The files hold what transformers' `save_pretrained` writes for the same model: its names and
     layout (fused MoE experts one key per expert; `export_recipe`), tied weights once under their
-    canonical name. dtype defaults to the dtype the model was loaded from (`source_dtype`).
+    canonical name. dtype defaults to the dtype the model was loaded from (`source_dtype`); what
+    transformers keeps in fp32 at that dtype (`_keep_in_fp32_modules(_strict)`) is written in fp32.
     """
     reshard_all(model)
     state = model.state_dict()

@@ -76,7 +76,7 @@ def _state_tensor(reader: CheckpointReader, recipe: dict, name: str) -> torch.Te
 
 
 def _hub_tensors(checkpoint: Path, recipe: dict, out_dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every Hub tensor of the recipe, in its order, cast to `out_dtype` (floating point only); a
+    """Every Hub tensor of the recipe, in its order, cast to `out_dtype` (`written_dtype`); a
     state tensor split into several (a fused MoE tensor, one per expert) is read once for all of them."""
     reader = CheckpointReader(checkpoint)
     held: tuple[str | None, torch.Tensor | None] = (None, None)
@@ -85,7 +85,7 @@ def _hub_tensors(checkpoint: Path, recipe: dict, out_dtype: torch.dtype) -> Iter
         if held[0] != view.source:
             held = (None, None)  # the previous state tensor goes before the next is read
             state = _state_tensor(reader, recipe, name)
-            held = (view.source, state.to(written_dtype(state.dtype, out_dtype)))
+            held = (view.source, state.to(written_dtype(recipe, name, state.dtype, out_dtype)))
             del state
         yield name, view.of(held[1])
 
@@ -95,7 +95,7 @@ def checkpoint_hf_weights(path: str | os.PathLike, *, dtype: torch.dtype | str |
     """The Hugging Face weights of a fullshard checkpoint (any world size), `(name, tensor)` one at a
     time, in this one process with no process group: exactly what `export_checkpoint` writes (and
     `hf_weights` yields from the live model): Hub names and layout, a LoRA run merged, cast to
-    `dtype` (default: the dtype the model was loaded from)."""
+    `dtype` (default: the dtype the model was loaded from) but for what transformers keeps in fp32."""
     checkpoint = layout.resolve_checkpoint(path)
     meta = layout.read_json(checkpoint / layout.MODEL_META)
     recipe = _recipe(checkpoint, meta)
@@ -137,7 +137,8 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, output_dir: str | os.Pa
         if item is None or not hasattr(item, "size"):
             raise CheckpointError(f"{checkpoint}: tensor {key!r} is listed in {layout.MODEL_META} but not in the DCP index")
         view = recipe_view(recipe, name).view
-        entries.append(Entry(name, tuple(view[0] if view else item.size), written_dtype(item.properties.dtype, out_dtype)))
+        written = written_dtype(recipe, name, item.properties.dtype, out_dtype)
+        entries.append(Entry(name, tuple(view[0] if view else item.size), written))
     files = plan_files(entries, parse_size(max_shard_size))
     output_dir = Path(output_dir)
     staging = staging_dir(output_dir)
