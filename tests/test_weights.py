@@ -75,15 +75,35 @@ def streamed(model, **kwargs) -> tuple[dict[str, torch.Tensor], int, int]:
     return out, len(buckets), len(calls)
 
 
+def to_first(model, **kwargs) -> dict:
+    """What `buckets_to_first` (WeightSync's stream) gives the first rank, with the counts every rank
+    reports and how many of its buckets lie in one run of their buffer (sent with no packing copy)."""
+    from fullshard.weight_sync import lying_together
+    from fullshard.weights import buckets_to_first
+
+    pairs, tensors, nbytes, together, buckets = {}, 0, 0, 0, 0
+    for bucket in buckets_to_first(model, lambda n: torch.full((n,), 7, dtype=torch.uint8), **kwargs):
+        buckets, tensors, nbytes = buckets + 1, tensors + bucket.tensors, nbytes + bucket.nbytes
+        together += lying_together(bucket.pairs, torch.device("cpu")) is not None
+        pairs.update((n, t.clone()) for n, t in bucket.pairs)
+    return {"pairs": pairs, "counts": (tensors, nbytes), "together": together, "buckets": buckets}
+
+
 def _stream_vs_export(model, root: Path, label: str, **kwargs) -> dict:
-    """`hf_weights` against the export it must equal, on every rank."""
+    """`hf_weights` (and WeightSync's stream to the first rank) against the export it must equal, on every rank."""
     from fullshard.checkpoint import export_hf
 
     export_hf(model, root / label, dtype=kwargs.get("dtype"))
+    exported = read_dir(root / label)
     got, buckets, gathers = streamed(model, bucket_bytes=4096, **kwargs)
     one, one_bucket, _ = streamed(model, **kwargs)
-    return {"diff": differences(got, read_dir(root / label)), "buckets": buckets, "gathers": gathers,
-            "default_buckets": one_bucket, "default_diff": differences(one, got)}
+    first = to_first(model, bucket_bytes=4096, **kwargs)
+    counts = (len(exported), sum(t.numel() * t.element_size() for t in exported.values()))
+    return {"diff": differences(got, exported), "buckets": buckets, "gathers": gathers,
+            "default_buckets": one_bucket, "default_diff": differences(one, got),
+            "to_first": differences(first["pairs"], exported if dist.get_rank() == 0 else {}),
+            "to_first_counts": first["counts"] == counts, "to_first_buckets": first["buckets"] == buckets,
+            "to_first_together": first["together"] == (first["buckets"] if dist.get_rank() == 0 else 0)}
 
 
 def _moe_export(name: str, ep: int, root: Path) -> dict:
@@ -146,9 +166,13 @@ def _lora_checks(root: Path) -> dict:
     save_adapter(model, root / "adapter")
     merged, _, _ = streamed(model, bucket_bytes=4096)
     adapter, _, _ = streamed(model, lora="adapter")
+    first = dist.get_rank() == 0
+    merged_first = to_first(model, bucket_bytes=4096)["pairs"]
+    adapter_first = to_first(model, lora="adapter")["pairs"]
     before = {n: p.detach().to_local().clone() for n, p in model.named_parameters()}
     return {"merged": differences(merged, read_dir(root / "merged")),
             "adapter": differences(adapter, read_dir(root / "adapter")),
+            "to_first": differences(merged_first, merged if first else {}) + differences(adapter_first, adapter if first else {}),
             "module_untouched": all(torch.equal(before[n], p.detach().to_local()) for n, p in model.named_parameters())}
 
 
@@ -273,6 +297,8 @@ def world_4(tmp_path_factory):
 
 def _assert_stream(result: dict, label) -> None:
     assert result["diff"] == [] and result["default_diff"] == [], (label, result)
+    assert result["to_first"] == [] and result["to_first_counts"] and result["to_first_buckets"], (label, result)
+    assert result["to_first_together"], (label, result)  # every bucket sent from where it was put together
     assert result["buckets"] > 1 and result["gathers"] == result["buckets"], (label, result)  # one all-gather per bucket
     assert result["default_buckets"] == 1, (label, result)
 
@@ -307,7 +333,7 @@ def test_half_exports_keep_in_fp32_what_transformers_keeps(world_2):
 
 def test_lora_stream_merged_and_adapter_equal_their_exports(world_2):
     for r in world_2:
-        assert r["lora"]["merged"] == [] and r["lora"]["adapter"] == [], r["lora"]
+        assert r["lora"]["merged"] == [] and r["lora"]["adapter"] == [] and r["lora"]["to_first"] == [], r["lora"]
         assert r["lora"]["module_untouched"]
 
 

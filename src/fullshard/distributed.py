@@ -290,6 +290,18 @@ def all_gather_slots(buffer: torch.Tensor, slot: int, group=None) -> None:
         work.wait()
 
 
+def gather_to_first(parts: dict[int, list[torch.Tensor]], group=None) -> list:
+    """Other ranks' parts into the first rank, nothing to anyone else: on the first rank `parts` maps
+    each sending rank to the tensors its parts land in, in order; on the others it holds this rank's
+    own parts, in the same order. A message per part, all in flight together (gloo's `gather`
+    copies, several times slower, and needs one size for all); returns the works to wait for."""
+    rank = dist.get_rank(group)
+    global_rank = (lambda r: dist.get_global_rank(group, r)) if group is not None else (lambda r: r)
+    if rank == 0:
+        return [dist.irecv(t, src=global_rank(r), group=group) for r, ts in parts.items() if r for t in ts if t.numel()]
+    return [dist.isend(t, dst=global_rank(0), group=group) for t in parts.get(rank, []) if t.numel()]
+
+
 def shard_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The sub-mesh that parameters are sharded over (the last dim of an HSDP mesh)."""
     return mesh[mesh.mesh_dim_names[-1]] if mesh.ndim > 1 else mesh

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .weights import hf_weight_buckets
+from .weights import buckets_to_first
 from .distributed import all_ranks_agree_ok, current_device, get_rank
 from .errors import WeightSyncError
 from .tensors import named_state_tensors
@@ -61,10 +61,16 @@ def _padded(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
 
+def _words(offset: int, nbytes: int) -> torch.dtype:
+    """The widest integer words that tile a tensor's bytes at that offset (int64 nearly always)."""
+    return next(d for d in (torch.int64, torch.int32, torch.int16, torch.uint8)
+                if offset % d.itemsize == 0 and nbytes % d.itemsize == 0)
+
+
 def _checksums(payload: torch.Tensor, header: dict) -> list[int]:
-    """Each tensor's bytes summed as int64 words, wrapping (its padding is zero): one number per
-    tensor, so a mismatch names the tensor; the sum runs at memory speed, on the buffer's device."""
-    sums = [payload[offset:offset + _padded(nbytes)].view(torch.int64).sum()
+    """Each tensor's bytes summed as integer words (int64, wrapping): one number per tensor, so a
+    mismatch names the tensor; the sum runs at memory speed, on the buffer's device."""
+    sums = [payload[offset:offset + nbytes].view(_words(offset, nbytes)).sum(dtype=torch.int64)
             for offset, nbytes in zip(header["offsets"], header["nbytes"])]
     return torch.stack(sums).tolist() if sums else []
 
@@ -73,43 +79,58 @@ def _buffer(reused: torch.Tensor | None, nbytes: int, device: torch.device) -> t
     """`nbytes` of a byte buffer kept between buckets and pushes: fresh memory costs a page fault per
     page on first touch, which on a CPU host takes longer than the copy into it."""
     if reused is None or reused.numel() < nbytes or reused.device != device:
+        reused = None  # dropped before the new one is made
         reused = torch.empty(nbytes, dtype=torch.uint8, device=device)
     return reused
 
 
 def packed_bytes(pairs: list[tuple[str, torch.Tensor]]) -> int:
-    """The payload's size: every tensor's bytes, each padded to `ALIGN`."""
+    """The payload's size when packed: every tensor's bytes, each padded to `ALIGN`."""
     return sum(_padded(t.numel() * t.element_size()) for _, t in pairs)
 
 
-def sent_in_place(pairs: list[tuple[str, torch.Tensor]], device: torch.device) -> bool:
-    """A bucket of one tensor is sent from where the tensor lies (no copy) when its bytes allow."""
-    if len(pairs) != 1:
-        return False
-    tensor = pairs[0][1]
-    nbytes = tensor.numel() * tensor.element_size()
-    return (tensor.is_contiguous() and tensor.device == device and nbytes == _padded(nbytes)
-            and tensor.data_ptr() % ALIGN == 0)
+def lying_together(pairs: list[tuple[str, torch.Tensor]], device: torch.device
+                   ) -> tuple[torch.Tensor, list[int]] | None:
+    """Where the bucket's tensors already lie in one buffer (contiguous, not overlapping, on
+    `device`: one tensor, or a bucket `hf_weights` laid out whole), that run of bytes, from an
+    `ALIGN`-aligned start, and each tensor's offset in it: sent as it is, no packing copy."""
+    tensors = [t.detach() for _, t in pairs]
+    if not tensors or any(not t.is_contiguous() or t.device != device for t in tensors):
+        return None
+    storage = tensors[0].untyped_storage()
+    base = storage.data_ptr()
+    if any(t.untyped_storage().data_ptr() != base for t in tensors):
+        return None
+    spans = [(t.data_ptr() - base, t.numel() * t.element_size()) for t in tensors]
+    ordered = sorted(span for span in spans if span[1])
+    if any(a + n > b for (a, n), (b, _) in zip(ordered, ordered[1:])):
+        return None
+    low = ordered[0][0] if ordered else 0
+    low -= low % ALIGN
+    high = max([a + n for a, n in ordered], default=low)
+    payload = torch.empty(0, dtype=torch.uint8, device=device).set_(storage, low, (high - low,))
+    return payload, [max(a - low, 0) for a, _ in spans]
 
 
 def pack_bucket(pairs: list[tuple[str, torch.Tensor]], device: torch.device,
                 buffer: torch.Tensor | None = None) -> tuple[bytes, torch.Tensor]:
-    """A bucket as (header, payload): the payload one flat byte buffer holding every tensor, each
-    aligned (the start of `buffer` when it is large enough), the header JSON with names, shapes,
-    dtypes, offsets and checksums."""
+    """A bucket as (header, payload): the payload one flat byte buffer holding every tensor (where
+    they lie already, `lying_together`; else each copied in, aligned, at the start of `buffer` when
+    it is large enough), the header JSON with names, shapes, dtypes, offsets and checksums."""
     header = {"names": [], "shapes": [], "dtypes": [], "offsets": [], "nbytes": []}
+    together = lying_together(pairs, device)
     offset = 0
-    for name, tensor in pairs:
+    for index, (name, tensor) in enumerate(pairs):
         nbytes = tensor.numel() * tensor.element_size()
-        for key, value in zip(header, (name, list(tensor.shape), str(tensor.dtype).removeprefix("torch."), offset, nbytes)):
+        start = together[1][index] if together else offset
+        for key, value in zip(header, (name, list(tensor.shape), str(tensor.dtype).removeprefix("torch."), start, nbytes)):
             header[key].append(value)
         offset += _padded(nbytes)
-    if sent_in_place(pairs, device):
-        payload = pairs[0][1].detach().reshape(-1).view(torch.uint8)
+    if together:
+        payload = together[0]
     else:
         payload = _buffer(buffer, offset, device)[:offset]
         for (_, tensor), start, nbytes in zip(pairs, header["offsets"], header["nbytes"]):
-            payload[start + nbytes:start + _padded(nbytes)].zero_()
             if nbytes:
                 payload[start:start + nbytes].copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
     header["checksums"] = _checksums(payload, header)
@@ -211,6 +232,10 @@ class WeightSync:
         self.version = 0
         self.broken = ""  # why the connection cannot be used any more
         self.buffer: torch.Tensor | None = None  # packing (trainer) or receiving (engine) buffer, kept
+        self.buffers: list[torch.Tensor | None] = [None, None, None]  # rank 0 lays buckets out in these
+        self.turn, self.filling, self.bucket_bytes = 0, 0, 0
+        self.in_flight: tuple[list, int | None] = ([], None)  # the works of the bucket being sent, its buffer
+        self.failure = ""
 
     # -------------------------------------------------------------- rendezvous
 
@@ -277,6 +302,7 @@ class WeightSync:
     def close(self) -> None:
         """Drop the group, the store (the trainer's rank 0 hosts it: close it last) and the buffer."""
         self.group = self.store = self.buffer = None
+        self.buffers = [None, None, None]
         self.broken = self.broken or "closed"
 
     # -------------------------------------------------------------- collectives of the sync's group
@@ -309,8 +335,13 @@ class WeightSync:
         if self.rank == 0 and not message:
             message = self._announce()
         all_ranks_agree_ok(not message, message, WeightSyncError)
-        buckets = hf_weight_buckets(model, dtype=dtype, bucket_bytes=bucket_bytes, lora=lora)
-        tensors, nbytes, message = self._send(buckets) if self.rank == 0 else self._follow(buckets)
+        self.bucket_bytes = bucket_bytes
+        buckets = buckets_to_first(model, self._bucket_buffer, dtype=dtype, bucket_bytes=bucket_bytes, lora=lora)
+        try:
+            tensors, nbytes, message = self._send(buckets) if self.rank == 0 else self._follow(buckets)
+        finally:
+            if self.device.type != "cpu":  # back to the caching allocator, for training to reuse
+                self.buffers, self.buffer = [None, None, None], None
         if message:
             self.broken = message
         all_ranks_agree_ok(not message, message, WeightSyncError)
@@ -330,37 +361,56 @@ class WeightSync:
 
     @staticmethod
     def _follow(buckets) -> tuple[int, int, str]:
-        """A trainer rank other than 0 takes part in each bucket's gather, and sends nothing."""
+        """A trainer rank other than 0 sends its parts of each bucket to rank 0, and nothing else."""
         tensors = nbytes = 0
         for bucket in buckets:
-            tensors += len(bucket)
-            nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
+            tensors, nbytes = tensors + bucket.tensors, nbytes + bucket.nbytes
         return tensors, nbytes, ""
 
+    def _bucket_buffer(self, nbytes: int) -> torch.Tensor:
+        """Where rank 0 lays out the next bucket: two buffers for buckets up to `bucket_bytes`, taken
+        in turn (one is being sent while the next bucket is made in the other), a third for a bucket
+        bigger than that (a lone large tensor), so at most 2 buckets + the largest tensor. A buffer
+        still being sent is waited for first. Kept between pushes on the CPU (a fresh page costs a
+        fault), handed back to the caching allocator after each push on an accelerator."""
+        big = nbytes > self.bucket_bytes
+        which = 2 if big else 1 - self.turn
+        self.turn = self.turn if big else which
+        if self.in_flight[1] == which:
+            self._settle()
+        self.buffers[which] = _buffer(self.buffers[which], nbytes, self.device)
+        self.filling = which
+        return self.buffers[which][:nbytes]
+
+    def _settle(self) -> None:
+        """Wait for the bucket in flight; a failure is kept, to be reported on every trainer rank."""
+        works, self.in_flight = self.in_flight[0], ([], None)
+        error = "" if self.failure else self._try(lambda: self._wait(works))
+        self.failure = self.failure or (error and f"sending to the engines: {error}")
+
     def _send(self, buckets) -> tuple[int, int, str]:
-        """Rank 0: each bucket packed and broadcast while the next one is gathered (at most one
-        in flight). A failed broadcast stops the sending but not the gathering, so the other
-        trainer ranks finish their collectives and all raise together."""
+        """Rank 0: each bucket broadcast while the next one is gathered (at most one in flight). A
+        failed broadcast stops the sending but not the gathering, so the other trainer ranks
+        finish their part and all raise together."""
         tensors = nbytes = 0
-        in_flight: list = []
-        failure = ""
+        self.failure, self.in_flight = "", ([], None)
         try:
             for bucket in buckets:
-                tensors += len(bucket)
-                nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
-                if failure:
-                    continue
-                try:
-                    failure = self._wait(in_flight) or failure
-                    in_flight = [] if failure else self._send_bucket(bucket)
-                except Exception as err:  # noqa: BLE001 - reported on every trainer rank
-                    failure = f"sending to the engines: {type(err).__name__}: {err}"
+                tensors, nbytes = tensors + bucket.tensors, nbytes + bucket.nbytes
+                self._settle()
+                if not self.failure:
+                    try:
+                        self.in_flight = (self._send_bucket(bucket.pairs), self.filling)
+                    except Exception as err:  # noqa: BLE001 - reported on every trainer rank
+                        self.failure = f"sending to the engines: {type(err).__name__}: {err}"
                 del bucket
         except BaseException:
-            if not failure:  # the gather itself failed on every rank: stop the engines waiting for buckets
-                self._try(lambda: self._wait(in_flight) or self._wait(self._control(ABORT)))
+            if not self.failure:  # the gather itself failed on every rank: stop the engines waiting for buckets
+                self._settle()
+                self._try(lambda: self._wait(self._control(ABORT)))
             raise
-        failure = failure or self._try(lambda: self._wait(in_flight) or self._wait(self._control(END, tensors, nbytes)))
+        self._settle()
+        failure = self.failure or self._try(lambda: self._wait(self._control(END, tensors, nbytes)))
         if failure:
             return tensors, nbytes, f"weight sync push {self.version}: {failure}"
         engines = self._try(lambda: self._verdicts(""))
@@ -369,10 +419,12 @@ class WeightSync:
         errors = [f"engine {e - 1}: {text}" for e, text in enumerate(engines) if text]
         return tensors, nbytes, (f"weight sync push {self.version}: " + "; ".join(errors)) if errors else ""
 
-    def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> list:
-        if not sent_in_place(bucket, self.device):
-            self.buffer = _buffer(self.buffer, packed_bytes(bucket), self.device)
-        header, payload = pack_bucket(bucket, self.device, self.buffer)
+    def _send_bucket(self, pairs: list[tuple[str, torch.Tensor]]) -> list:
+        """One bucket to the engines: control, header, payload (its tensors where they lie when they
+        lie together, else packed into `buffer`), three broadcasts in flight."""
+        if not lying_together(pairs, self.device):
+            self.buffer = _buffer(self.buffer, packed_bytes(pairs), self.device)
+        header, payload = pack_bucket(pairs, self.device, self.buffer)
         header_tensor = torch.frombuffer(bytearray(header), dtype=torch.uint8).to(self.device)
         return [*self._control(BUCKET, len(header), payload.numel()),
                 (self._broadcast(header_tensor), header_tensor), (self._broadcast(payload), payload)]

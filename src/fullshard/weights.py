@@ -19,7 +19,7 @@ next step changes: a LoRA merge is computed into new tensors, never into the mod
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -28,7 +28,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from .checkpoint.export import HubView, export_recipe, merge_lora, recipe_entries, recipe_view, source_dtype
 from .checkpoint.offline import checkpoint_hf_weights
-from .distributed import all_gather_slots, current_device, get_rank, get_world_size
+from .distributed import all_gather_slots, current_device, gather_to_first, get_rank, get_world_size
 from .dtypes import resolve_dtype
 from .errors import CheckpointError
 from .fsdp import reshard_all
@@ -269,6 +269,24 @@ def _outputs(unit: StreamUnit, tensors: list[torch.Tensor]) -> list[tuple[str, t
     return [(name, view.of(full.to(dtype))) for name, dtype, view in unit.outputs]
 
 
+def _output_size(unit: StreamUnit) -> tuple[int, int]:
+    """How many Hub tensors the unit gives, and their bytes."""
+    nbytes = 0
+    for _, dtype, view in unit.outputs:
+        shape = view.view[0] if view.view is not None else unit.inputs[0].shape
+        nbytes += _numel(shape) * dtype.itemsize
+    return len(unit.outputs), nbytes
+
+
+def _stream_plan(model, dtype, bucket_bytes: int, lora: str) -> tuple[dict, list[list[StreamUnit]]]:
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    owner, state, recipe = _recipe(model, lora)
+    out_dtype = resolve_dtype(dtype) or (None if lora == "adapter" else source_dtype(owner))
+    units = plan_stream(state, recipe, out_dtype)
+    return state, buckets_of(units, bucket_bytes, get_world_size())
+
+
 def hf_weight_buckets(model: torch.nn.Module, *, dtype: torch.dtype | str | None = None,
                       bucket_bytes: int = DEFAULT_BUCKET_BYTES, lora: str = "merge"
                       ) -> Iterator[list[tuple[str, torch.Tensor]]]:
@@ -278,22 +296,172 @@ def hf_weight_buckets(model: torch.nn.Module, *, dtype: torch.dtype | str | None
     The tensors are what `export_hf` writes (for a LoRA model with `lora="merge"`, what
     `export_merged` writes; with `lora="adapter"`, only the adapter under PEFT's file names, as
     `save_adapter` writes it): Hub names and layout, cast to `dtype` (default: the dtype the model was
-    loaded from; the adapter keeps its own) but for what transformers keeps in fp32 at that dtype. They lie on the process group's device (the CPU for
+    loaded from; the adapter keeps its own) but for what transformers keeps in fp32 at that dtype.
+    They lie on the process group's device (the CPU for
     gloo). Beyond the model, a rank holds at most one gather buffer and one bucket (each at most
     `bucket_bytes`, or one tensor bigger than that) while a bucket is made; one collective per bucket.
     """
-    if bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    owner, state, recipe = _recipe(model, lora)
-    out_dtype = resolve_dtype(dtype) or (None if lora == "adapter" else source_dtype(owner))
-    units = plan_stream(state, recipe, out_dtype)
+    state, buckets = _stream_plan(model, dtype, bucket_bytes, lora)
     device, kept = _device(), None
-    for bucket in buckets_of(units, bucket_bytes, get_world_size()):
+    for bucket in buckets:
         wholes, kept = _gather_bucket(bucket, state, device, kept)
         items = [pair for unit, tensors in zip(bucket, wholes) for pair in _outputs(unit, tensors)]
         del wholes
         yield items
         del items
+
+
+# ------------------------------------------------------------------ to the first rank only (WeightSync)
+
+SEND_ALIGN = 16  # each whole tensor of a bucket's buffer starts 16-byte aligned, as WeightSync's payload wants
+
+
+def _own_pieces(bucket: list[StreamUnit], rank: int) -> list[tuple[int, int, Box]]:
+    """The regions `rank` sends of the bucket, in order: (unit, input, box)."""
+    return [(u, index, box) for u, unit in enumerate(bucket) for index, box in unit.pieces.get(rank, [])]
+
+
+def _whole_rows(box: Box, shape: tuple[int, ...]) -> bool:
+    """Whether the region is whole rows of its tensor: one run of its bytes."""
+    return len(shape) > 0 and tuple(box[1][1:]) == tuple(shape[1:])
+
+
+def _messages(bucket: list[StreamUnit], rank: int) -> tuple[list[tuple[int, int, Box]], list[tuple[int, int, Box, int]]]:
+    """What `rank` sends the first rank of a bucket: each region that is whole rows of its tensor
+    (FSDP's and EP's) a message of its own, which lands straight in its place; the others (TP's
+    columns) packed into one more message, each at its aligned byte position in it."""
+    direct, packed, position = [], [], 0
+    for u, index, box in _own_pieces(bucket, rank):
+        item = bucket[u].inputs[index]
+        if _whole_rows(box, item.shape):
+            direct.append((u, index, box))
+        else:
+            packed.append((u, index, box, position))
+            position += _aligned(_numel(box[1]) * item.dtype.itemsize)
+    return direct, packed
+
+
+def _region_bytes(bucket: list[StreamUnit], u: int, index: int, box: Box) -> int:
+    return _numel(box[1]) * bucket[u].inputs[index].dtype.itemsize
+
+
+def _send_to_first(bucket: list[StreamUnit], state: dict, device: torch.device,
+                   kept: torch.Tensor | None) -> torch.Tensor | None:
+    """A rank other than the first: its regions of the bucket to the first rank (`_messages`), each
+    sent from the shard itself where its bytes already are the message, else cast or packed into
+    `kept`, a buffer carried from bucket to bucket (returned)."""
+    direct, packed = _messages(bucket, get_rank())
+    local = lambda u, i: local_tensor(state[bucket[u].inputs[i].key]).detach()  # noqa: E731
+    as_is = lambda u, i: (local(u, i).dtype == bucket[u].inputs[i].dtype and local(u, i).is_contiguous()  # noqa: E731
+                          and local(u, i).device == device)
+    placed, position = [], 0  # where the direct regions that need a copy (a cast) go in `kept`
+    for u, index, box in direct:
+        if not as_is(u, index):
+            placed.append((u, index, box, position))
+            position += _aligned(_region_bytes(bucket, u, index, box))
+    placed += [(u, index, box, position + at) for u, index, box, at in packed]
+    need = position + sum(_aligned(_region_bytes(bucket, u, i, box)) for u, i, box, _ in packed)
+    if need and (kept is None or kept.numel() < need or kept.device != device):
+        kept = None
+        kept = torch.empty(need, dtype=torch.uint8, device=device)
+    for u, index, box, at in placed:
+        size = _region_bytes(bucket, u, index, box)
+        kept[at:at + size].view(bucket[u].inputs[index].dtype).view(box[1]).copy_(local(u, index))
+    copied = {(u, index): at for u, index, _, at in placed}
+    parts = []
+    for u, index, box in direct:
+        at = copied.get((u, index))
+        parts.append(local(u, index).reshape(-1).view(torch.uint8) if at is None
+                     else kept[at:at + _region_bytes(bucket, u, index, box)])
+    if packed:
+        u, index, box, at = packed[-1]
+        parts.append(kept[position:position + at + _region_bytes(bucket, u, index, box)])
+    for work in gather_to_first({get_rank(): parts}):
+        work.wait()
+    return kept
+
+
+def _gather_to_first(bucket: list[StreamUnit], state: dict, out: Callable[[int], torch.Tensor],
+                     kept: torch.Tensor | None) -> tuple[list[list[torch.Tensor]], torch.Tensor | None]:
+    """The first rank: the bucket's whole inputs laid out in one byte buffer from `out(nbytes)` (each
+    `SEND_ALIGN`-aligned, in order), made from its own shards and the other ranks' messages: runs
+    of rows received straight into their place, packed regions into `kept` (a staging buffer
+    carried from bucket to bucket, returned; only layouts with other regions than rows need it)
+    and copied from there. Its own regions are copied while the others arrive."""
+    starts, total = [], 0
+    for unit in bucket:
+        for item in unit.inputs:
+            starts.append(total)
+            total += item.nbytes + (-item.nbytes % SEND_ALIGN)
+    flat = out(total)
+    at = iter(starts)
+    wholes = [[flat[start:start + item.nbytes].view(item.dtype).view(item.shape) for item, start in zip(unit.inputs, at)]
+              for unit in bucket]
+    plans = {r: _messages(bucket, r) for r in range(1, get_world_size())}
+    need = {r: sum(_aligned(_region_bytes(bucket, u, i, box)) for u, i, box, _ in packed) for r, (_, packed) in plans.items()}
+    if sum(need.values()) and (kept is None or kept.numel() < sum(need.values()) or kept.device != flat.device):
+        kept = None
+        kept = torch.empty(sum(need.values()), dtype=torch.uint8, device=flat.device)
+    targets, staged, position = {}, {}, 0
+    for r, (direct, packed) in plans.items():
+        targets[r] = []
+        for u, index, box in direct:
+            whole = wholes[u][index]
+            row = whole[0].numel() * whole.element_size()
+            start = box[0][0] * row
+            targets[r].append(whole.view(-1).view(torch.uint8)[start:start + _region_bytes(bucket, u, index, box)])
+        if packed:
+            staged[r] = kept[position:position + need[r]]
+            targets[r].append(staged[r][:need[r] - _aligned(_region_bytes(bucket, *packed[-1][:3]))
+                                        + _region_bytes(bucket, *packed[-1][:3])])
+            position += need[r]
+    works = gather_to_first(targets)
+    for u, index, box in _own_pieces(bucket, 0):
+        _region(wholes[u][index], box).copy_(local_tensor(state[bucket[u].inputs[index].key]).detach())
+    for work in works:
+        work.wait()
+    for r, message in staged.items():
+        for u, index, box, at in plans[r][1]:
+            item = bucket[u].inputs[index]
+            size = _region_bytes(bucket, u, index, box)
+            _region(wholes[u][index], box).copy_(message[at:at + size].view(item.dtype).view(box[1]))
+    return wholes, kept
+
+
+@dataclass
+class SentBucket:
+    """A bucket of the stream to the first rank: its `(hf_name, tensor)` pairs there (none elsewhere),
+    how many tensors and bytes it has."""
+
+    pairs: list[tuple[str, torch.Tensor]]
+    tensors: int
+    nbytes: int
+
+
+def buckets_to_first(model: torch.nn.Module, out: Callable[[int], torch.Tensor], *,
+                     dtype: torch.dtype | str | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                     lora: str = "merge") -> Iterator[SentBucket]:
+    """`hf_weight_buckets` for a sender that is the first rank alone (`WeightSync`): the other ranks
+    send it their regions (one message each per bucket) and keep nothing; the first rank lays each
+    bucket's whole tensors out in the byte buffer `out(nbytes)` gives (the caller's, reused: it
+    must be done with a bucket's buffer before handing it out again), so a bucket of plain tensors
+    is one run of bytes, ready to send as it is. Every rank iterates it in step."""
+    state, buckets = _stream_plan(model, dtype, bucket_bytes, lora)
+    device, kept, first = _device(), None, get_rank() == 0
+    for bucket in buckets:
+        tensors = nbytes = 0
+        for unit in bucket:
+            count, size = _output_size(unit)
+            tensors, nbytes = tensors + count, nbytes + size
+        if not first:
+            kept = _send_to_first(bucket, state, device, kept)
+            yield SentBucket([], tensors, nbytes)
+            continue
+        wholes, kept = _gather_to_first(bucket, state, out, kept)
+        pairs = [pair for unit, inputs in zip(bucket, wholes) for pair in _outputs(unit, inputs)]
+        del wholes
+        yield SentBucket(pairs, tensors, nbytes)
+        del pairs
 
 
 def hf_weights(model: torch.nn.Module, *, dtype: torch.dtype | str | None = None,

@@ -300,8 +300,12 @@ class HubView:
     view: tuple[tuple[int, ...], tuple[int, ...], int] | None = None
 
     def of(self, full: torch.Tensor) -> torch.Tensor:
-        """This region of the whole model tensor (contiguous), a view of it."""
-        return full if self.view is None else full.as_strided(*self.view)
+        """This region of the whole model tensor (contiguous; itself maybe a view, e.g. into a
+        bucket's buffer), a view of it."""
+        if self.view is None:
+            return full
+        size, stride, offset = self.view
+        return full.as_strided(size, stride, full.storage_offset() + offset)
 
 
 class _ContiguousKeepsViews(TorchFunctionMode):
