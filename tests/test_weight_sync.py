@@ -2,7 +2,7 @@
 
 One spawned trainer group and two engine processes run three rendezvous in turn: two pushes with
 training between them (each engine equals the export bitwise, same logits, version 2 follows
-version 1), a receiver that rejects a name (the named error on every side, nothing of it
+version 1; the second in buckets smaller than most tensors), a receiver that rejects a name (the named error on every side, nothing of it
 applied), and an engine killed between pushes (the next push raises on every trainer rank).
 """
 
@@ -47,7 +47,7 @@ def _trainer(ports: list[int], out: str) -> dict:
     reports = [sync.push(model)]
     export_hf(model, out / "export1")
     _train_step(strategy, model, optimizer, seed=1)
-    reports.append(sync.push(model))
+    reports.append(sync.push(model, bucket_bytes=4096))  # many buckets: both bucket buffers, and the one for larger tensors
     export_hf(model, out / "export2")
     result["reports"] = [vars(r) for r in reports]
 

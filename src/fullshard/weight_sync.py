@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .weights import buckets_to_first
+from .weights import buckets_to_first, kept_buffer
 from .distributed import all_ranks_agree_ok, current_device, get_rank
 from .errors import WeightSyncError
 from .tensors import named_state_tensors
@@ -73,15 +73,6 @@ def _checksums(payload: torch.Tensor, header: dict) -> list[int]:
     sums = [payload[offset:offset + nbytes].view(_words(offset, nbytes)).sum(dtype=torch.int64)
             for offset, nbytes in zip(header["offsets"], header["nbytes"])]
     return torch.stack(sums).tolist() if sums else []
-
-
-def _buffer(reused: torch.Tensor | None, nbytes: int, device: torch.device) -> torch.Tensor:
-    """`nbytes` of a byte buffer kept between buckets and pushes: fresh memory costs a page fault per
-    page on first touch, which on a CPU host takes longer than the copy into it."""
-    if reused is None or reused.numel() < nbytes or reused.device != device:
-        reused = None  # dropped before the new one is made
-        reused = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    return reused
 
 
 def packed_bytes(pairs: list[tuple[str, torch.Tensor]]) -> int:
@@ -129,7 +120,8 @@ def pack_bucket(pairs: list[tuple[str, torch.Tensor]], device: torch.device,
     if together:
         payload = together[0]
     else:
-        payload = _buffer(buffer, offset, device)[:offset]
+        payload = buffer[:offset] if buffer is not None and buffer.numel() >= offset and buffer.device == device \
+            else torch.empty(offset, dtype=torch.uint8, device=device)
         for (_, tensor), start, nbytes in zip(pairs, header["offsets"], header["nbytes"]):
             if nbytes:
                 payload[start:start + nbytes].copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
@@ -231,10 +223,9 @@ class WeightSync:
         self.num_engines, self.device, self.timeout_s = num_engines, device, timeout_s
         self.version = 0
         self.broken = ""  # why the connection cannot be used any more
-        self.buffer: torch.Tensor | None = None  # packing (trainer) or receiving (engine) buffer, kept
-        self.buffers: list[torch.Tensor | None] = [None, None, None]  # rank 0 lays buckets out in these
-        self.turn, self.filling, self.bucket_bytes = 0, 0, 0
-        self.in_flight: tuple[list, int | None] = ([], None)  # the works of the bucket being sent, its buffer
+        self.buffers: dict[str, torch.Tensor] = {}  # kept: rank 0's bucket layouts and packing, an engine's receiving
+        self.turn, self.filling, self.bucket_bytes = 0, "", 0
+        self.in_flight: tuple[list, str | None] = ([], None)  # the works of the bucket being sent, its buffer
         self.failure = ""
 
     # -------------------------------------------------------------- rendezvous
@@ -301,8 +292,8 @@ class WeightSync:
 
     def close(self) -> None:
         """Drop the group, the store (the trainer's rank 0 hosts it: close it last) and the buffer."""
-        self.group = self.store = self.buffer = None
-        self.buffers = [None, None, None]
+        self.group = self.store = None
+        self.buffers = {}
         self.broken = self.broken or "closed"
 
     # -------------------------------------------------------------- collectives of the sync's group
@@ -341,7 +332,7 @@ class WeightSync:
             tensors, nbytes, message = self._send(buckets) if self.rank == 0 else self._follow(buckets)
         finally:
             if self.device.type != "cpu":  # back to the caching allocator, for training to reuse
-                self.buffers, self.buffer = [None, None, None], None
+                self.buffers = {}
         if message:
             self.broken = message
         all_ranks_agree_ok(not message, message, WeightSyncError)
@@ -373,14 +364,15 @@ class WeightSync:
         bigger than that (a lone large tensor), so at most 2 buckets + the largest tensor. A buffer
         still being sent is waited for first. Kept between pushes on the CPU (a fresh page costs a
         fault), handed back to the caching allocator after each push on an accelerator."""
-        big = nbytes > self.bucket_bytes
-        which = 2 if big else 1 - self.turn
-        self.turn = self.turn if big else which
+        if nbytes > self.bucket_bytes:
+            which = "big"
+        else:
+            self.turn = 1 - self.turn
+            which = f"bucket{self.turn}"
         if self.in_flight[1] == which:
             self._settle()
-        self.buffers[which] = _buffer(self.buffers[which], nbytes, self.device)
         self.filling = which
-        return self.buffers[which][:nbytes]
+        return kept_buffer(self.buffers, which, nbytes, self.device)
 
     def _settle(self) -> None:
         """Wait for the bucket in flight; a failure is kept, to be reported on every trainer rank."""
@@ -422,9 +414,9 @@ class WeightSync:
     def _send_bucket(self, pairs: list[tuple[str, torch.Tensor]]) -> list:
         """One bucket to the engines: control, header, payload (its tensors where they lie when they
         lie together, else packed into `buffer`), three broadcasts in flight."""
-        if not lying_together(pairs, self.device):
-            self.buffer = _buffer(self.buffer, packed_bytes(pairs), self.device)
-        header, payload = pack_bucket(pairs, self.device, self.buffer)
+        packing = None if lying_together(pairs, self.device) else kept_buffer(
+            self.buffers, "packing", packed_bytes(pairs), self.device)
+        header, payload = pack_bucket(pairs, self.device, packing)
         header_tensor = torch.frombuffer(bytearray(header), dtype=torch.uint8).to(self.device)
         return [*self._control(BUCKET, len(header), payload.numel()),
                 (self._broadcast(header_tensor), header_tensor), (self._broadcast(payload), payload)]
@@ -498,8 +490,7 @@ class WeightSync:
                     failure = f"received {tensors} tensors / {nbytes} bytes, the trainer sent {header_len} / {payload_len}"
                 return tensors, nbytes, failure
             header = torch.empty(header_len, dtype=torch.uint8, device=self.device)
-            self.buffer = _buffer(self.buffer, payload_len, self.device)
-            payload = self.buffer[:payload_len]
+            payload = kept_buffer(self.buffers, "receiving", payload_len, self.device)
             self._broadcast(header).wait()
             self._broadcast(payload).wait()
             if failure:

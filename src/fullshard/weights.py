@@ -81,6 +81,17 @@ def _aligned(nbytes: int) -> int:
     return nbytes + (-nbytes % ALIGN)
 
 
+def kept_buffer(buffers: dict, name: str, nbytes: int, device: torch.device) -> torch.Tensor:
+    """`nbytes` of the byte buffer `buffers[name]`, kept from bucket to bucket (fresh memory costs a
+    page fault per page, on a CPU host more than the copy into it); a too small one is dropped
+    before the larger one is made, so there are never two."""
+    buffer = buffers.get(name)
+    if buffer is None or buffer.numel() < nbytes or buffer.device != device:
+        buffers[name] = buffer = None
+        buffers[name] = buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return buffer[:nbytes]
+
+
 def _held_box(tensor: torch.Tensor) -> Box | None:
     """The region of the global tensor this rank holds (None: nothing)."""
     if not isinstance(tensor, DTensor):
@@ -222,18 +233,17 @@ def _rank_ordered(bucket: list[StreamUnit], slot: int, world: int) -> bool:
 
 
 def _gather_bucket(bucket: list[StreamUnit], state: dict, device: torch.device,
-                   kept: torch.Tensor | None = None) -> tuple[list[list[torch.Tensor]], torch.Tensor | None]:
-    """Every input of the bucket's units, whole, on every rank: one all-gather of packed regions.
-    The gather buffer `kept` from the bucket before is reused when large enough (fresh memory costs a
-    page fault per page, on a CPU host more than the copy); returned is the buffer to keep."""
+                   buffers: dict) -> list[list[torch.Tensor]]:
+    """Every input of the bucket's units, whole, on every rank: one all-gather of packed regions into
+    the gather buffer kept in `buffers` (`kept_buffer`)."""
     rank, world = get_rank(), get_world_size()
     slot = max(sum(_rank_bytes(u, r) for u in bucket) for r in range(world))
     in_place = _rank_ordered(bucket, slot, world)
-    if in_place or kept is None or kept.numel() < slot * world or kept.device != device:
-        kept = None  # dropped before the new buffer is made: never two gather buffers at once
+    if in_place:  # handed out as the tensor itself: never reused
+        buffers.pop("gather", None)
         gathered = torch.empty(slot * world, dtype=torch.uint8, device=device)
     else:
-        gathered = kept[:slot * world]
+        gathered = kept_buffer(buffers, "gather", slot * world, device)
     position = rank * slot
     for unit in bucket:
         for index, box in unit.pieces.get(rank, []):
@@ -246,7 +256,7 @@ def _gather_bucket(bucket: list[StreamUnit], state: dict, device: torch.device,
         all_gather_slots(gathered, slot)
     if in_place:
         item = bucket[0].inputs[0]
-        return [[gathered.view(item.dtype).view(item.shape)]], None
+        return [[gathered.view(item.dtype).view(item.shape)]]
     wholes = [[torch.empty(i.shape, dtype=i.dtype, device=device) for i in u.inputs] for u in bucket]
     for source in range(world):
         position = source * slot
@@ -256,7 +266,7 @@ def _gather_bucket(bucket: list[StreamUnit], state: dict, device: torch.device,
                 nbytes = _numel(box[1]) * item.dtype.itemsize
                 _region(tensors[index], box).copy_(gathered[position:position + nbytes].view(item.dtype).view(box[1]))
                 position += _aligned(nbytes)
-    return wholes, gathered
+    return wholes
 
 
 def _outputs(unit: StreamUnit, tensors: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
@@ -302,9 +312,9 @@ def hf_weight_buckets(model: torch.nn.Module, *, dtype: torch.dtype | str | None
     `bucket_bytes`, or one tensor bigger than that) while a bucket is made; one collective per bucket.
     """
     state, buckets = _stream_plan(model, dtype, bucket_bytes, lora)
-    device, kept = _device(), None
+    device, buffers = _device(), {}
     for bucket in buckets:
-        wholes, kept = _gather_bucket(bucket, state, device, kept)
+        wholes = _gather_bucket(bucket, state, device, buffers)
         items = [pair for unit, tensors in zip(bucket, wholes) for pair in _outputs(unit, tensors)]
         del wholes
         yield items
@@ -345,11 +355,10 @@ def _region_bytes(bucket: list[StreamUnit], u: int, index: int, box: Box) -> int
     return _numel(box[1]) * bucket[u].inputs[index].dtype.itemsize
 
 
-def _send_to_first(bucket: list[StreamUnit], state: dict, device: torch.device,
-                   kept: torch.Tensor | None) -> torch.Tensor | None:
+def _send_to_first(bucket: list[StreamUnit], state: dict, device: torch.device, buffers: dict) -> None:
     """A rank other than the first: its regions of the bucket to the first rank (`_messages`), each
-    sent from the shard itself where its bytes already are the message, else cast or packed into
-    `kept`, a buffer carried from bucket to bucket (returned)."""
+    sent from the shard itself where its bytes already are the message, else cast or packed into a
+    buffer kept in `buffers`."""
     direct, packed = _messages(bucket, get_rank())
     local = lambda u, i: local_tensor(state[bucket[u].inputs[i].key]).detach()  # noqa: E731
     as_is = lambda u, i: (local(u, i).dtype == bucket[u].inputs[i].dtype and local(u, i).is_contiguous()  # noqa: E731
@@ -361,9 +370,7 @@ def _send_to_first(bucket: list[StreamUnit], state: dict, device: torch.device,
             position += _aligned(_region_bytes(bucket, u, index, box))
     placed += [(u, index, box, position + at) for u, index, box, at in packed]
     need = position + sum(_aligned(_region_bytes(bucket, u, i, box)) for u, i, box, _ in packed)
-    if need and (kept is None or kept.numel() < need or kept.device != device):
-        kept = None
-        kept = torch.empty(need, dtype=torch.uint8, device=device)
+    kept = kept_buffer(buffers, "send", need, device) if need else None
     for u, index, box, at in placed:
         size = _region_bytes(bucket, u, index, box)
         kept[at:at + size].view(bucket[u].inputs[index].dtype).view(box[1]).copy_(local(u, index))
@@ -378,16 +385,14 @@ def _send_to_first(bucket: list[StreamUnit], state: dict, device: torch.device,
         parts.append(kept[position:position + at + _region_bytes(bucket, u, index, box)])
     for work in gather_to_first({get_rank(): parts}):
         work.wait()
-    return kept
 
 
 def _gather_to_first(bucket: list[StreamUnit], state: dict, out: Callable[[int], torch.Tensor],
-                     kept: torch.Tensor | None) -> tuple[list[list[torch.Tensor]], torch.Tensor | None]:
+                     buffers: dict) -> list[list[torch.Tensor]]:
     """The first rank: the bucket's whole inputs laid out in one byte buffer from `out(nbytes)` (each
     `SEND_ALIGN`-aligned, in order), made from its own shards and the other ranks' messages: runs
-    of rows received straight into their place, packed regions into `kept` (a staging buffer
-    carried from bucket to bucket, returned; only layouts with other regions than rows need it)
-    and copied from there. Its own regions are copied while the others arrive."""
+    of rows received straight into their place, packed regions into a staging buffer kept in
+    `buffers` (only layouts with other regions than rows need it) and copied from there. Its own regions are copied while the others arrive."""
     starts, total = [], 0
     for unit in bucket:
         for item in unit.inputs:
@@ -399,9 +404,7 @@ def _gather_to_first(bucket: list[StreamUnit], state: dict, out: Callable[[int],
               for unit in bucket]
     plans = {r: _messages(bucket, r) for r in range(1, get_world_size())}
     need = {r: sum(_aligned(_region_bytes(bucket, u, i, box)) for u, i, box, _ in packed) for r, (_, packed) in plans.items()}
-    if sum(need.values()) and (kept is None or kept.numel() < sum(need.values()) or kept.device != flat.device):
-        kept = None
-        kept = torch.empty(sum(need.values()), dtype=torch.uint8, device=flat.device)
+    kept = kept_buffer(buffers, "staging", sum(need.values()), flat.device) if sum(need.values()) else None
     targets, staged, position = {}, {}, 0
     for r, (direct, packed) in plans.items():
         targets[r] = []
@@ -425,7 +428,7 @@ def _gather_to_first(bucket: list[StreamUnit], state: dict, out: Callable[[int],
             item = bucket[u].inputs[index]
             size = _region_bytes(bucket, u, index, box)
             _region(wholes[u][index], box).copy_(message[at:at + size].view(item.dtype).view(box[1]))
-    return wholes, kept
+    return wholes
 
 
 @dataclass
@@ -447,17 +450,17 @@ def buckets_to_first(model: torch.nn.Module, out: Callable[[int], torch.Tensor],
     must be done with a bucket's buffer before handing it out again), so a bucket of plain tensors
     is one run of bytes, ready to send as it is. Every rank iterates it in step."""
     state, buckets = _stream_plan(model, dtype, bucket_bytes, lora)
-    device, kept, first = _device(), None, get_rank() == 0
+    device, buffers, first = _device(), {}, get_rank() == 0
     for bucket in buckets:
         tensors = nbytes = 0
         for unit in bucket:
             count, size = _output_size(unit)
             tensors, nbytes = tensors + count, nbytes + size
         if not first:
-            kept = _send_to_first(bucket, state, device, kept)
+            _send_to_first(bucket, state, device, buffers)
             yield SentBucket([], tensors, nbytes)
             continue
-        wholes, kept = _gather_to_first(bucket, state, out, kept)
+        wholes = _gather_to_first(bucket, state, out, buffers)
         pairs = [pair for unit, inputs in zip(bucket, wholes) for pair in _outputs(unit, inputs)]
         del wholes
         yield SentBucket(pairs, tensors, nbytes)
