@@ -174,24 +174,32 @@ def test_weight_sync_to_two_engines(tmp_path):
 
 def test_a_corrupted_bucket_names_the_tensor():
     from fullshard.errors import WeightSyncError
-    from fullshard.weight_sync import pack_bucket, unpack_bucket
+    from fullshard.weight_sync import checksums, pack_bucket, unpack_bucket
 
     pairs = [("a.weight", torch.randn(3, 5)), ("b.bias", torch.arange(7, dtype=torch.int64)),
-             ("c.weight", torch.randn(4, dtype=torch.bfloat16))]
+             ("c.weight", torch.randn(7, dtype=torch.bfloat16))]
     kept = torch.full((1000,), 7, dtype=torch.uint8)  # a buffer kept from an earlier bucket, dirty
     header, payload = pack_bucket(pairs, torch.device("cpu"), kept)
     assert payload.data_ptr() == kept.data_ptr()
-    unpacked = unpack_bucket(header, payload.clone())
+    sent = checksums(payload, header).tolist()
+    unpacked = unpack_bucket(header, payload.clone(), sent)
     assert [n for n, _ in unpacked] == [n for n, _ in pairs]
     assert all(torch.equal(a, b) and a.dtype == b.dtype for (_, a), (_, b) in zip(unpacked, pairs))
     lone = [("d.weight", torch.randn(4, 8))]  # one tensor: sent from where it lies
     lone_header, lone_payload = pack_bucket(lone, torch.device("cpu"), kept)
     assert lone_payload.data_ptr() == lone[0][1].data_ptr()
-    assert torch.equal(unpack_bucket(lone_header, lone_payload)[0][1], lone[0][1])
-    offset = json.loads(header)["offsets"][1]
-    payload[offset + 3] ^= 1
-    with pytest.raises(WeightSyncError, match="checksum mismatch for 'b.bias'"):
-        unpack_bucket(header, payload)
+    assert torch.equal(unpack_bucket(lone_header, lone_payload, checksums(lone_payload, lone_header).tolist())[0][1], lone[0][1])
+    flat = torch.zeros(256, dtype=torch.uint8)  # tensors laid out in one buffer (a bucket hf_weights put together)
+    together = [("e", flat[32:64].view(torch.float32)), ("f", flat[80:86].view(torch.bfloat16)), ("g", flat[96:160].view(torch.int64))]
+    together_header, together_payload = pack_bucket(together, torch.device("cpu"), kept)
+    assert together_payload.data_ptr() == flat.data_ptr() + 32 and together_header["offsets"] == [0, 48, 64]
+    for corrupt, name in [(pairs[1], "b.bias"), (together[1], "f")]:
+        h, p = (header, payload) if corrupt is pairs[1] else (together_header, together_payload)
+        good = checksums(p, h).tolist()
+        offset = h["offsets"][h["names"].index(name)]
+        p[offset + 1] ^= 1
+        with pytest.raises(WeightSyncError, match=f"checksum mismatch for '{name}'"):
+            unpack_bucket(h, p, good)
 
 
 def test_weight_loader_refuses_by_name_before_copying():

@@ -67,12 +67,12 @@ def _words(offset: int, nbytes: int) -> torch.dtype:
                 if offset % d.itemsize == 0 and nbytes % d.itemsize == 0)
 
 
-def _checksums(payload: torch.Tensor, header: dict) -> list[int]:
+def checksums(payload: torch.Tensor, header: dict) -> torch.Tensor:
     """Each tensor's bytes summed as integer words (int64, wrapping): one number per tensor, so a
     mismatch names the tensor; the sum runs at memory speed, on the buffer's device."""
     sums = [payload[offset:offset + nbytes].view(_words(offset, nbytes)).sum(dtype=torch.int64)
             for offset, nbytes in zip(header["offsets"], header["nbytes"])]
-    return torch.stack(sums).tolist() if sums else []
+    return torch.stack(sums) if sums else torch.zeros(0, dtype=torch.int64, device=payload.device)
 
 
 def packed_bytes(pairs: list[tuple[str, torch.Tensor]]) -> int:
@@ -104,10 +104,11 @@ def lying_together(pairs: list[tuple[str, torch.Tensor]], device: torch.device
 
 
 def pack_bucket(pairs: list[tuple[str, torch.Tensor]], device: torch.device,
-                buffer: torch.Tensor | None = None) -> tuple[bytes, torch.Tensor]:
+                buffer: torch.Tensor | None = None) -> tuple[dict, torch.Tensor]:
     """A bucket as (header, payload): the payload one flat byte buffer holding every tensor (where
     they lie already, `lying_together`; else each copied in, aligned, at the start of `buffer` when
-    it is large enough), the header JSON with names, shapes, dtypes, offsets and checksums."""
+    it is large enough), the header with names, shapes, dtypes and offsets. Its `checksums` go
+    after it, summed while the payload is on its way."""
     header = {"names": [], "shapes": [], "dtypes": [], "offsets": [], "nbytes": []}
     together = lying_together(pairs, device)
     offset = 0
@@ -125,15 +126,13 @@ def pack_bucket(pairs: list[tuple[str, torch.Tensor]], device: torch.device,
         for (_, tensor), start, nbytes in zip(pairs, header["offsets"], header["nbytes"]):
             if nbytes:
                 payload[start:start + nbytes].copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
-    header["checksums"] = _checksums(payload, header)
-    return json.dumps(header).encode(), payload
+    return header, payload
 
 
-def unpack_bucket(header_bytes: bytes, payload: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+def unpack_bucket(header: dict, payload: torch.Tensor, sent: list[int]) -> list[tuple[str, torch.Tensor]]:
     """The `(name, tensor)` pairs of a received bucket, views of `payload`, after checking every
-    tensor's checksum (a mismatch names the tensor)."""
-    header = json.loads(header_bytes)
-    for name, expected, found in zip(header["names"], header["checksums"], _checksums(payload, header)):
+    tensor's checksum against the `sent` ones (a mismatch names the tensor)."""
+    for name, expected, found in zip(header["names"], sent, checksums(payload, header).tolist()):
         if expected != found:
             raise WeightSyncError(f"checksum mismatch for {name!r}: sent {expected}, received {found}")
     pairs = []
@@ -413,13 +412,16 @@ class WeightSync:
 
     def _send_bucket(self, pairs: list[tuple[str, torch.Tensor]]) -> list:
         """One bucket to the engines: control, header, payload (its tensors where they lie when they
-        lie together, else packed into `buffer`), three broadcasts in flight."""
+        lie together, else packed), checksums: four broadcasts in flight."""
         packing = None if lying_together(pairs, self.device) else kept_buffer(
             self.buffers, "packing", packed_bytes(pairs), self.device)
         header, payload = pack_bucket(pairs, self.device, packing)
-        header_tensor = torch.frombuffer(bytearray(header), dtype=torch.uint8).to(self.device)
-        return [*self._control(BUCKET, len(header), payload.numel()),
-                (self._broadcast(header_tensor), header_tensor), (self._broadcast(payload), payload)]
+        raw = json.dumps(header).encode()
+        header_tensor = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(self.device)
+        works = [*self._control(BUCKET, len(raw), payload.numel()),
+                 (self._broadcast(header_tensor), header_tensor), (self._broadcast(payload), payload)]
+        sums = checksums(payload, header)  # while the payload is on its way
+        return [*works, (self._broadcast(sums), sums)]
 
     @staticmethod
     def _wait(works: list) -> str:
@@ -492,11 +494,14 @@ class WeightSync:
             header = torch.empty(header_len, dtype=torch.uint8, device=self.device)
             payload = kept_buffer(self.buffers, "receiving", payload_len, self.device)
             self._broadcast(header).wait()
+            header = json.loads(bytes(header.cpu().numpy()))
+            sent = torch.empty(len(header["names"]), dtype=torch.int64, device=self.device)
             self._broadcast(payload).wait()
+            self._broadcast(sent).wait()
             if failure:
                 continue
             try:
-                pairs = unpack_bucket(bytes(header.cpu().numpy()), payload)
+                pairs = unpack_bucket(header, payload, sent.tolist())
                 feed(load_weights, pairs)
                 tensors += len(pairs)
                 nbytes += sum(t.numel() * t.element_size() for _, t in pairs)
