@@ -301,8 +301,7 @@ class WeightSync:
         return self.group.broadcast([tensor], dist.BroadcastOptions())
 
     def _control(self, kind: int, header_len: int = 0, payload_len: int = 0) -> list:
-        control = torch.tensor([kind, header_len, payload_len, self.version, self.bucket_bytes], dtype=torch.int64,
-                               device=self.device)
+        control = torch.tensor([kind, header_len, payload_len, self.version], dtype=torch.int64, device=self.device)
         return [(self._broadcast(control), control)]
 
     def _verdicts(self, message: str) -> list[str]:
@@ -476,54 +475,35 @@ class WeightSync:
             time.sleep(0.01)
 
     def _receive(self, load_weights) -> tuple[int, int, str]:
-        """Every bucket until the end mark, each loaded while the next one arrives (two receiving
-        buffers for buckets up to the trainer's `bucket_bytes`, taken in turn, a third for a bigger
-        one: at most 2 buckets + the largest tensor); after a failure the rest are received and
-        dropped, so the trainer's broadcasts complete, and the failure is this engine's verdict."""
-        counts, failure = [0, 0], ""
-        pending = None  # the bucket arriving or arrived, not loaded yet: (header, payload, checksums, works, buffer)
-
-        def load() -> str:
-            header, payload, sent, works, _ = pending
-            self._wait(works)
-            if failure:
-                return failure
-            try:
-                pairs = unpack_bucket(header, payload, sent.tolist())
-                feed(load_weights, pairs)
-            except WeightSyncError as err:
-                return str(err)
-            counts[0] += len(pairs)
-            counts[1] += sum(t.numel() * t.element_size() for _, t in pairs)
-            return ""
-
+        """Every bucket until the end mark; after a failure the rest are received and dropped, so
+        the trainer's broadcasts complete, and the failure is this engine's verdict."""
+        tensors = nbytes = 0
+        failure = ""
         while True:
-            control = torch.empty(5, dtype=torch.int64, device=self.device)
+            control = torch.empty(4, dtype=torch.int64, device=self.device)
             self._broadcast(control).wait()
-            kind, header_len, payload_len, version, bucket_bytes = control.tolist()
+            kind, header_len, payload_len, version = control.tolist()
             if version != self.version:
                 raise WeightSyncError(f"engine {self.rank - 1} expected push {self.version}, the trainer sent {version}")
             if kind == ABORT:
                 raise WeightSyncError(f"engine {self.rank - 1}: the trainer aborted push {self.version} (its gather failed)")
             if kind == END:
-                failure = load() if pending else failure
-                if not failure and (header_len, payload_len) != tuple(counts):
-                    failure = (f"received {counts[0]} tensors / {counts[1]} bytes, the trainer sent "
-                               f"{header_len} / {payload_len}")
-                return counts[0], counts[1], failure
+                if not failure and (header_len, payload_len) != (tensors, nbytes):
+                    failure = f"received {tensors} tensors / {nbytes} bytes, the trainer sent {header_len} / {payload_len}"
+                return tensors, nbytes, failure
             header = torch.empty(header_len, dtype=torch.uint8, device=self.device)
+            payload = kept_buffer(self.buffers, "receiving", payload_len, self.device)
             self._broadcast(header).wait()
             header = json.loads(bytes(header.cpu().numpy()))
-            if payload_len > bucket_bytes:
-                which = "big"
-            else:
-                self.turn = 1 - self.turn
-                which = f"receiving{self.turn}"
-            if pending and pending[4] == which:  # its buffer is needed now: load it first
-                failure, pending = load(), None
-            payload = kept_buffer(self.buffers, which, payload_len, self.device)
             sent = torch.empty(len(header["names"]), dtype=torch.int64, device=self.device)
-            arriving = (header, payload, sent, [(self._broadcast(payload), payload), (self._broadcast(sent), sent)], which)
-            if pending:
-                failure = load()
-            pending = arriving
+            self._broadcast(payload).wait()
+            self._broadcast(sent).wait()
+            if failure:
+                continue
+            try:
+                pairs = unpack_bucket(header, payload, sent.tolist())
+                feed(load_weights, pairs)
+                tensors += len(pairs)
+                nbytes += sum(t.numel() * t.element_size() for _, t in pairs)
+            except WeightSyncError as err:
+                failure = str(err)
