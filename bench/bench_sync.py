@@ -2,16 +2,19 @@
 
 Side by side in one run (CPU / gloo; the same trainer ranks, engine and sync process group for all):
 
-- fullshard: `WeightSync.push` (buckets, one all-gather each, packed and broadcast while the next is gathered)
+- fullshard: `WeightSync.push` (buckets: the other trainer ranks' rows sent to rank 0, laid out in one of two
+  kept buffers and broadcast as they lie while the next bucket is put together)
 - (a) one parameter at a time: `full_tensor()`, then a broadcast to the engine (LightRFT's and TRL's way)
 - (b) the whole state dict gathered first (`get_model_state_dict(full_state_dict=True, cpu_offload=True)`),
   then sent tensor by tensor
 - raw: one broadcast of a buffer of the same bytes, allocated beforehand: the transport's floor
+  (no gather between the trainer ranks, no checksum, no copy into the engine's model)
 
-The engine copies what it receives into a plain transformers model in every method. Seconds run
+The engine copies what it receives into a plain transformers model in every method but raw. Seconds run
 from when the trainer ranks and the engine are all ready until the engine has acknowledged; peak memory is the largest
 rise of the process's resident set (the kernel's high-water mark, reset before each method).
-Each method runs 3 rounds; the table has the fastest round and the largest rise.
+Each method runs 3 rounds, each round in another order; the table has the fastest round and the
+largest rise, and for a push its rise against the bound 2 x bucket + the largest tensor.
 
 Run alone: .venv/bin/python bench/bench_sync.py [--hidden 768 --layers 6 --vocab 32000 --bucket-mib 16 128]
 """
@@ -45,7 +48,16 @@ def methods(args) -> list[str]:
 
 def bucket_bytes(method: str) -> int:
     return int(method.rsplit(", ", 1)[1].split()[0]) * MiB
+
+
 ROUNDS = 3
+
+
+def in_turn(args, round_: int) -> list[str]:
+    """The methods in the order of one round: each round starts one later, so every method takes
+    its turn going first (the same order on every process)."""
+    every = methods(args)
+    return every[round_ % len(every):] + every[:round_ % len(every)]
 
 
 def _status_kib(field: str) -> int:
@@ -130,8 +142,8 @@ def trainer_main(rank: int, args, ports: dict, results) -> None:
     nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     raw = torch.ones(nbytes, dtype=torch.uint8) if rank == 0 else None
     measured = {m: {"seconds": float("inf"), "trainer_rise_mib": 0.0} for m in methods(args)}
-    for _ in range(ROUNDS):
-        for method in methods(args):
+    for round_ in range(ROUNDS):
+        for method in in_turn(args, round_):
             with PeakRise() as peak:
                 dist.barrier()
                 if rank == 0:
@@ -174,8 +186,8 @@ def engine_main(args, ports: dict, results) -> None:
     sync = WeightSync.engine(HOST, ports["sync"], engine_rank=0, num_engines=1, timeout_s=600)
     raw = torch.empty(sum(t.numel() * t.element_size() for t in model.state_dict().values()), dtype=torch.uint8)
     measured = {m: 0.0 for m in methods(args)}
-    for _ in range(ROUNDS):
-        for method in methods(args):
+    for round_ in range(ROUNDS):
+        for method in in_turn(args, round_):
             with PeakRise() as peak:
                 _ack(sync.group)
                 engine_method(method, model, sync, loader, raw)
@@ -221,10 +233,13 @@ def report(found: dict, args, load: tuple[str, str]) -> str:
     per_param, raw = trainer[METHODS[0]], trainer[METHODS[2]]
     pushes = [m for m in methods(args) if m.startswith(PUSH)]
     fastest = min(pushes, key=lambda m: trainer[m]["seconds"])
+    largest_mib = args.vocab * args.hidden * 4 / MiB
+    bound = lambda m: f"{trainer[m]['trainer_rise_mib'] / (2 * bucket_bytes(m) / MiB + largest_mib):.2f}"  # noqa: E731
     rows = [[m, f"{trainer[m]['seconds']:.2f}", f"{per_param['seconds'] / trainer[m]['seconds']:.2f}",
-             f"{trainer[m]['trainer_rise_mib']:,.0f}", f"{engine[m]:,.0f}"] for m in methods(args)]
-    table = markdown_table(["method", "seconds", "speed x (a)", "trainer rank 0 peak rise MiB",
-                            "engine peak rise MiB"], rows)
+             f"{trainer[m]['seconds'] / raw['seconds']:.2f}", f"{trainer[m]['trainer_rise_mib']:,.0f}",
+             bound(m) if m in pushes else "", f"{engine[m]:,.0f}"] for m in methods(args)]
+    table = markdown_table(["method", "seconds", "speed x (a)", "time x raw", "trainer rank 0 peak rise MiB",
+                            "rise / (2 buckets + largest)", "engine peak rise MiB"], rows)
     ratios = "; ".join(f"{m.split(', ')[1]}: {per_param['seconds'] / trainer[m]['seconds']:.2f}x as fast as (a), "
                        f"{trainer[m]['trainer_rise_mib'] / max(per_param['trainer_rise_mib'], 1):.2f}x its trainer "
                        f"peak rise, {trainer[m]['seconds'] / raw['seconds']:.1f}x the raw broadcast's time"
@@ -232,7 +247,14 @@ def report(found: dict, args, load: tuple[str, str]) -> str:
     return (f"### Weight sync to an inference engine (CPU / gloo)\n\n"
             f"`bench/bench_sync.py`: a Llama of {found['bytes'] / 1e6:,.0f} MB (fp32; hidden {args.hidden}, "
             f"{args.layers} layers, vocab {args.vocab}, largest tensor {args.vocab * args.hidden * 4 / 1e6:.0f} MB) "
-            f"sharded over 2 trainer ranks, one engine process; best of {ROUNDS} rounds, largest memory rise.\n\n"
+            f"sharded over 2 trainer ranks, one engine process; best of {ROUNDS} rounds (the methods taking turns "
+            f"going first), largest memory rise. A push: trainer rank 1 sends its rows of each bucket to rank 0 "
+            f"(straight into place), rank 0 copies its own rows beside them, in one of two bucket buffers kept "
+            f"between pushes (a third for a tensor larger than a bucket), and broadcasts that buffer as it is while "
+            f"the next bucket is put together; the engine checks each tensor's checksum and copies it into its "
+            f"model. A push's memory rise is its first one's (buffers made, modules imported); later pushes reuse "
+            f"the kept buffers. The raw broadcast moves the same bytes from buffers allocated beforehand, with no gather "
+            f"between trainer ranks, no checksum and no copy into the engine's model: a floor, not a peer.\n\n"
             f"{table}\n\nWeightSync.push with {ratios}. Fastest: {fastest.split(', ')[1]}. "
             f"Load (`uptime`) before: {load[0]}; after: {load[1]}.")
 

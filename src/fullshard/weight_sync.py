@@ -10,9 +10,9 @@ weights go from the trainer to every engine:
 The two sides meet over a TCPStore hosted by trainer rank 0 and talk in a process group of their
 own (gloo on CPU, NCCL on CUDA) made of trainer rank 0 and the engines, built beside torch's
 default group, so the trainer's world size does not matter. Every trainer rank iterates
-`hf_weight_buckets` (one collective per bucket); rank 0 packs each bucket into one flat buffer
-with a header (names, shapes, dtypes, per-tensor checksums) and broadcasts it while the next
-bucket is gathered. An engine checks the checksums and hands the bucket's `(name, tensor)` pairs
+`buckets_to_first` (`hf_weight_buckets`' tensors, put together on rank 0 alone: the others send it
+their rows); rank 0 lays each bucket out in one flat buffer and broadcasts it as it lies, with a
+header (names, shapes, dtypes) and per-tensor checksums, while the next bucket is put together. An engine checks the checksums and hands the bucket's `(name, tensor)` pairs
 to `load_weights`, vLLM's `load_weights(iterable)` signature. Anything that goes wrong (a name the
 engine refuses, a wrong shape, a checksum, a dead engine) is one `WeightSyncError` naming the
 tensor or engine on every trainer rank and every engine; nothing waits longer than `timeout_s`.
@@ -371,7 +371,8 @@ class WeightSync:
         if self.in_flight[1] == which:
             self._settle()
         self.filling = which
-        return kept_buffer(self.buffers, which, nbytes, self.device)
+        capacity = 0 if which == "big" else self.bucket_bytes  # made once, not grown bucket by bucket
+        return kept_buffer(self.buffers, which, nbytes, self.device, capacity)
 
     def _settle(self) -> None:
         """Wait for the bucket in flight; a failure is kept, to be reported on every trainer rank."""

@@ -14,6 +14,10 @@ fills every slot, and the whole tensors are put together from it. A rank holds a
 gathered buffer and the bucket's tensors (each at most `bucket_bytes`; a tensor bigger than that is
 a bucket of its own) beyond what it already had, and nothing of the model, its optimizer or its
 next step changes: a LoRA merge is computed into new tensors, never into the module.
+
+`buckets_to_first` is the same stream for a sender that is the first rank alone (`WeightSync`): the
+other ranks send it their regions and hold nothing, and it lays each bucket's whole tensors out in
+one buffer the caller lends (so a bucket goes out as one run of bytes, no packing copy).
 """
 
 from __future__ import annotations
@@ -81,14 +85,14 @@ def _aligned(nbytes: int) -> int:
     return nbytes + (-nbytes % ALIGN)
 
 
-def kept_buffer(buffers: dict, name: str, nbytes: int, device: torch.device) -> torch.Tensor:
+def kept_buffer(buffers: dict, name: str, nbytes: int, device: torch.device, capacity: int = 0) -> torch.Tensor:
     """`nbytes` of the byte buffer `buffers[name]`, kept from bucket to bucket (fresh memory costs a
     page fault per page, on a CPU host more than the copy into it); a too small one is dropped
-    before the larger one is made, so there are never two."""
+    before the larger one (of at least `capacity` bytes) is made, so there are never two."""
     buffer = buffers.get(name)
     if buffer is None or buffer.numel() < nbytes or buffer.device != device:
         buffers[name] = buffer = None
-        buffers[name] = buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        buffers[name] = buffer = torch.empty(max(nbytes, capacity), dtype=torch.uint8, device=device)
     return buffer[:nbytes]
 
 
