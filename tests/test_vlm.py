@@ -180,7 +180,8 @@ def test_every_vlm_type_trains_sharded_like_one_process():
     assert len(tested) >= MIN_TESTED, f"only {len(tested)} types could be built offline"
     assert len(tested) + len(skipped) == len(model_types)
     for required in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gemma3", "llava", "idefics3",
-                     "smolvlm", "mistral3", "internvl"):
+                     "smolvlm", "mistral3", "internvl", "paligemma", "llava_next", "llava_next_video",
+                     "llava_onevision"):
         assert required in tested, f"{required} left out: {skipped.get(required)}"
 
 

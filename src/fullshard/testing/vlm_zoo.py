@@ -16,6 +16,8 @@ import torch
 import transformers
 from torch import nn
 
+from ..packed_attention import has_image_blocks
+
 VOCAB = 256  # room for the image / video / boundary tokens some configs place above 150
 LAYERS = 2
 IMAGE = 32
@@ -54,7 +56,9 @@ def shrink(defaults: dict, layers: int | None = None) -> dict:
     layers = layers or next((defaults[k] for k in LAYER_KEYS if type(defaults.get(k)) is int), None)
     for key, value in defaults.items():
         if isinstance(value, dict) and (key.endswith("config") or key.endswith("_cfg")):
-            out[key] = shrink(value)
+            # the whole default sub-config, shrunk: a sub-config given as a dict is built from its own
+            # class's defaults, not the ones the parent gives it (PaliGemma's one key-value head)
+            out[key] = {**value, **shrink(value)} if "model_type" in value else shrink(value)
         elif key in SIZE and (value is None or (type(value) is int and value > SIZE[key])):
             out[key] = SIZE[key]
         elif key in SIZE and isinstance(value, (list, tuple)) and value and all(type(v) is int for v in value):
@@ -65,6 +69,10 @@ def shrink(defaults: dict, layers: int | None = None) -> dict:
             out[key] = VOCAB - 1 - (zlib.crc32(key.encode()) % 64)
         elif key.endswith("token_index") and type(value) is int and value >= VOCAB:
             out[key] = VOCAB - 1 - (zlib.crc32(key.encode()) % 64)
+        elif key.endswith("grid_pinpoints") and value and all(isinstance(v, (list, tuple)) for v in value):
+            # tiled-image resolutions (LLaVA-NeXT), multiples of one tile: the tile becomes IMAGE
+            tile = min(min(v) for v in value)
+            out[key] = [[side * IMAGE // tile for side in v] for v in value]
         elif isinstance(value, float) and any(w in key for w in ("drop", "jitter", "noise")):
             out[key] = 0.0
         elif isinstance(value, list) and layers and len(value) == layers > LAYERS:
@@ -151,6 +159,10 @@ def candidate_image_inputs(model: nn.Module, images: int, generator: torch.Gener
     out.append({"pixel_values": pixels, **extras, **masks})
     mask5 = {k: torch.ones(images, 1, size, size, dtype=torch.bool) for k in ("pixel_attention_mask",) if k in params}
     out.append({"pixel_values": pixels.unsqueeze(1), **extras, **mask5})
+    if "image_sizes" in params:  # tiled images (LLaVA-NeXT): tiles per image from its size, the fewest that fit
+        for tiles in range(2, 6):
+            tiled = torch.randn(images, tiles, channels, size, size, generator=generator).to(dtype)
+            out.append({"pixel_values": tiled, **extras})
     return out
 
 
@@ -194,7 +206,11 @@ class VLMInputs:
                    and type(v) is int}
         text_vocab = getattr(getattr(model.config, "text_config", model.config), "vocab_size", VOCAB)
         self.text_ids = torch.tensor([t for t in range(3, min(VOCAB, text_vocab)) if t not in special][:100])
-        self.mm_token_type = "mm_token_type_ids" in inspect.signature(model.forward).parameters
+        params = inspect.signature(model.forward).parameters
+        self.mm_token_type = "mm_token_type_ids" in params
+        # `token_type_ids` as the model's processor gives them: Gemma 3's kind marks image tokens (1),
+        # PaliGemma's the answer after a prefix attended both ways (0: image and prompt, 1: answer)
+        self.token_types = None if "token_type_ids" not in params else "image" if has_image_blocks(model) else "prefix"
 
     def batch(self, with_image: list[bool], rows: range | None = None, seed: int = 1) -> dict[str, torch.Tensor]:
         """Rows `rows` (default: all) of the batch with one row per flag; a row with an image holds
@@ -211,6 +227,12 @@ class VLMInputs:
         batch = {"input_ids": input_ids, "labels": labels}
         if self.mm_token_type:
             batch["mm_token_type_ids"] = (input_ids == self.image_id).long()
+        if self.token_types == "image":
+            batch["token_type_ids"] = (input_ids == self.image_id).long()
+        elif self.token_types == "prefix":  # the prompt is the image and four text tokens; labels on the answer
+            prefix = 2 + self.tokens + 2
+            batch["token_type_ids"] = (torch.arange(input_ids.shape[1]) >= prefix).long().expand_as(input_ids).clone()
+            labels[:, :prefix] = -100
         if image_rows:
             batch.update(self.images(image_rows))
         return batch
