@@ -26,21 +26,26 @@ LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder
 SIZES = (
     (32, ("hidden_size", "n_embd", "d_model", "embed_dim", "hidden_dim", "dim", "vision_hidden_size",
           "text_hidden_size", "projector_hidden_size", "moe_intermediate_size", "shared_expert_intermediate_size",
-          "out_hidden_size", "output_dim", "projection_dim", "mm_hidden_size", "output_channels")),
+          "out_hidden_size", "output_dim", "projection_dim", "mm_hidden_size", "output_channels",
+          "codebook_dim", "downsample_hidden_size", "vision_output_dim", "projector_input_dim",
+          "projector_output_dim")),
     (64, ("intermediate_size", "ffn_dim", "d_ff", "max_position_embeddings", "n_positions", "mlp_dim",
-          "dense_intermediate_size", "shared_intermediate_size", "num_position_embeddings")),
+          "dense_intermediate_size", "shared_intermediate_size", "num_position_embeddings", "encoder_ffn_dim",
+          "decoder_ffn_dim", "alignment_intermediate_size", "intermediate_size_mlp",
+          "moe_shared_expert_intermediate_size")),
     (LAYERS, LAYER_KEYS),
     (4, ("num_attention_heads", "n_head", "num_heads", "n_heads", "num_experts", "num_local_experts",
-         "n_routed_experts", "linear_num_value_heads")),
+         "n_routed_experts", "linear_num_value_heads", "encoder_attention_heads", "decoder_attention_heads",
+         "index_n_heads", "mamba_num_heads")),
     (2, ("num_key_value_heads", "num_experts_per_tok", "num_kv_heads", "linear_num_key_heads")),
     (8, ("head_dim", "kv_channels", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "patch_size",
-         "linear_key_head_dim", "linear_value_head_dim")),
-    (16, ("q_lora_rank", "kv_lora_rank")),
-    (IMAGE, ("image_size",)),
+         "linear_key_head_dim", "linear_value_head_dim", "index_head_dim")),
+    (16, ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "ssm_state_size")),  # qk: nope + rope head dims
+    (IMAGE, ("image_size", "max_img_size")),
     ((IMAGE // 8) ** 2, ("mm_tokens_per_image", "num_image_tokens", "image_seq_length")),  # one per patch
 )
 SIZE = {key: value for value, keys in SIZES for key in keys}
-IMAGE_TOKEN_KEYS = ("image_token_id", "image_token_index", "image_token")
+IMAGE_TOKEN_KEYS = ("image_token_id", "image_token_index", "image_token", "image_patch_id")
 
 
 def vlm_types() -> dict[str, str]:
@@ -62,12 +67,17 @@ def shrink(defaults: dict, layers: int | None = None) -> dict:
         elif key in SIZE and (value is None or (type(value) is int and value > SIZE[key])):
             out[key] = SIZE[key]
         elif key in SIZE and isinstance(value, (list, tuple)) and value and all(type(v) is int for v in value):
-            out[key] = [min(v, SIZE[key]) for v in value]
+            per_layer = layers and len(value) == layers > LAYERS  # one size per layer (Gemma 3n)
+            out[key] = [min(v, SIZE[key]) for v in (value[:LAYERS] if per_layer else value)]
+        elif "feature_layer" in key and (type(value) is int or isinstance(value, list) and all(type(v) is int for v in value)):
+            # hidden states of the vision tower that feed the projector: inside the shrunk tower
+            clamp = lambda v: max(-LAYERS, min(v, LAYERS - 1))  # noqa: E731
+            out[key] = clamp(value) if type(value) is int else [clamp(v) for v in value]
         elif "vocab" in key and type(value) is int and value > VOCAB:
             out[key] = VOCAB
         elif key.endswith("token_id") and type(value) is int and value >= VOCAB:
             out[key] = VOCAB - 1 - (zlib.crc32(key.encode()) % 64)
-        elif key.endswith("token_index") and type(value) is int and value >= VOCAB:
+        elif key.endswith(("token_index", "patch_id")) and type(value) is int and value >= VOCAB:
             out[key] = VOCAB - 1 - (zlib.crc32(key.encode()) % 64)
         elif key.endswith("grid_pinpoints") and value and all(isinstance(v, (list, tuple)) for v in value):
             # tiled-image resolutions (LLaVA-NeXT), multiples of one tile: the tile becomes IMAGE
