@@ -89,7 +89,22 @@ def shrink(defaults: dict, layers: int | None = None) -> dict:
             out[key] = value[:LAYERS]
     if "use_cache" in defaults:
         out["use_cache"] = False
+    heads, kv_heads = defaults.get("num_attention_heads"), defaults.get("num_key_value_heads")
+    if type(heads) is int and heads == kv_heads and "num_attention_heads" in out:  # multi-head stays multi-head
+        out["num_key_value_heads"] = out["num_attention_heads"]
+    rope = defaults.get("rope_parameters")
+    if isinstance(rope, dict) and isinstance(rope.get("mrope_section"), list):  # validated when built
+        out["rope_parameters"] = {**rope, "mrope_section": mrope_sections({**defaults, **out}, rope)}
     return out
+
+
+def mrope_sections(config: dict, rope: dict) -> list[int]:
+    """Multimodal rope sections (t, h, w) splitting the rotary pairs of a (shrunk) config's head."""
+    head_dim = config.get("qk_rope_head_dim") or config.get("head_dim") or \
+        config["hidden_size"] // config["num_attention_heads"]
+    factor = rope.get("partial_rotary_factor", config.get("partial_rotary_factor") or 1.0)
+    pairs = int(head_dim * factor) // 2
+    return [pairs - 2 * (pairs // 4), pairs // 4, pairs // 4]
 
 
 def tiny_vlm_config(model_type: str):
@@ -110,11 +125,10 @@ def fit_mrope(config) -> None:
     takes them (its class exempts `mrope_section` from rope validation)."""
     if "mrope_section" not in getattr(type(config), "ignore_keys_at_rope_validation", ()):
         return
-    rope = dict(getattr(config, "rope_parameters", None) or {})
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    pairs = int(head_dim * rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0) or 1.0)) // 2
-    rope["mrope_section"] = [pairs - 2 * (pairs // 4), pairs // 4, pairs // 4]
-    config.rope_parameters = rope
+    rope = getattr(config, "rope_parameters", None)
+    if not rope:
+        return
+    config.rope_parameters = {**rope, "mrope_section": mrope_sections(config.to_dict(), rope)}
 
 
 def model_class(model_type: str) -> type[nn.Module]:
