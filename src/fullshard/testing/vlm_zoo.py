@@ -32,14 +32,14 @@ SIZES = (
     (64, ("intermediate_size", "ffn_dim", "d_ff", "max_position_embeddings", "n_positions", "mlp_dim",
           "dense_intermediate_size", "shared_intermediate_size", "num_position_embeddings", "encoder_ffn_dim",
           "decoder_ffn_dim", "alignment_intermediate_size", "intermediate_size_mlp",
-          "moe_shared_expert_intermediate_size")),
+          "moe_shared_expert_intermediate_size", "projection_intermediate_size")),
     (LAYERS, LAYER_KEYS),
     (4, ("num_attention_heads", "n_head", "num_heads", "n_heads", "num_experts", "num_local_experts",
          "n_routed_experts", "linear_num_value_heads", "encoder_attention_heads", "decoder_attention_heads",
-         "index_n_heads", "mamba_num_heads")),
+         "index_n_heads", "mamba_num_heads", "linear_num_heads")),
     (2, ("num_key_value_heads", "num_experts_per_tok", "num_kv_heads", "linear_num_key_heads")),
     (8, ("head_dim", "kv_channels", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "patch_size",
-         "linear_key_head_dim", "linear_value_head_dim", "index_head_dim")),
+         "linear_key_head_dim", "linear_value_head_dim", "index_head_dim", "linear_head_dim")),
     (16, ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "ssm_state_size")),  # qk: nope + rope head dims
     (IMAGE, ("image_size", "max_img_size")),
     ((IMAGE // 8) ** 2, ("mm_tokens_per_image", "num_image_tokens", "image_seq_length")),  # one per patch
@@ -83,6 +83,9 @@ def shrink(defaults: dict, layers: int | None = None) -> dict:
             # tiled-image resolutions (LLaVA-NeXT), multiples of one tile: the tile becomes IMAGE
             tile = min(min(v) for v in value)
             out[key] = [[side * IMAGE // tile for side in v] for v in value]
+        elif key.endswith("patch_to_query_dict") and isinstance(value, dict):
+            # query tokens per patch count (Aria's projector): the shrunk image's patches
+            out[key] = {(IMAGE // SIZE["patch_size"]) ** 2: min(int(v) for v in value.values())}
         elif isinstance(value, float) and any(w in key for w in ("drop", "jitter", "noise")):
             out[key] = 0.0
         elif isinstance(value, list) and layers and len(value) == layers > LAYERS:
@@ -172,8 +175,12 @@ def candidate_image_inputs(model: nn.Module, images: int, generator: torch.Gener
         temporal = _first(vision, ("temporal_patch_size",), 1)
         side = 2 * merge
         grid = torch.tensor([[1, side, side]] * images)
-        pixels = torch.randn(images * side * side, channels * temporal * patch * patch, generator=generator)
-        out.append({"pixel_values": pixels.to(dtype), "image_grid_thw": grid})
+        patches = images * side * side
+        for shape in ((patches, channels * temporal * patch * patch), (patches, channels * 2 * patch * patch),
+                      (patches, channels, patch, patch), (1, patches, channels, patch, patch)):
+            # flattened patches (Qwen, two frames where the config does not say), or each patch an image
+            pixels = torch.randn(*shape, generator=generator)
+            out.append({"pixel_values": pixels.to(dtype), "image_grid_thw": grid})
     pixels = torch.randn(images, channels, size, size, generator=generator).to(dtype)
     extras = {}
     if "image_sizes" in params:
