@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import warnings
 from pathlib import Path
 
@@ -150,6 +151,19 @@ def _run_problems(name: str, r: dict) -> list[str]:
     return problems
 
 
+def readme_vlm_lists(model_types: set[str]) -> tuple[set[str], set[str], str]:
+    """The types README's VLM section says are tested and left out, and its count."""
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = text[text.index("### Vision-language models\n"):]
+    section = section[:section.index("\n### ", 1)]
+    tested = section[section.index("Tested (world 2"):section.index("Left out")]
+    left_out = section[section.index("Left out"):]
+    count = re.search(r"\d+ of the \d+ types", tested)
+    return ({n for n in re.findall(r"[a-z0-9_.-]+", tested) if n in model_types},
+            {n for n in re.findall(r"`([a-z0-9_.-]+)`", left_out) if n in model_types},
+            count.group(0) if count else "")
+
+
 def test_every_vlm_type_trains_sharded_like_one_process():
     """World 2, fp32, 3 AdamW steps with clipping against one process on the whole batch: step 0 one
     rank has an image and the other none, step 1 no rank has one (the vision tower gets no gradient,
@@ -177,6 +191,11 @@ def test_every_vlm_type_trains_sharded_like_one_process():
     assert not problems, "\n".join(problems)
     runs = {name for name in outcome[0]["results"] if name.split(" (")[0] in tested}
     assert {"frozen" in name for name in runs} == {True, False}
+    readme_tested, readme_left_out, readme_count = readme_vlm_lists(set(model_types))
+    assert (readme_tested, readme_left_out) == (set(tested), set(skipped)), (
+        f"README's VLM lists are out of date: tested {sorted(readme_tested ^ set(tested))}, "
+        f"left out {sorted(readme_left_out ^ set(skipped))}")
+    assert readme_count == f"{len(tested)} of the {len(model_types)} types"
     assert len(tested) >= MIN_TESTED, f"only {len(tested)} types could be built offline"
     assert len(tested) + len(skipped) == len(model_types)
     for required in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gemma3", "llava", "idefics3",
