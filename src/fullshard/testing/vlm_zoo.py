@@ -190,6 +190,11 @@ def candidate_image_inputs(model: nn.Module, images: int, generator: torch.Gener
     out.append({"pixel_values": pixels, **extras, **masks})
     mask5 = {k: torch.ones(images, 1, size, size, dtype=torch.bool) for k in ("pixel_attention_mask",) if k in params}
     out.append({"pixel_values": pixels.unsqueeze(1), **extras, **mask5})
+    if "spatial_shapes" in params:  # patches of any aspect ratio (SigLIP2's NaFlex): patch rows, grid, mask
+        side = size // patch
+        pixels = torch.randn(images, side * side, channels * patch * patch, generator=generator).to(dtype)
+        out.append({"pixel_values": pixels, "spatial_shapes": torch.tensor([[side, side]] * images),
+                    "pixel_attention_mask": torch.ones(images, side * side, dtype=torch.long)})
     if "image_sizes" in params:  # tiled images (LLaVA-NeXT): tiles per image from its size, the fewest that fit
         for tiles in range(2, 6):
             tiled = torch.randn(images, tiles, channels, size, size, generator=generator).to(dtype)
