@@ -28,16 +28,17 @@ SIZES = (
           "text_hidden_size", "projector_hidden_size", "moe_intermediate_size", "shared_expert_intermediate_size",
           "out_hidden_size", "output_dim", "projection_dim", "mm_hidden_size", "output_channels",
           "codebook_dim", "downsample_hidden_size", "vision_output_dim", "projector_input_dim",
-          "projector_output_dim")),
+          "projector_output_dim", "mm_embed_dim", "output_proj_dims")),
     (64, ("intermediate_size", "ffn_dim", "d_ff", "max_position_embeddings", "n_positions", "mlp_dim",
-          "dense_intermediate_size", "shared_intermediate_size", "num_position_embeddings", "encoder_ffn_dim",
+          "dense_intermediate_size", "shared_intermediate_size", "num_position_embeddings", "mm_posemb_size", "encoder_ffn_dim",
           "decoder_ffn_dim", "alignment_intermediate_size", "intermediate_size_mlp",
           "moe_shared_expert_intermediate_size", "projection_intermediate_size")),
     (LAYERS, LAYER_KEYS),
     (4, ("num_attention_heads", "n_head", "num_heads", "n_heads", "num_experts", "num_local_experts",
          "n_routed_experts", "linear_num_value_heads", "encoder_attention_heads", "decoder_attention_heads",
          "index_n_heads", "mamba_num_heads", "linear_num_heads")),
-    (2, ("num_key_value_heads", "num_experts_per_tok", "num_kv_heads", "linear_num_key_heads")),
+    (2, ("num_key_value_heads", "num_experts_per_tok", "num_kv_heads", "linear_num_key_heads",
+         "pooling_kernel_size")),
     (8, ("head_dim", "kv_channels", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "patch_size",
          "linear_key_head_dim", "linear_value_head_dim", "index_head_dim", "linear_head_dim")),
     (16, ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "ssm_state_size")),  # qk: nope + rope head dims
@@ -114,6 +115,9 @@ def tiny_vlm_config(model_type: str):
     """The type's default config made tiny; distinct image / video token ids inside the vocabulary."""
     config_cls = transformers.CONFIG_MAPPING[model_type]
     defaults = config_cls().to_dict()
+    for key, sub_cls in (getattr(config_cls, "sub_configs", None) or {}).items():
+        if "vision" in key and defaults.get(key) is None and isinstance(sub_cls, type):
+            defaults[key] = sub_cls().to_dict()  # a default config without its vision tower (Gemma 4)
     config = config_cls(**shrink(defaults))
     for sub in [config, *(getattr(config, k) for k in getattr(config, "sub_configs", {}) if getattr(config, k, None))]:
         fit_mrope(sub)
@@ -195,6 +199,12 @@ def candidate_image_inputs(model: nn.Module, images: int, generator: torch.Gener
         pixels = torch.randn(images, side * side, channels * patch * patch, generator=generator).to(dtype)
         out.append({"pixel_values": pixels, "spatial_shapes": torch.tensor([[side, side]] * images),
                     "pixel_attention_mask": torch.ones(images, side * side, dtype=torch.long)})
+    if "image_position_ids" in params:  # patch rows and each patch's (x, y) (Gemma 4)
+        side = size // patch
+        pixels = torch.rand(images, side * side, channels * patch * patch, generator=generator).to(dtype)
+        y, x = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
+        positions = torch.stack([x.flatten(), y.flatten()], dim=-1)
+        out.append({"pixel_values": pixels, "image_position_ids": positions.expand(images, -1, -1).clone()})
     if "image_sizes" in params:  # tiled images (LLaVA-NeXT): tiles per image from its size, the fewest that fit
         for tiles in range(2, 6):
             tiled = torch.randn(images, tiles, channels, size, size, generator=generator).to(dtype)
