@@ -1,6 +1,8 @@
-"""The RL paths on a GPU (NCCL), one process: the weight stream equals the export bit for bit and
-`generate` on the sharded model equals transformers' greedy `generate` on that export. The CPU suite
-checks both over gloo at world 2 and 4; this is the same check on the device's own collectives.
+"""The RL and VLM paths on a GPU (NCCL), one process: the weight stream equals the export bit for bit,
+`generate` on the sharded model equals transformers' greedy `generate` on that export, and a sharded
+Qwen2-VL trains like the plain model on the device (fp32: equal losses; bf16 with its vision tower
+frozen: the tower's fp32 weights meet bf16 compute without a dtype error and stay bit-identical).
+The CPU suite checks these over gloo at world 2 and 4; this is the same on the device's kernels.
 
     python bench/gpu_checks.py          # prints one line per check; exits 1 if any fails
     python bench/gpu_checks.py cpu      # the same on CPU / gloo, to check the script itself
@@ -53,7 +55,50 @@ def main(device_type: str = "cuda") -> int:
           f"({int((ours == expected).sum())} of {expected.numel()} tokens)")
     if not agree:
         failures.append("generate")
+    failures += vlm_checks(device)
     return 1 if failures else 0
+
+
+def vlm_checks(device: torch.device) -> list[str]:
+    from fullshard import FSDP2Engine
+    from fullshard.testing.vlm_parity import token_loss_sum
+    from fullshard.testing.vlm_zoo import VLMInputs, build_vlm
+
+    reference = build_vlm("qwen2_vl")
+    inputs = VLMInputs(reference)
+    batches = [inputs.batch(flags, seed=step) for step, flags in
+               enumerate([[True, False], [False, False], [True, True]])]
+
+    def train(model, steps=batches):
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+        losses = []
+        for batch in steps:
+            loss, tokens = token_loss_sum(model, {k: v.to(device) for k, v in batch.items()})
+            (loss / tokens).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(float(loss.detach()) / tokens)
+        return losses
+
+    failures = []
+    plain = train(reference.to(device))
+    sharded = train(FSDP2Engine({"mixed_precision": "fp32", "freeze": "none"}).prepare_model(build_vlm("qwen2_vl").to(device)))
+    worst = max(abs(a - b) for a, b in zip(plain, sharded))
+    print(f"Qwen2-VL sharded == plain on {device.type} (fp32, 3 steps, images on some rows): {worst <= 1e-4} "
+          f"(largest loss difference {worst:.2e})")
+    if worst > 1e-4:
+        failures.append("vlm fp32")
+    model = FSDP2Engine({"mixed_precision": "bf16"}).prepare_model(build_vlm("qwen2_vl").to(device))
+    frozen = {n: p.full_tensor().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    losses = train(model)
+    kept = bool(frozen) and all(torch.equal(p.full_tensor(), frozen[n]) for n, p in model.named_parameters()
+                                if n in frozen)
+    finite = all(loss == loss and abs(loss) < float("inf") for loss in losses)
+    print(f"Qwen2-VL bf16, vision tower frozen: finite losses {finite}, {len(frozen)} frozen tensors unchanged "
+          f"{kept} (losses {', '.join(f'{loss:.3f}' for loss in losses)})")
+    if not (finite and kept):
+        failures.append("vlm bf16")
+    return failures
 
 
 if __name__ == "__main__":

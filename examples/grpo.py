@@ -150,24 +150,11 @@ def trainer_main(rank: int, args, ports: dict, queue, results) -> None:
 
 
 def plot(history: list[dict], path: Path) -> Path | None:
-    try:
-        import matplotlib
+    from fullshard.train.metrics import plot_lines
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([h["step"] for h in history], [h["reward"] for h in history], label="mean reward")
-    ax.set_xlabel("step")
-    ax.set_ylabel("mean reward")
-    ax.set_title("GRPO, 2 FSDP trainer ranks + 1 engine (CPU)")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    rewards = [(h["step"], h["reward"]) for h in history]
+    return plot_lines(path, {"mean reward": (rewards, "-")}, ylabel="mean reward",
+                      title="GRPO, 2 FSDP trainer ranks + 1 engine (CPU)")
 
 
 def run(args) -> list[dict]:

@@ -333,17 +333,22 @@ def test_chat_formats_with_tools_and_parts_label_only_assistant_output(tmp_path)
             load_data(section(tmp_path, path=str(tmp_path / "bad.jsonl"), format="chat", seq_len=512), tokenizer)
 
 
+def overlong_chat(tmp_path):
+    """The chat tokenizer, 60 conversations written as JSONL, and how many are longer than 64 characters."""
+    tokenizer = chat_tokenizer()
+    records = conversations(60)
+    overlong = sum(len(tokenizer.apply_chat_template(r["messages"], tokenize=False)) > 64 for r in records)
+    assert overlong
+    return tokenizer, records, write_jsonl(tmp_path / "chat.jsonl", records), overlong
+
+
 def test_dropped_and_truncated_conversations_are_said_every_run(tmp_path, caplog):
     """Over-long conversations were dropped with no word (the count only in a cache file)."""
     import logging
 
     from fullshard.log import logger
 
-    tokenizer = chat_tokenizer()
-    records = conversations(60)
-    path = write_jsonl(tmp_path / "chat.jsonl", records)
-    overlong = sum(len(tokenizer.apply_chat_template(r["messages"], tokenize=False)) > 64 for r in records)
-    assert overlong
+    tokenizer, records, path, overlong = overlong_chat(tmp_path)
     logger.addHandler(caplog.handler)
     try:
         for rule, said in (("drop", "dropped"), ("truncate", "truncated")):
@@ -428,11 +433,7 @@ def test_streaming_says_what_it_dropped_or_truncated_like_the_cached_path(tmp_pa
 
     from fullshard.log import logger
 
-    tokenizer = chat_tokenizer()
-    records = conversations(60)
-    path = write_jsonl(tmp_path / "chat.jsonl", records)
-    overlong = sum(len(tokenizer.apply_chat_template(r["messages"], tokenize=False)) > 64 for r in records)
-    assert overlong
+    tokenizer, records, path, overlong = overlong_chat(tmp_path)
     logger.addHandler(caplog.handler)
     try:
         for rule, said in (("drop", "dropped"), ("truncate", "truncated")):

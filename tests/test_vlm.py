@@ -4,14 +4,16 @@ trained exactly like one process, through steps where one rank, or every rank, h
 The sweep builds each type from a tiny config made generically from its default one
 (`fullshard.testing.vlm_zoo`); a type is left out only when that tiny model cannot take an image and
 a text-only row in one process (encoder-decoder, BLIP-2-style, an image layout no generic rule finds,
-a config transformers itself cannot build); the left-out types are printed with their reasons and
-counted.
+a config transformers itself cannot build) or when its images interact within a batch, so one process
+on two halves already differs from one process on the whole; the left-out types are printed with
+their reasons and counted.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import re
 import warnings
 from pathlib import Path
 
@@ -24,6 +26,9 @@ from fullshard.testing.vlm_zoo import VLMInputs, build_vlm, tiny_vlm_config, vlm
 
 MIN_TESTED = 30
 MAX_PARAMS = 3_000_000
+# trained with the vision tower frozen and trainable both: mRoPE (Qwen2-VL) and mRoPE with deepstack
+# features (Qwen3-VL); every other type runs one of the two, alternating over the sorted types
+BOTH_VARIANTS = ("qwen2_vl", "qwen3_vl")
 
 
 def sweep_entry(model_type: str) -> str | None:
@@ -33,17 +38,31 @@ def sweep_entry(model_type: str) -> str | None:
         if getattr(config, "is_encoder_decoder", False) or getattr(getattr(config, "text_config", None),
                                                                    "is_encoder_decoder", False):
             return "encoder-decoder"
-        model = build_vlm(model_type, config=config)
-        size = sum(p.numel() for p in model.parameters())
+        size = _meta_size(model_type, config)
+        if size is None or size <= MAX_PARAMS:
+            model = build_vlm(model_type, config=config)
+            size = sum(p.numel() for p in model.parameters())
         if size > MAX_PARAMS:
             return f"{size:,} parameters after shrinking"
         inputs = VLMInputs(model)
         model(**inputs.batch([True, False])).loss.backward()
         model(**inputs.batch([False, False])).loss.backward()
-        return batch_coupled(model_type)
+        return None
     except Exception as error:  # noqa: BLE001 - the reason is reported
         line = next((ln.strip() for ln in str(error).splitlines() if ln.strip()), "")
         return f"{type(error).__name__}: {line[:120]}"
+
+
+def _meta_size(model_type: str, config) -> int | None:
+    """Parameters of the tiny model, counted on the meta device (a model too big is never built); None
+    where the model cannot be built there."""
+    from fullshard.testing.vlm_zoo import model_class
+
+    try:
+        with torch.device("meta"):
+            return sum(p.numel() for p in model_class(model_type)._from_config(config).parameters())
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def batch_coupled(model_type: str, tol: float = 1e-5) -> str | None:
@@ -80,63 +99,108 @@ def _vision_units(model, engine) -> list[str]:
     return problems + [f"vision parameters in the root unit: {rooted[:3]}"] * bool(rooted)
 
 
+def sweep_variants(tested: list[str]) -> list[tuple[str, object]]:
+    """(type, freeze spec) runs: "auto" (the default: vision tower frozen) and [] (all trained)
+    alternate over the sorted types; BOTH_VARIANTS run both."""
+    runs = []
+    for i, model_type in enumerate(sorted(tested)):
+        specs = ("auto", []) if model_type in BOTH_VARIANTS else (("auto",) if i % 2 == 0 else ([],))
+        runs += [(model_type, spec) for spec in specs]
+    return runs
+
+
 def _sweep(model_types: list[str]) -> dict:
     from fullshard import FSDP2Engine
     from fullshard.towers import freeze
 
     torch.set_num_threads(1)
-    skipped = {t: reason for t in model_types if (reason := sweep_entry(t)) is not None}
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    found = [None] * world  # each rank tries its share of the types, in one process each
+    torch.distributed.all_gather_object(found, {t: sweep_entry(t) for t in model_types[rank::world]})
+    skipped = {t: reason for part in found for t, reason in part.items() if reason is not None}
     results = {}
-    for model_type in [t for t in model_types if t not in skipped]:
-        for spec in ("auto", []):  # the default (vision tower frozen), then everything trained
-            name = f"{model_type} ({'vision frozen' if spec == 'auto' else 'all trained'})"
-            try:
-                engine = FSDP2Engine({"mixed_precision": "fp32", "freeze": spec})
-                plan_problems = []
+    for model_type, spec in sweep_variants([t for t in model_types if t not in skipped]):
+        name = f"{model_type} ({'vision frozen' if spec == 'auto' else 'all trained'})"
+        try:
+            engine = FSDP2Engine({"mixed_precision": "fp32", "freeze": spec})
+            plan_problems = []
 
-                def shard(model, engine=engine, plan_problems=plan_problems):
-                    model = engine.prepare_model(model)
-                    plan_problems += _vision_units(model, engine)
-                    return model
+            def shard(model, engine=engine, plan_problems=plan_problems):
+                model = engine.prepare_model(model)
+                plan_problems += _vision_units(model, engine)
+                return model
 
-                r = vlm_against_reference(model_type, shard, freeze=functools.partial(freeze, spec=spec))
-                r["plan"] = plan_problems
-                results[name] = r
-            except Exception as error:  # noqa: BLE001 - every failure is reported at the end
-                results[name] = {"error": f"{type(error).__name__}: {error}"[:300]}
+            r = vlm_against_reference(model_type, shard, freeze=functools.partial(freeze, spec=spec))
+            r["plan"] = plan_problems
+            results[name] = r
+        except Exception as error:  # noqa: BLE001 - every failure is reported at the end
+            results[name] = {"error": f"{type(error).__name__}: {error}"[:300]}
     return {"skipped": skipped, "results": results}
+
+
+def _run_problems(name: str, r: dict) -> list[str]:
+    problems = vlm_problems(name, r) + [f"{name}: {p}" for p in r.get("plan", [])]
+    if "error" in r:
+        return problems
+    if "frozen" in name and not r["frozen"]:
+        problems.append(f"{name}: nothing frozen by default")
+    if r["vision"] and not any(set(r["vision"]) & set(g) for g in r["ref_grads"]) and "trained" in name:
+        problems.append(f"{name}: the vision tower never got a gradient")
+    if set(r["vision"]) & set(r["ref_grads"][1]):
+        problems.append(f"{name}: the vision tower got a gradient in the step without images")
+    return problems
+
+
+def readme_vlm_lists(model_types: set[str]) -> tuple[set[str], set[str], str]:
+    """The types README's VLM section says are tested and left out, and its count."""
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = text[text.index("### Vision-language models\n"):]
+    section = section[:section.index("\n### ", 1)]
+    tested = section[section.index("Tested (world 2"):section.index("Left out")]
+    left_out = section[section.index("Left out"):]
+    count = re.search(r"\d+ of the \d+ types", tested)
+    return ({n for n in re.findall(r"[a-z0-9_.-]+", tested) if n in model_types},
+            {n for n in re.findall(r"`([a-z0-9_.-]+)`", left_out) if n in model_types},
+            count.group(0) if count else "")
 
 
 def test_every_vlm_type_trains_sharded_like_one_process():
     """World 2, fp32, 3 AdamW steps with clipping against one process on the whole batch: step 0 one
     rank has an image and the other none, step 1 no rank has one (the vision tower gets no gradient,
     as in one process), step 2 accumulates a micro-batch with images and a text-only one. Each type
-    with its vision tower frozen (the default; frozen parameters bit-identical after) and trained."""
+    with its vision tower frozen (the default; frozen parameters bit-identical after) or trained,
+    alternating; Qwen2-VL and Qwen3-VL both ways. A type that fails is left out only when one process
+    on two halves of a batch already trains differently from one process on the whole."""
     model_types = list(vlm_types())
     outcome = run_distributed(_sweep, 2, model_types, timeout=1500)
-    skipped = outcome[0]["skipped"]
-    tested = sorted({name.split(" (")[0] for name in outcome[0]["results"]})
+    skipped = dict(outcome[0]["skipped"])
+    failed: dict[str, list[str]] = {}
+    for rank, per_rank in enumerate(outcome):
+        for name, r in per_rank["results"].items():
+            failed.setdefault(name.split(" (")[0], [])
+            failed[name.split(" (")[0]] += [f"rank {rank} {p}" for p in _run_problems(name, r)]
+    for model_type in [t for t, ps in failed.items() if ps]:
+        if (reason := batch_coupled(model_type)) is not None:
+            skipped[model_type] = reason
+    tested = sorted(t for t in failed if t not in skipped)
     summary = "\n".join([f"{len(tested)} of {len(model_types)} image-text-to-text types tested; {len(skipped)} left out:",
                          *(f"  {name}: {reason}" for name, reason in sorted(skipped.items()))])
     warnings.warn(summary, stacklevel=1)
     print(summary)
-    problems = []
-    for rank, per_rank in enumerate(outcome):
-        for name, r in per_rank["results"].items():
-            problems += [f"rank {rank} {p}" for p in vlm_problems(name, r)]
-            problems += [f"rank {rank} {name}: {p}" for p in r.get("plan", [])]
-            if "error" not in r and "frozen" in name and not r["frozen"]:
-                problems.append(f"{name}: nothing frozen by default")
-            if "error" not in r and r["vision"] and not any(set(r["vision"]) & set(g) for g in r["ref_grads"]) \
-                    and "trained" in name:
-                problems.append(f"{name}: the vision tower never got a gradient")
-            if "error" not in r and set(r["vision"]) & set(r["ref_grads"][1]):
-                problems.append(f"{name}: the vision tower got a gradient in the step without images")
+    problems = [p for t in tested for p in failed[t]]
     assert not problems, "\n".join(problems)
+    runs = {name for name in outcome[0]["results"] if name.split(" (")[0] in tested}
+    assert {"frozen" in name for name in runs} == {True, False}
+    readme_tested, readme_left_out, readme_count = readme_vlm_lists(set(model_types))
+    assert (readme_tested, readme_left_out) == (set(tested), set(skipped)), (
+        f"README's VLM lists are out of date: tested {sorted(readme_tested ^ set(tested))}, "
+        f"left out {sorted(readme_left_out ^ set(skipped))}")
+    assert readme_count == f"{len(tested)} of the {len(model_types)} types"
     assert len(tested) >= MIN_TESTED, f"only {len(tested)} types could be built offline"
     assert len(tested) + len(skipped) == len(model_types)
     for required in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gemma3", "llava", "idefics3",
-                     "smolvlm", "mistral3", "internvl"):
+                     "smolvlm", "mistral3", "internvl", "paligemma", "llava_next", "llava_next_video",
+                     "llava_onevision"):
         assert required in tested, f"{required} left out: {skipped.get(required)}"
 
 

@@ -100,8 +100,29 @@ def init_distributed(device_type: str | None = None, timeout_s: float | None = N
         dist.init_process_group(backend=backend, timeout=timeout, rank=0, world_size=1,
                                 init_method=f"tcp://127.0.0.1:{find_free_port()}")
         return device
-    dist.init_process_group(backend=backend, timeout=timeout)
+    store = _restarted_workers_store(timeout or timedelta(minutes=10))
+    if store is None:
+        dist.init_process_group(backend=backend, timeout=timeout)
+    else:
+        dist.init_process_group(backend=backend, timeout=timeout, store=store,
+                                rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     return device
+
+
+def _restarted_workers_store(timeout: timedelta) -> dist.Store | None:
+    """torchrun hands its workers the agent's own TCPStore and keeps that store over restarts of
+    the workers, with nothing to tell one group of workers' keys from the last one's
+    (pytorch#135712): a restarted rank can read a dead rank's gloo address or NCCL id and fail with
+    a refused connection, or hang. Each group gets its own prefix: every rank counts itself in once,
+    so the n-th group to start reads counts n*world+1 .. (n+1)*world, the same on every node (a
+    restart count would not be: torchrun increments it only on the node that failed)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    world = int(os.environ["WORLD_SIZE"])
+    shared = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                           timeout=timeout)
+    group = (shared.add("fullshard/workers_started", 1) - 1) // world
+    return dist.PrefixStore(f"fullshard/workers_{group}", shared)
 
 
 def _check_devices_per_node(device_type: str) -> None:

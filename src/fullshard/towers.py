@@ -95,7 +95,8 @@ def block_list(model: nn.Module, tower: str) -> str | None:
              if isinstance(m, nn.ModuleList) and len(m) > 1 and len({type(c) for c in m}) == 1 and _has_parameters(m)}
     if not lists:
         return None
-    named = [n for n, m in lists.items() if type(m[0]).__name__ in declared]
+    # through the class's bases: fully_shard's FSDP<Block> subclass is still the declared block
+    named = [n for n, m in lists.items() if any(c.__name__ in declared for c in type(m[0]).__mro__)]
     return max(named or lists, key=lambda n: sum(p.numel() for p in lists[n].parameters()))
 
 

@@ -16,6 +16,8 @@ import torch
 import transformers
 from torch import nn
 
+from ..packed_attention import has_image_blocks
+
 VOCAB = 256  # room for the image / video / boundary tokens some configs place above 150
 LAYERS = 2
 IMAGE = 32
@@ -24,19 +26,27 @@ LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder
 SIZES = (
     (32, ("hidden_size", "n_embd", "d_model", "embed_dim", "hidden_dim", "dim", "vision_hidden_size",
           "text_hidden_size", "projector_hidden_size", "moe_intermediate_size", "shared_expert_intermediate_size",
-          "out_hidden_size", "output_dim", "projection_dim", "mm_hidden_size")),
-    (64, ("intermediate_size", "ffn_dim", "d_ff", "max_position_embeddings", "n_positions")),
+          "out_hidden_size", "output_dim", "projection_dim", "mm_hidden_size", "output_channels",
+          "codebook_dim", "downsample_hidden_size", "vision_output_dim", "projector_input_dim",
+          "projector_output_dim", "mm_embed_dim", "output_proj_dims")),
+    (64, ("intermediate_size", "ffn_dim", "d_ff", "max_position_embeddings", "n_positions", "mlp_dim",
+          "dense_intermediate_size", "shared_intermediate_size", "num_position_embeddings", "mm_posemb_size", "encoder_ffn_dim",
+          "decoder_ffn_dim", "alignment_intermediate_size", "intermediate_size_mlp",
+          "moe_shared_expert_intermediate_size", "projection_intermediate_size")),
     (LAYERS, LAYER_KEYS),
     (4, ("num_attention_heads", "n_head", "num_heads", "n_heads", "num_experts", "num_local_experts",
-         "n_routed_experts")),
-    (2, ("num_key_value_heads", "num_experts_per_tok", "num_kv_heads")),
-    (8, ("head_dim", "kv_channels", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "patch_size")),
-    (16, ("q_lora_rank", "kv_lora_rank")),
-    (IMAGE, ("image_size",)),
+         "n_routed_experts", "linear_num_value_heads", "encoder_attention_heads", "decoder_attention_heads",
+         "index_n_heads", "mamba_num_heads", "linear_num_heads")),
+    (2, ("num_key_value_heads", "num_experts_per_tok", "num_kv_heads", "linear_num_key_heads",
+         "pooling_kernel_size")),
+    (8, ("head_dim", "kv_channels", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "patch_size",
+         "linear_key_head_dim", "linear_value_head_dim", "index_head_dim", "linear_head_dim")),
+    (16, ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "ssm_state_size")),  # qk: nope + rope head dims
+    (IMAGE, ("image_size", "max_img_size")),
     ((IMAGE // 8) ** 2, ("mm_tokens_per_image", "num_image_tokens", "image_seq_length")),  # one per patch
 )
 SIZE = {key: value for value, keys in SIZES for key in keys}
-IMAGE_TOKEN_KEYS = ("image_token_id", "image_token_index", "image_token")
+IMAGE_TOKEN_KEYS = ("image_token_id", "image_token_index", "image_token", "image_patch_id")
 
 
 def vlm_types() -> dict[str, str]:
@@ -52,30 +62,62 @@ def shrink(defaults: dict, layers: int | None = None) -> dict:
     layers = layers or next((defaults[k] for k in LAYER_KEYS if type(defaults.get(k)) is int), None)
     for key, value in defaults.items():
         if isinstance(value, dict) and (key.endswith("config") or key.endswith("_cfg")):
-            out[key] = shrink(value)
+            # the whole default sub-config, shrunk: a sub-config given as a dict is built from its own
+            # class's defaults, not the ones the parent gives it (PaliGemma's one key-value head)
+            out[key] = {**value, **shrink(value)} if "model_type" in value else shrink(value)
         elif key in SIZE and (value is None or (type(value) is int and value > SIZE[key])):
             out[key] = SIZE[key]
         elif key in SIZE and isinstance(value, (list, tuple)) and value and all(type(v) is int for v in value):
-            out[key] = [min(v, SIZE[key]) for v in value]
+            per_layer = layers and len(value) == layers > LAYERS  # one size per layer (Gemma 3n)
+            out[key] = [min(v, SIZE[key]) for v in (value[:LAYERS] if per_layer else value)]
+        elif "feature_layer" in key and (type(value) is int or isinstance(value, list) and all(type(v) is int for v in value)):
+            # hidden states of the vision tower that feed the projector: inside the shrunk tower
+            clamp = lambda v: max(-LAYERS, min(v, LAYERS - 1))  # noqa: E731
+            out[key] = clamp(value) if type(value) is int else [clamp(v) for v in value]
         elif "vocab" in key and type(value) is int and value > VOCAB:
             out[key] = VOCAB
         elif key.endswith("token_id") and type(value) is int and value >= VOCAB:
             out[key] = VOCAB - 1 - (zlib.crc32(key.encode()) % 64)
-        elif key.endswith("token_index") and type(value) is int and value >= VOCAB:
+        elif key.endswith(("token_index", "patch_id")) and type(value) is int and value >= VOCAB:
             out[key] = VOCAB - 1 - (zlib.crc32(key.encode()) % 64)
+        elif key.endswith("grid_pinpoints") and value and all(isinstance(v, (list, tuple)) for v in value):
+            # tiled-image resolutions (LLaVA-NeXT), multiples of one tile: the tile becomes IMAGE
+            tile = min(min(v) for v in value)
+            out[key] = [[side * IMAGE // tile for side in v] for v in value]
+        elif key.endswith("patch_to_query_dict") and isinstance(value, dict):
+            # query tokens per patch count (Aria's projector): the shrunk image's patches
+            out[key] = {(IMAGE // SIZE["patch_size"]) ** 2: min(int(v) for v in value.values())}
         elif isinstance(value, float) and any(w in key for w in ("drop", "jitter", "noise")):
             out[key] = 0.0
         elif isinstance(value, list) and layers and len(value) == layers > LAYERS:
             out[key] = value[:LAYERS]
     if "use_cache" in defaults:
         out["use_cache"] = False
+    heads, kv_heads = defaults.get("num_attention_heads"), defaults.get("num_key_value_heads")
+    if type(heads) is int and heads == kv_heads and "num_attention_heads" in out:  # multi-head stays multi-head
+        out["num_key_value_heads"] = out["num_attention_heads"]
+    rope = defaults.get("rope_parameters")
+    if isinstance(rope, dict) and isinstance(rope.get("mrope_section"), list):  # validated when built
+        out["rope_parameters"] = {**rope, "mrope_section": mrope_sections({**defaults, **out}, rope)}
     return out
+
+
+def mrope_sections(config: dict, rope: dict) -> list[int]:
+    """Multimodal rope sections (t, h, w) splitting the rotary pairs of a (shrunk) config's head."""
+    head_dim = config.get("qk_rope_head_dim") or config.get("head_dim") or \
+        config["hidden_size"] // config["num_attention_heads"]
+    factor = rope.get("partial_rotary_factor", config.get("partial_rotary_factor") or 1.0)
+    pairs = int(head_dim * factor) // 2
+    return [pairs - 2 * (pairs // 4), pairs // 4, pairs // 4]
 
 
 def tiny_vlm_config(model_type: str):
     """The type's default config made tiny; distinct image / video token ids inside the vocabulary."""
     config_cls = transformers.CONFIG_MAPPING[model_type]
     defaults = config_cls().to_dict()
+    for key, sub_cls in (getattr(config_cls, "sub_configs", None) or {}).items():
+        if "vision" in key and defaults.get(key) is None and isinstance(sub_cls, type):
+            defaults[key] = sub_cls().to_dict()  # a default config without its vision tower (Gemma 4)
     config = config_cls(**shrink(defaults))
     for sub in [config, *(getattr(config, k) for k in getattr(config, "sub_configs", {}) if getattr(config, k, None))]:
         fit_mrope(sub)
@@ -90,11 +132,10 @@ def fit_mrope(config) -> None:
     takes them (its class exempts `mrope_section` from rope validation)."""
     if "mrope_section" not in getattr(type(config), "ignore_keys_at_rope_validation", ()):
         return
-    rope = dict(getattr(config, "rope_parameters", None) or {})
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    pairs = int(head_dim * rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0) or 1.0)) // 2
-    rope["mrope_section"] = [pairs - 2 * (pairs // 4), pairs // 4, pairs // 4]
-    config.rope_parameters = rope
+    rope = getattr(config, "rope_parameters", None)
+    if not rope:
+        return
+    config.rope_parameters = {**rope, "mrope_section": mrope_sections(config.to_dict(), rope)}
 
 
 def model_class(model_type: str) -> type[nn.Module]:
@@ -138,8 +179,12 @@ def candidate_image_inputs(model: nn.Module, images: int, generator: torch.Gener
         temporal = _first(vision, ("temporal_patch_size",), 1)
         side = 2 * merge
         grid = torch.tensor([[1, side, side]] * images)
-        pixels = torch.randn(images * side * side, channels * temporal * patch * patch, generator=generator)
-        out.append({"pixel_values": pixels.to(dtype), "image_grid_thw": grid})
+        patches = images * side * side
+        for shape in ((patches, channels * temporal * patch * patch), (patches, channels * 2 * patch * patch),
+                      (patches, channels, patch, patch), (1, patches, channels, patch, patch)):
+            # flattened patches (Qwen, two frames where the config does not say), or each patch an image
+            pixels = torch.randn(*shape, generator=generator)
+            out.append({"pixel_values": pixels.to(dtype), "image_grid_thw": grid})
     pixels = torch.randn(images, channels, size, size, generator=generator).to(dtype)
     extras = {}
     if "image_sizes" in params:
@@ -149,6 +194,21 @@ def candidate_image_inputs(model: nn.Module, images: int, generator: torch.Gener
     out.append({"pixel_values": pixels, **extras, **masks})
     mask5 = {k: torch.ones(images, 1, size, size, dtype=torch.bool) for k in ("pixel_attention_mask",) if k in params}
     out.append({"pixel_values": pixels.unsqueeze(1), **extras, **mask5})
+    if "spatial_shapes" in params:  # patches of any aspect ratio (SigLIP2's NaFlex): patch rows, grid, mask
+        side = size // patch
+        pixels = torch.randn(images, side * side, channels * patch * patch, generator=generator).to(dtype)
+        out.append({"pixel_values": pixels, "spatial_shapes": torch.tensor([[side, side]] * images),
+                    "pixel_attention_mask": torch.ones(images, side * side, dtype=torch.long)})
+    if "image_position_ids" in params:  # patch rows and each patch's (x, y) (Gemma 4)
+        side = size // patch
+        pixels = torch.rand(images, side * side, channels * patch * patch, generator=generator).to(dtype)
+        y, x = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
+        positions = torch.stack([x.flatten(), y.flatten()], dim=-1)
+        out.append({"pixel_values": pixels, "image_position_ids": positions.expand(images, -1, -1).clone()})
+    if "image_sizes" in params:  # tiled images (LLaVA-NeXT): tiles per image from its size, the fewest that fit
+        for tiles in range(2, 6):
+            tiled = torch.randn(images, tiles, channels, size, size, generator=generator).to(dtype)
+            out.append({"pixel_values": tiled, **extras})
     return out
 
 
@@ -192,7 +252,11 @@ class VLMInputs:
                    and type(v) is int}
         text_vocab = getattr(getattr(model.config, "text_config", model.config), "vocab_size", VOCAB)
         self.text_ids = torch.tensor([t for t in range(3, min(VOCAB, text_vocab)) if t not in special][:100])
-        self.mm_token_type = "mm_token_type_ids" in inspect.signature(model.forward).parameters
+        params = inspect.signature(model.forward).parameters
+        self.mm_token_type = "mm_token_type_ids" in params
+        # `token_type_ids` as the model's processor gives them: Gemma 3's kind marks image tokens (1),
+        # PaliGemma's the answer after a prefix attended both ways (0: image and prompt, 1: answer)
+        self.token_types = None if "token_type_ids" not in params else "image" if has_image_blocks(model) else "prefix"
 
     def batch(self, with_image: list[bool], rows: range | None = None, seed: int = 1) -> dict[str, torch.Tensor]:
         """Rows `rows` (default: all) of the batch with one row per flag; a row with an image holds
@@ -209,6 +273,12 @@ class VLMInputs:
         batch = {"input_ids": input_ids, "labels": labels}
         if self.mm_token_type:
             batch["mm_token_type_ids"] = (input_ids == self.image_id).long()
+        if self.token_types == "image":
+            batch["token_type_ids"] = (input_ids == self.image_id).long()
+        elif self.token_types == "prefix":  # the prompt is the image and four text tokens; labels on the answer
+            prefix = 2 + self.tokens + 2
+            batch["token_type_ids"] = (torch.arange(input_ids.shape[1]) >= prefix).long().expand_as(input_ids).clone()
+            labels[:, :prefix] = -100
         if image_rows:
             batch.update(self.images(image_rows))
         return batch

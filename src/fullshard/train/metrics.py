@@ -216,6 +216,16 @@ NO_PLOT = "no loss plot: matplotlib is not installed (pip install 'fullshard[plo
 def plot_loss(metrics_path: str | Path, png_path: str | Path) -> Path | None:
     """The training (and eval) loss against the step, as a PNG; None when matplotlib is missing
     (the caller says so with `NO_PLOT`: metrics.jsonl holds the same numbers)."""
+    records = read_metrics(metrics_path)
+    lines = {"train loss": ([(r["step"], r["loss"]) for r in records if r.get("kind") == "train"], "-"),
+             "eval loss": ([(r["step"], r["eval_loss"]) for r in records if r.get("kind") == "eval"], "o-")}
+    return plot_lines(png_path, lines, ylabel="loss (nats / token)")
+
+
+def plot_lines(png_path: str | Path, lines: dict[str, tuple[list[tuple[float, float]], str]], *,
+               ylabel: str, xlabel: str = "step", title: str | None = None) -> Path | None:
+    """`lines` ({label: ([(x, y), ...], matplotlib style)}) on one chart, as a PNG; empty lines are left
+    out. None when matplotlib is missing."""
     try:
         import matplotlib
 
@@ -223,16 +233,14 @@ def plot_loss(metrics_path: str | Path, png_path: str | Path) -> Path | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    records = read_metrics(metrics_path)
-    train = [(r["step"], r["loss"]) for r in records if r.get("kind") == "train"]
-    evals = [(r["step"], r["eval_loss"]) for r in records if r.get("kind") == "eval"]
     fig, ax = plt.subplots(figsize=(7, 4))
-    if train:
-        ax.plot(*zip(*train), label="train loss")
-    if evals:
-        ax.plot(*zip(*evals), "o-", label="eval loss")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats / token)")
+    for label, (points, style) in lines.items():
+        if points:
+            ax.plot(*zip(*points), style, label=label)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if title:
+        ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
