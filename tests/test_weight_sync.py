@@ -218,3 +218,20 @@ def test_weight_loader_refuses_by_name_before_copying():
         assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     assert load([good]) == {"model.norm.weight"}
     assert torch.equal(model.model.norm.weight, torch.zeros(32))
+
+
+def test_one_process_trainer_without_a_process_group():
+    """A plain model in one process with no process group pushes to an engine (here a thread)."""
+    import threading
+
+    import fullshard
+    from fullshard.distributed import find_free_port
+
+    model, engine_model, port, pulled = build_model(NAME), build_model(NAME, seed=3), find_free_port(), []
+    thread = threading.Thread(target=lambda: pulled.append(
+        fullshard.WeightSync.engine(HOST, port, engine_rank=0, num_engines=1).pull(fullshard.weight_loader(engine_model))))
+    thread.start()
+    report = fullshard.WeightSync.trainer(HOST, port, num_engines=1).push(model, bucket_bytes=4096)
+    thread.join(timeout=60)
+    assert pulled and pulled[0].tensors == report.tensors == len(model.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), engine_model.state_dict().values()))

@@ -316,6 +316,8 @@ def gather_to_first(parts: dict[int, list[torch.Tensor]], group=None) -> list:
     each sending rank to the tensors its parts land in, in order; on the others it holds this rank's
     own parts, in the same order. A message per part, all in flight together (gloo's `gather`
     copies, several times slower, and needs one size for all); returns the works to wait for."""
+    if not any(t.numel() for ts in parts.values() for t in ts):  # also: one process, no group
+        return []
     rank = dist.get_rank(group)
     global_rank = (lambda r: dist.get_global_rank(group, r)) if group is not None else (lambda r: r)
     if rank == 0:
