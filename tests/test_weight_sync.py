@@ -2,8 +2,9 @@
 
 One spawned trainer group and two engine processes run three rendezvous in turn: two pushes with
 training between them (each engine equals the export bitwise, same logits, version 2 follows
-version 1; the second in buckets smaller than most tensors), a receiver that rejects a name (the named error on every side, nothing of it
-applied), and an engine killed between pushes (the next push raises on every trainer rank).
+version 1; the second in buckets smaller than most tensors), a receiver that rejects a name (the
+named error on every side, nothing of it applied), and an engine killed between pushes (the next
+push raises on every trainer rank).
 """
 
 from __future__ import annotations
@@ -188,9 +189,11 @@ def test_a_corrupted_bucket_names_the_tensor():
     lone = [("d.weight", torch.randn(4, 8))]  # one tensor: sent from where it lies
     lone_header, lone_payload = pack_bucket(lone, torch.device("cpu"), kept)
     assert lone_payload.data_ptr() == lone[0][1].data_ptr()
-    assert torch.equal(unpack_bucket(lone_header, lone_payload, checksums(lone_payload, lone_header).tolist())[0][1], lone[0][1])
+    lone_sums = checksums(lone_payload, lone_header).tolist()
+    assert torch.equal(unpack_bucket(lone_header, lone_payload, lone_sums)[0][1], lone[0][1])
     flat = torch.zeros(256, dtype=torch.uint8)  # tensors laid out in one buffer (a bucket hf_weights put together)
-    together = [("e", flat[32:64].view(torch.float32)), ("f", flat[80:86].view(torch.bfloat16)), ("g", flat[96:160].view(torch.int64))]
+    together = [("e", flat[32:64].view(torch.float32)), ("f", flat[80:86].view(torch.bfloat16)),
+                ("g", flat[96:160].view(torch.int64))]
     together_header, together_payload = pack_bucket(together, torch.device("cpu"), kept)
     assert together_payload.data_ptr() == flat.data_ptr() + 32 and together_header["offsets"] == [0, 48, 64]
     for corrupt, name in [(pairs[1], "b.bias"), (together[1], "f")]:

@@ -172,7 +172,8 @@ def _lora_checks(root: Path) -> dict:
     before = {n: p.detach().to_local().clone() for n, p in model.named_parameters()}
     return {"merged": differences(merged, read_dir(root / "merged")),
             "adapter": differences(adapter, read_dir(root / "adapter")),
-            "to_first": differences(merged_first, merged if first else {}) + differences(adapter_first, adapter if first else {}),
+            "to_first": (differences(merged_first, merged if first else {})
+                         + differences(adapter_first, adapter if first else {})),
             "module_untouched": all(torch.equal(before[n], p.detach().to_local()) for n, p in model.named_parameters())}
 
 

@@ -12,10 +12,11 @@ own (gloo on CPU, NCCL on CUDA) made of trainer rank 0 and the engines, built be
 default group, so the trainer's world size does not matter. Every trainer rank iterates
 `buckets_to_first` (`hf_weight_buckets`' tensors, put together on rank 0 alone: the others send it
 their rows); rank 0 lays each bucket out in one flat buffer and broadcasts it as it lies, with a
-header (names, shapes, dtypes) and per-tensor checksums, while the next bucket is put together. An engine checks the checksums and hands the bucket's `(name, tensor)` pairs
-to `load_weights`, vLLM's `load_weights(iterable)` signature. Anything that goes wrong (a name the
-engine refuses, a wrong shape, a checksum, a dead engine) is one `WeightSyncError` naming the
-tensor or engine on every trainer rank and every engine; nothing waits longer than `timeout_s`.
+header (names, shapes, dtypes) and per-tensor checksums, while the next bucket is put together.
+An engine checks the checksums and hands the bucket's `(name, tensor)` pairs to `load_weights`,
+vLLM's `load_weights(iterable)` signature. Anything that goes wrong (a name the engine refuses, a
+wrong shape, a checksum, a dead engine) is one `WeightSyncError` naming the tensor or engine on
+every trainer rank and every engine; nothing waits longer than `timeout_s`.
 """
 
 from __future__ import annotations

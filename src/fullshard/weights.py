@@ -396,7 +396,8 @@ def _gather_to_first(bucket: list[StreamUnit], state: dict, out: Callable[[int],
     """The first rank: the bucket's whole inputs laid out in one byte buffer from `out(nbytes)` (each
     `SEND_ALIGN`-aligned, in order), made from its own shards and the other ranks' messages: runs
     of rows received straight into their place, packed regions into a staging buffer kept in
-    `buffers` (only layouts with other regions than rows need it) and copied from there. Its own regions are copied while the others arrive."""
+    `buffers` (only layouts with other regions than rows need it) and copied from there. Its own
+    regions are copied while the others arrive."""
     starts, total = [], 0
     for unit in bucket:
         for item in unit.inputs:
@@ -404,10 +405,11 @@ def _gather_to_first(bucket: list[StreamUnit], state: dict, out: Callable[[int],
             total += item.nbytes + (-item.nbytes % SEND_ALIGN)
     flat = out(total)
     at = iter(starts)
-    wholes = [[flat[start:start + item.nbytes].view(item.dtype).view(item.shape) for item, start in zip(unit.inputs, at)]
-              for unit in bucket]
+    wholes = [[flat[start:start + item.nbytes].view(item.dtype).view(item.shape)
+               for item, start in zip(unit.inputs, at)] for unit in bucket]
     plans = {r: _messages(bucket, r) for r in range(1, get_world_size())}
-    need = {r: sum(_aligned(_region_bytes(bucket, u, i, box)) for u, i, box, _ in packed) for r, (_, packed) in plans.items()}
+    need = {r: sum(_aligned(_region_bytes(bucket, u, i, box)) for u, i, box, _ in packed)
+            for r, (_, packed) in plans.items()}
     kept = kept_buffer(buffers, "staging", sum(need.values()), flat.device) if sum(need.values()) else None
     targets, staged, position = {}, {}, 0
     for r, (direct, packed) in plans.items():
