@@ -67,30 +67,39 @@ def documents(rows, pad_id):
     return found
 
 
-def alone_loss(model, processor, record, directory, labels):
-    """The loss sum of one record through plain transformers: the processor's inputs, the model's own positions."""
+def images_of(record, directory):
     from PIL import Image
 
-    turns = record["messages"]
-    names = [p["image"] for t in turns for p in t["content"] if p["type"] == "image"]
-    rendered = processor.apply_chat_template(turns, tokenize=False)
-    inputs = processor(text=[rendered], images=[Image.open(directory / n).convert("RGB") for n in names] or None,
-                       add_special_tokens=False, return_tensors="pt")
-    logits = model(**inputs).logits[0, :-1].float()
-    return F.cross_entropy(logits, labels[1:], ignore_index=IGNORE, reduction="sum"), inputs["input_ids"][0]
+    names = [p["image"] for t in record["messages"] for p in t["content"] if p["type"] == "image"]
+    return [Image.open(directory / n).convert("RGB") for n in names]
 
 
-def check_packed_equals_alone(model, processor, tmp_path, rope=None):
-    path = write_records(tmp_path, RECORDS)
-    rows, info = rows_of(processor, path, tmp_path, rope)
-    assert len(rows) < len(RECORDS) and info["documents"] == len(RECORDS)  # packed: several documents a row
+def processor_inputs(processor, record, directory):
+    """What the model's processor makes of one record: its chat template rendered, its images."""
+    rendered = processor.apply_chat_template(record["messages"], tokenize=False)
+    return processor(text=[rendered], images=images_of(record, directory) or None, add_special_tokens=False,
+                     return_tensors="pt")
+
+
+def alone_loss(model, inputs, labels):
+    """The loss sum of one record through plain transformers: the processor's inputs, the model's own positions."""
+    logits = model(**{k: v for k, v in inputs.items() if k != "labels"}).logits[0, :-1].float()
+    return F.cross_entropy(logits, labels[1:], ignore_index=IGNORE, reduction="sum")
+
+
+def check_packed_equals_alone(model, processor, tmp_path, rope=None, records=RECORDS, inputs_of=processor_inputs,
+                              seq_len=160):
+    path = write_records(tmp_path, records)
+    rows, info = rows_of(processor, path, tmp_path, rope, seq_len=seq_len)
+    assert len(rows) < len(records) and info["documents"] == len(records)  # packed: several documents a row
     docs = documents(rows, processor.tokenizer.pad_token_id)
-    assert len(docs) == len(RECORDS)
+    assert len(docs) == len(records)
     packed = causal_lm_loss_sum(model, rows.take(range(len(rows))), 0)
     total = 0.0
-    for record, (r, a, b) in zip(RECORDS, docs):
+    for record, (r, a, b) in zip(records, docs):
         row = rows.take([r])
-        loss, ids = alone_loss(model, processor, record, tmp_path, row["labels"][0, a:b])
+        inputs = inputs_of(processor, record, tmp_path)
+        loss, ids = alone_loss(model, inputs, row["labels"][0, a:b]), inputs["input_ids"][0]
         assert torch.equal(ids, row["input_ids"][0, a:b])
         total = total + loss
     assert abs(float(packed) - float(total)) <= 1e-5 * float(total), (float(packed), float(total))
@@ -167,6 +176,91 @@ def test_packed_rows_equal_the_documents_alone_gemma3(tmp_path):
         theirs = F.cross_entropy(model(**inputs, use_cache=False).logits[:, :-1].flatten(0, 1).float(),
                                  batch["labels"][:, 1:].flatten(), ignore_index=IGNORE, reduction="sum")
         assert abs(float(theirs) - float(causal_lm_loss_sum(model, batch, 0))) > 1e-3
+
+
+def paligemma_processor_and_model():
+    """A tiny PaliGemma: the byte tokenizer with PaliGemma's image, BOS and EOS tokens, SigLIP's image
+    processor (28-pixel images, 4 tokens each) and a template rendering its native layout (the images
+    and the question, then the answer: the processor adds BOS, newline and EOS)."""
+    from transformers import PaliGemmaConfig, PaliGemmaForConditionalGeneration, PaliGemmaProcessor, PreTrainedTokenizerFast
+    from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
+
+    from fullshard.data.builtin import byte_tokenizer
+
+    base = byte_tokenizer()
+    base.add_special_tokens({"additional_special_tokens": ["<image>", "<bos>", "<eos>"]})
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=base.backend_tokenizer, bos_token="<bos>",
+                                        eos_token="<eos>", pad_token="<|endoftext|>")
+    images = SiglipImageProcessorPil(size={"height": 28, "width": 28})
+    images.image_seq_length = 4
+    template = ("{% for message in messages %}{% for part in message['content'] %}{% if part['type'] == 'image' %}"
+                "<image>{% else %}{{ part['text'] }}{% endif %}{% endfor %}{% endfor %}")
+    processor = PaliGemmaProcessor(image_processor=images, tokenizer=tokenizer, chat_template=template)
+    config = PaliGemmaConfig(
+        text_config=dict(vocab_size=len(processor.tokenizer), hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=28, patch_size=14),
+        projection_dim=32, hidden_size=32, image_token_index=processor.image_token_id,
+        vocab_size=len(processor.tokenizer))
+    return processor, PaliGemmaForConditionalGeneration._from_config(config).eval()
+
+
+def paligemma_inputs(processor, record, directory):
+    """What PaliGemma's processor makes of a conversation as it takes one for training: the prompt (the
+    user turn) with the images and the answer as `suffix`; without an image (refused by the processor)
+    its tokenizer's prompt/answer pair, the answer ending in EOS as the processor ends it."""
+    turns = record["messages"]
+    prompt = processor.apply_chat_template(turns[:1], tokenize=False, add_generation_prompt=True)
+    answer = processor.apply_chat_template(turns, tokenize=False)[len(prompt):]
+    images = images_of(record, directory)
+    if images:
+        return processor(text=[prompt], images=images, suffix=[answer], return_tensors="pt")
+    return processor.tokenizer(text=[prompt], text_pair=[answer + processor.tokenizer.eos_token],
+                               return_token_type_ids=True, add_special_tokens=False, return_tensors="pt")
+
+
+TWO_TURNS = {"messages": [{"role": "user", "content": [image("images/2.png"), text("colour?")]},
+                          {"role": "assistant", "content": [text("red")]},
+                          {"role": "user", "content": [text("shape?")]},
+                          {"role": "assistant", "content": [text("circle")]}]}
+
+
+def test_paligemma_rows_are_its_processors_prefix_and_answer(tmp_path):
+    """A prefix LM: token_type_ids as its processor gives them for prompt + answer (0: images and prompt,
+    attended both ways; 1: the answer and after), labels on assistant text only, image tokens by id."""
+    processor, _ = paligemma_processor_and_model()
+    records = [*RECORDS, TWO_TURNS]
+    rows, _ = rows_of(processor, write_records(tmp_path, records), tmp_path, packing=False)
+    image_id, eos = processor.image_token_id, processor.tokenizer.eos_token
+    for r, record in enumerate(records):
+        row, theirs = rows.take([r]), paligemma_inputs(processor, record, tmp_path)
+        n = theirs["input_ids"].shape[1]
+        ids, types, labels = row["input_ids"][0], row["token_type_ids"][0], row["labels"][0]
+        assert torch.equal(ids[:n], theirs["input_ids"][0]) and torch.equal(types[:n], theirs["token_type_ids"][0])
+        assert (ids[:n] == image_id).sum() == 4 * len(images_of(record, tmp_path))  # each image its 4 tokens
+        assert (labels[ids == image_id] == IGNORE).all() and (labels[types == 0] == IGNORE).all()
+        answer = processor.tokenizer.decode(labels[labels != IGNORE], skip_special_tokens=False)
+        if record is TWO_TURNS:  # the second question is no target, though after the prefix
+            assert answer == "redcircle" + eos and (types[:n] == 1).sum() == len("redshape?circle") + 1
+        else:  # one answer: the labels the processor gives (its answer tokens)
+            assert answer == record["messages"][1]["content"][0]["text"] + eos
+            assert torch.equal(labels[:n], torch.where(theirs["token_type_ids"][0] == 1, theirs["input_ids"][0], IGNORE))
+    assert rows.take([0])["images"][0]["pixel_values"].shape == (1, 3, 28, 28)
+
+
+def test_packed_rows_equal_the_documents_alone_paligemma(tmp_path):
+    """transformers' PaliGemma mask ORs the prefix block into the causal mask and then ANDs the document
+    mask of packed position ids: each document's prefix is its own bidirectional block."""
+    torch.manual_seed(0)
+    processor, model = paligemma_processor_and_model()
+    with torch.no_grad():
+        rows = check_packed_equals_alone(model, processor, tmp_path, records=[*RECORDS, TWO_TURNS],
+                                         inputs_of=paligemma_inputs, seq_len=64)
+        batch = rows.take(range(len(rows)))
+        # the prefix mask matters: all zeros (the processor's answer-less output) attends both ways throughout
+        causal = causal_lm_loss_sum(model, {**batch, "token_type_ids": torch.zeros_like(batch["token_type_ids"])}, 0)
+        assert abs(float(causal) - float(causal_lm_loss_sum(model, batch, 0))) > 1e-3
 
 
 def test_labels_are_the_assistant_text_only_never_image_tokens(tmp_path):

@@ -239,9 +239,43 @@ def test_towers_blocks_and_freezing_come_from_the_structure(model_type):
         freeze_targets(model, ["model.no_such_tower.*"])
     with pytest.raises(ConfigError, match="words"):
         freeze_targets(model, [3])
+    with pytest.raises(ConfigError, match="no audio tower"):
+        freeze_targets(model, ["audio"])
     frozen = freeze(model, "auto")
     assert all(not params[n].requires_grad for n in frozen) and all(params[n].requires_grad for n in params
                                                                      if n not in frozen)
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_5_omni_thinker", "qwen3_omni_moe_thinker"])
+def test_an_audio_tower_is_a_tower_but_not_the_vision_one(model_type):
+    """Omni thinkers: the tower built from `audio_config` is audio, whole (its convolutions and projection
+    no projector); `vision` freezes none of it, `audio` all of it, `auto` both encoders; Qwen3-Omni's
+    deepstack `merger_list`, registered before the vision blocks, is projector like its `merger`."""
+    from fullshard.plan import auto_plan, find_blocks
+    from fullshard.towers import find_towers, freeze_targets
+
+    model = build_vlm(model_type)
+    towers = find_towers(model)
+    assert (towers.vision, towers.audio) == (["model.visual"], ["model.audio_tower"]), towers
+    assert towers.projector and all(p.startswith("model.visual.") for p in towers.projector), towers.projector
+    if model_type == "qwen3_omni_moe_thinker":
+        assert "model.visual.merger_list" in towers.projector
+    params = {n for n, _ in model.named_parameters()}
+    audio = {n for n in params if n.startswith("model.audio_tower.")}
+    projector = {n for n in params if any(n.startswith(p + ".") for p in towers.projector)}
+    vision = {n for n in params if n.startswith("model.visual.")} - projector
+    assert set(freeze_targets(model, ["vision"])) == vision
+    assert set(freeze_targets(model, ["audio"])) == audio
+    assert set(freeze_targets(model, "auto")) == vision | audio
+    assert set(freeze_targets(model, ["projector"])) == projector
+
+    plan = auto_plan(model)
+    units = {u.modules for u in plan.units}
+    audio_blocks = [b for b in find_blocks(model) if b.startswith("model.audio_tower.")]
+    assert len(audio_blocks) == 2 and all((b,) in units for b in audio_blocks)
+    assert all(plan.unit_index_of_parameter(n) is not None for n in audio | projector)
+    described = plan.describe(model)
+    assert "audio: model.audio_tower (2 blocks)" in described and "vision: model.visual (2 blocks)" in described
 
 
 def test_causal_lm_is_not_a_vlm():

@@ -76,8 +76,9 @@ class EngineConfig:
     pp_virtual_stages: stages per pp rank (stage s runs on pp rank s mod pp_size).
     pp_layers_per_stage: decoder layers of each stage, in order; unset: balanced by parameter count.
     freeze: parts left untrained, set before sharding (no gradients, no optimizer state): the words
-        vision / projector / language, or globs over module and parameter names; "auto" freezes a
-        VLM's vision tower and nothing of other models; [] or "none" trains everything (`fullshard.towers`).
+        vision / audio / projector / language, or globs over module and parameter names; "auto" freezes a
+        VLM's vision (and an Omni model's audio) tower and nothing of other models; [] or "none" trains
+        everything (`fullshard.towers`).
     """
 
     mixed_precision: str = "fp32"

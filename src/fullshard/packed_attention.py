@@ -14,7 +14,9 @@ mask at all, so a text-only packed row gets its text positions in all four rows.
 model (image tokens attending both ways inside their block, `token_type_ids`) gets its masks from
 here under SDPA and eager: transformers composes the block overlay of its sliding-window layers
 before remapping a packed row's indices to positions within each document, so there a token would
-read another document's image blocks at its own document-relative positions. Under context parallelism the all-to-all attention
+read another document's image blocks at its own document-relative positions. PaliGemma's prefix
+block (`token_type_ids` 0) needs nothing from here: transformers ORs it in on row indices, after the
+remapping, and then ANDs the document mask. Under context parallelism the all-to-all attention
 (`fullshard.parallel.cp`) builds the same block-diagonal mask from the whole row's position ids.
 """
 

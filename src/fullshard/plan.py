@@ -30,7 +30,7 @@ from torch import nn
 
 from .errors import PlanError
 from .tensors import tensor_aliases
-from .towers import block_list, find_towers, glob_regex
+from .towers import WORDS, block_list, find_towers, glob_regex
 
 POLICIES = {
     "free_full_weight": ("reshard_after_forward", True),
@@ -207,7 +207,7 @@ class ShardingPlan:
         towers = find_towers(model)
         if towers:
             blocks = find_blocks(model)
-            for word in ("vision", "projector", "language"):
+            for word in [w for w in WORDS if w != "audio" or towers.audio]:
                 trains = {t: any(p.requires_grad for n, p in model.named_parameters() if _is_within(_module_of(n), t)
                                  and not any(_is_within(_module_of(n), q) for q in towers.projector if q != t))
                           for t in towers.of(word)}
@@ -310,19 +310,19 @@ def find_blocks(model: nn.Module) -> list[str]:
 
 
 def _with_tower_blocks(model: nn.Module, blocks: list[str]) -> list[str]:
-    """A VLM's vision towers and projector get their blocks from their structure (the largest list of
-    identical modules in each), not from the classes the model declares: those name an attention
-    module (Idefics3, SmolVLM, Ovis2) or nothing of the tower (GOT-OCR2), leaving whole towers in the root."""
+    """A VLM's encoder towers (vision, audio) and projector get their blocks from their structure (the
+    largest list of identical modules in each), not from the classes the model declares: those name an
+    attention module (Idefics3, SmolVLM, Ovis2) or nothing of the tower (GOT-OCR2), leaving whole towers in the root."""
     towers = find_towers(model)
     if not towers:
         return blocks
-    side = towers.vision + towers.projector
+    side = towers.encoders + towers.projector
     kept = [b for b in blocks if not any(_is_within(b, t) for t in side)]
-    for tower in towers.vision:
+    for tower in towers.encoders:
         name = block_list(model, tower)
         kept += [] if name is None else [f"{name}.{i}" for i in range(len(model.get_submodule(name)))]
     for tower in towers.projector:
-        if any(_is_within(tower, v) for v in towers.vision):  # a merger inside the vision tower: one unit
+        if any(_is_within(tower, v) for v in towers.vision):  # a merger inside the vision tower: its own unit(s)
             continue
         module = model.get_submodule(tower)
         kept += [f"{tower}.{name}.{i}" for name in _repeated_block_lists(module)
@@ -447,6 +447,7 @@ def auto_plan(model: nn.Module, cpu_offload: bool | None = None, mixed_precision
     units += [unit([b], source=f"auto: block {b}") for b in _block_unit_roots(model, blocks)]
     towers = find_towers(model)  # a VLM: what its towers hold beside their blocks (patch embedding, merger)
     units += [unit([t], source=f"auto: vision tower {t}") for t in towers.vision]
+    units += [unit([t], source=f"auto: audio tower {t}") for t in towers.audio]
     named = dict(model.named_modules())
     units += [unit([m], source=f"auto: projector {t}") for t in towers.projector
               for m in _children_of_containers(named, [t], exact=False)]

@@ -29,8 +29,8 @@ def from_pretrained(name_or_path: str, engine=None, dtype=None, model_class=None
     sharded (`fullshard.lora.apply_lora`): the result is a `PeftModel` whose base loads sharded from
     the checkpoint and whose adapters are initialised as `get_peft_model` would.
     `attn_implementation` names transformers' attention kernel (None: transformers' pick).
-    `freeze` (None: the engine's `freeze`, by default "auto": a VLM's vision tower) names the parts
-    left untrained: `vision`, `projector`, `language` or module patterns (`fullshard.towers`).
+    `freeze` (None: the engine's `freeze`, by default "auto": a VLM's vision and audio towers) names the
+    parts left untrained: `vision`, `audio`, `projector`, `language` or module patterns (`fullshard.towers`).
     The model class is the config's (`architectures`), else transformers' image-text-to-text class
     for a VLM config, else its causal-LM class.
     """

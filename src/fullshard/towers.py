@@ -2,16 +2,21 @@
 
 A transformers VLM builds each tower from one of its config's sub-configs: the language model
 from `text_config`, the vision encoder from `vision_config` (whatever the attribute is called:
-`visual`, `vision_tower`, `vision_model`, `image_tower`...). So the towers are the outermost modules
-whose own `config` is one of the model's sub-configs; the projector is whatever else the module
-holding the language tower owns (`multi_modal_projector`, `connector`, `mlp1`...). No family table:
-a new VLM whose towers are built from its sub-configs is found the same way.
+`visual`, `vision_tower`, `vision_model`, `image_tower`...), an Omni model's audio encoder from
+`audio_config`. So the towers are the outermost modules whose own `config` is one of the model's
+sub-configs, each of the modality its sub-config names; the projector is whatever else the module
+holding the language tower owns (`multi_modal_projector`, `connector`, `mlp1`...), or, where that is
+nothing, the mergers the vision tower runs after its blocks. No family table: a new VLM whose towers
+are built from its sub-configs is found the same way. An audio tower is one part, its convolutions
+and its projection into the language model's width included (`projector` is the vision side's).
 
-`freeze` takes the words `vision`, `projector`, `language` (the language tower with its head) or
-glob patterns over parameter names (`*` one name segment, `**` any), and sets `requires_grad`
-before sharding, so frozen parts get no gradients and no optimizer state. The default ("auto")
-freezes the vision tower of a VLM, as LLaMA-Factory (`freeze_vision_tower: true`) and NeMo
-AutoModel's VLM recipes do; `freeze=[]` trains everything.
+`freeze` takes the words `vision`, `audio`, `projector`, `language` (the language tower with its
+head) or glob patterns over parameter names (`*` one name segment, `**` any), and sets
+`requires_grad` before sharding, so frozen parts get no gradients and no optimizer state. The default
+("auto") freezes a VLM's encoder towers, vision and audio, and trains the projector and language
+model: what LLaMA-Factory's `freeze_vision_tower: true` does (its Qwen2.5-Omni vision keys hold the
+audio tower), ms-swift's `freeze_vit` and NeMo AutoModel's Omni recipes (`freeze_audio_tower: true`);
+fullshard's data has no audio, so an audio tower would see none anyway. `freeze=[]` trains everything.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from torch import nn
 
 from .errors import ConfigError
 
-WORDS = ("vision", "projector", "language")
+WORDS = ("vision", "audio", "projector", "language")
 
 
 @dataclass
@@ -31,6 +36,7 @@ class Towers:
     """Module names of each part; empty lists for a model that is not a VLM."""
 
     vision: list[str] = field(default_factory=list)
+    audio: list[str] = field(default_factory=list)
     projector: list[str] = field(default_factory=list)
     language: list[str] = field(default_factory=list)
 
@@ -39,6 +45,11 @@ class Towers:
 
     def of(self, word: str) -> list[str]:
         return getattr(self, word)
+
+    @property
+    def encoders(self) -> list[str]:
+        """The towers that encode a modality for the language model: vision and audio."""
+        return self.vision + self.audio
 
 
 def _sub_configs(config) -> dict[str, object]:
@@ -74,17 +85,20 @@ def find_towers(model: nn.Module) -> Towers:
     parent = language[0].rpartition(".")[0]
     holder = model.get_submodule(parent) if parent else model
     children = {f"{parent}.{n}" if parent else n: m for n, m in holder.named_children()}
-    vision = [n for n, k in owners.items() if k != "text_config" and n in children]
+    # the modality a tower encodes is the one its sub-config names (`vision_config`, `audio_config`);
+    # one built from another (a perceiver's, a Q-Former's) is part of what connects the towers
+    vision = [n for n, k in owners.items() if "vision" in k and n in children]
+    audio = [n for n, k in owners.items() if "audio" in k and n in children]
     if not vision:
         return Towers()
     embedding = getattr(model, "get_input_embeddings", lambda: None)()
-    projector = [n for n, m in children.items() if n not in vision and n != language[0] and _has_parameters(m)
+    projector = [n for n, m in children.items() if n not in vision + audio and n != language[0] and _has_parameters(m)
                  and not any(p is getattr(embedding, "weight", None) for p in m.parameters())]
     if not projector:  # the projector lives in the vision tower (Qwen's `visual.merger`)
-        projector = [p for t in vision for p in _after_blocks(model, t)]
+        projector = [p for t in vision for p in _mergers(model, t)]
     head = getattr(model, "get_output_embeddings", lambda: None)()
     heads = [n for n, m in model.named_modules() if head is not None and m is head and not _is_within(n, parent or n)]
-    return Towers(vision=vision, projector=projector, language=language + heads)
+    return Towers(vision=vision, audio=audio, projector=projector, language=language + heads)
 
 
 def block_list(model: nn.Module, tower: str) -> str | None:
@@ -100,17 +114,23 @@ def block_list(model: nn.Module, tower: str) -> str | None:
     return max(named or lists, key=lambda n: sum(p.numel() for p in lists[n].parameters()))
 
 
-def _after_blocks(model: nn.Module, tower: str) -> list[str]:
-    """Children of a vision tower that run after its blocks and are not norms: its merger(s) into the
-    language model's width (Qwen's `merger`, Qwen3-VL's `deepstack_merger_list` too)."""
+def _mergers(model: nn.Module, tower: str) -> list[str]:
+    """A vision tower's merger(s) into the language model's width: its children registered after its
+    blocks that are not norms (Qwen's `merger`, Qwen3-VL's `deepstack_merger_list`), and wherever they
+    are registered, lists of a merger's class (Qwen3-Omni's deepstack `merger_list`, before its blocks)."""
     blocks = block_list(model, tower)
     if blocks is None:
         return []
-    children = [name for name, _ in model.get_submodule(tower).named_children()]
+    module = model.get_submodule(tower)
+    children = dict(module.named_children())
     holder = blocks[len(tower) + 1:].split(".")[0]
-    return [f"{tower}.{name}" for name in children[children.index(holder) + 1:]
-            if _has_parameters(getattr(model.get_submodule(tower), name))
-            and "norm" not in type(getattr(model.get_submodule(tower), name)).__name__.lower()]
+    after = list(children)[list(children).index(holder) + 1:]
+    mergers = [name for name in after if _has_parameters(children[name])
+               and "norm" not in type(children[name]).__name__.lower()]
+    kinds = {type(children[name]) for name in mergers}
+    lists = [name for name, child in children.items() if name not in mergers and isinstance(child, nn.ModuleList)
+             and len(child) and all(type(m) in kinds for m in child)]
+    return [f"{tower}.{name}" for name in children if name in mergers or name in lists]
 
 
 def glob_regex(pattern: str) -> re.Pattern:
@@ -126,7 +146,7 @@ def freeze_targets(model: nn.Module, spec) -> list[str]:
     nothing of this model is a `ConfigError` naming it."""
     if spec is None or spec == "auto":
         towers = find_towers(model)
-        spec = ["vision"] if towers else []
+        spec = ["vision"] + ["audio"] * bool(towers.audio) if towers else []
     if isinstance(spec, str):
         spec = [spec] if spec not in ("none", "") else []
     towers = find_towers(model)
@@ -139,8 +159,9 @@ def freeze_targets(model: nn.Module, spec) -> list[str]:
             roots = towers.of(entry)
             inner = [] if entry == "projector" else [p for p in towers.projector if any(_is_within(p, r) for r in roots)]
             if not roots:
+                what = "vision tower" if not towers else f"{entry} tower" if entry == "audio" else entry
                 raise ConfigError(f"freeze: {entry!r} names no part of {type(model).__name__} "
-                                  f"(it has no {'vision tower' if not towers else entry} found from its sub-configs)")
+                                  f"(it has no {what} found from its sub-configs)")
             matched = [n for n in names if any(_is_within(n, r) for r in roots)
                        and not any(_is_within(n, p) for p in inner)]
         else:

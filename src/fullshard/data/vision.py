@@ -8,6 +8,14 @@ placeholder to the image's tokens and tokenizes. The assistant turns are located
 prefixes (`chat.assistant_spans`) and moved past the expanded placeholders before them; a token
 is a target when it starts inside an assistant turn and is not an image token.
 
+A prefix LM's processor (PaliGemma's kind: its `__call__` takes the answer apart from the prompt,
+as `suffix`) is given the conversation as it takes it for training: the prompt (the images and the
+text up to the first assistant turn) and the answer (the rest, which it ends with EOS), and marks
+the answer in `token_type_ids` (0: the prefix, attended both ways; 1: the answer and after, causal).
+Each document carries its own prefix block: transformers' mask for such a model ORs the prefix
+block into the causal mask and then ANDs the document mask it reads from packed position ids, so
+packed documents stay apart. Image tokens are the processor's image token ids, for every model.
+
 A document is then its token ids and labels, the processor's per-token columns (`mm_token_type_ids`,
 `token_type_ids`), for mRoPE models (Qwen2-VL family) its three rope rows from the model's own
 `get_rope_index` run on the document alone, and its image tensors (`pixel_values`,
@@ -29,12 +37,20 @@ from ..errors import ConfigError
 from .chat import IGNORE_INDEX, ROLES, RecordError, assistant_spans
 from .pack import IMAGES as IMAGE_KEY, ROPE_COLUMNS
 PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
-TEXT_OUTPUTS = ("input_ids", "attention_mask", "offset_mapping", "text_replacement_offsets")
+# what a processor returns that is no per-token column nor image tensor (a prefix LM's processor
+# returns its own labels too: ours come from the assistant turns)
+TEXT_OUTPUTS = ("input_ids", "attention_mask", "offset_mapping", "text_replacement_offsets", "labels")
 
 
 def is_multimodal(processor) -> bool:
     """Whether `processor` (what `load_processor` returns) reads images."""
     return getattr(processor, "image_processor", None) is not None
+
+
+def answers_after_prefix(processor) -> bool:
+    """Whether `processor` is a prefix LM's (PaliGemma's kind): it takes the answer apart from the prompt
+    (`suffix`) and marks it in `token_type_ids` (1; 0 for the images and prompt, attended both ways)."""
+    return "suffix" in inspect.signature(processor.__call__).parameters
 
 
 def load_processor(name: str, trust_remote_code: bool = False):
@@ -218,7 +234,10 @@ class VisionTokenize:
         self.seq_len, self.overlong = section.seq_len, section.overlong
         self.drop_broken = getattr(section, "bad_images", "error") == "drop"
         self.template = chat_template_of(processor, section.chat_template)
-        probe = processor(text=["a"], add_special_tokens=False)  # which per-token columns the processor gives
+        self.prefix_lm = answers_after_prefix(processor)
+        known = [i for i in getattr(processor, "image_token_ids", []) if i is not None]
+        self.image_ids = np.asarray(known, np.int64)
+        probe = self._encode("ab", [(1, 2)], [])  # which per-token columns the processor gives
         self.columns = tuple(sorted([k for k, v in probe.items() if k not in TEXT_OUTPUTS and _per_token(v, None)]
                                     + (list(ROPE_COLUMNS) if rope is not None else [])))
 
@@ -257,8 +276,7 @@ class VisionTokenize:
                                    f"{len(images)} image(s) ({', '.join(map(str, files)) or 'none'}): image tokens "
                                    "must not appear in the text")
         try:
-            encoded = self.processor(text=[text], images=images or None, add_special_tokens=False,
-                                     return_offsets_mapping=True, return_text_replacement_offsets=True)
+            encoded = self._encode(text, spans, images)
         except (ValueError, IndexError, StopIteration) as err:
             raise RecordError(row, f"has image tokens that do not match its image(s) "
                                    f"({', '.join(map(str, files))}): {err}") from None
@@ -269,7 +287,7 @@ class VisionTokenize:
                          if k not in TEXT_OUTPUTS and k not in columns}
         is_image = self._image_tokens(ids, columns)
         self._check_image_tokens(row, files, is_image, encoded, len(images))
-        labels = self._labels(ids, spans, encoded, is_image)
+        labels = (self._answer_labels if self.prefix_lm else self._labels)(ids, text, spans, encoded, is_image)
         if self.rope is not None:
             types = columns.get("mm_token_type_ids", is_image.astype(np.int64))
             columns.update(zip(ROPE_COLUMNS, self.rope(ids, types, image_tensors)))
@@ -287,12 +305,29 @@ class VisionTokenize:
         doc[IMAGE_KEY] = encode_images(image_tensors)
         return doc
 
+    def _encode(self, text: str, spans, images: list) -> dict:
+        """The processor's encoding of a rendered conversation with its images: the whole text, or for a
+        prefix LM the prompt (up to the first assistant turn) and the answer (the rest) as its processor
+        takes them for training (it then puts its BOS after the last image, ends the prompt with a
+        newline and the answer with EOS). Its processor refuses a conversation without an image; its
+        tokenizer makes the same prompt/answer pair then, with the answer marked the same way."""
+        options = dict(add_special_tokens=False, return_offsets_mapping=True)
+        if not self.prefix_lm:
+            return self.processor(text=[text], images=images or None, return_text_replacement_offsets=True, **options)
+        prompt, answer = text[:spans[0][0]], text[spans[0][0]:]
+        if images:
+            return self.processor(text=[prompt], images=images, suffix=[answer], return_text_replacement_offsets=True,
+                                  **options)
+        tokenizer = self.processor.tokenizer
+        return tokenizer(text=[prompt], text_pair=[answer + tokenizer.eos_token], return_token_type_ids=True, **options)
+
     def _image_tokens(self, ids: np.ndarray, columns: dict) -> np.ndarray:
-        types = columns.get("mm_token_type_ids", columns.get("token_type_ids"))
-        if types is not None:
-            return types != 0
-        image_id = getattr(self.processor, "image_token_id", None)
-        return ids == image_id if image_id is not None else np.zeros(len(ids), bool)
+        """The image tokens: the processor's image token ids (what each image is expanded to and what the
+        model scatters its features onto); `mm_token_type_ids` for a processor that names none."""
+        if len(self.image_ids):
+            return np.isin(ids, self.image_ids)
+        types = columns.get("mm_token_type_ids")
+        return types != 0 if types is not None else np.zeros(len(ids), bool)
 
     def _check_image_tokens(self, row: int, files, is_image: np.ndarray, encoded, count: int) -> None:
         """Every image expanded to tokens, none left over (a placeholder written in the text)."""
@@ -302,7 +337,7 @@ class VisionTokenize:
             raise RecordError(row, f"has image tokens that do not match its image(s) ({', '.join(map(str, files))}): "
                                    f"{replaced} placeholder(s) expanded for {count} image(s)")
 
-    def _labels(self, ids: np.ndarray, spans, encoded, is_image: np.ndarray) -> np.ndarray:
+    def _labels(self, ids: np.ndarray, text: str, spans, encoded, is_image: np.ndarray) -> np.ndarray:
         """Targets: tokens starting inside an assistant turn (moved past the expanded placeholders) that are no image tokens."""
         starts = np.asarray([start for start, _ in encoded["offset_mapping"][0]], np.int64)
         replacements = encoded.get("text_replacement_offsets", [[]])[0]
@@ -314,6 +349,16 @@ class VisionTokenize:
             start, end = (c + gained[np.searchsorted(ends, c, side="right")] for c in (start, end))
             trained |= (starts >= start) & (starts < end)
         return np.where(trained & ~is_image, ids, IGNORE_INDEX)
+
+    def _answer_labels(self, ids: np.ndarray, text: str, spans, encoded, is_image: np.ndarray) -> np.ndarray:
+        """A prefix LM's targets: answer tokens (type 1, their offsets within the answer) that start inside
+        an assistant turn; the EOS its processor ends the answer with belongs to a last assistant turn."""
+        answer = np.asarray(encoded["token_type_ids"][0], np.int64) == 1
+        starts = spans[0][0] + np.asarray([start for start, _ in encoded["offset_mapping"][0]], np.int64)
+        trained = np.zeros(len(ids), bool)
+        for start, end in spans:
+            trained |= (starts >= start) & ((starts < end) | (end == len(text)))
+        return np.where(trained & answer & ~is_image, ids, IGNORE_INDEX)
 
     def _cut(self, is_image: np.ndarray) -> tuple[int, int]:
         """Where an overlong document is cut (at most seq_len tokens, never inside an image) and how many images stay."""

@@ -67,7 +67,7 @@ class ModelSection:
     attn_implementation: Optional[str] = None
     """attention kernel (sdpa, eager, flex_attention, flash_attention_2/3); unset: transformers' pick"""
     freeze: Union[str, list[str]] = "auto"
-    """parts left untrained: vision, projector, language or module globs (a list); auto: a VLM's vision tower, nothing else; none: train everything"""
+    """parts left untrained: vision, audio, projector, language or module globs (a list); auto: a VLM's vision and audio towers, nothing else; none: train everything"""
 
 
 @dataclass
