@@ -23,7 +23,7 @@ from torch.distributed.tensor.parallel import (
 
 from ..errors import PlanError
 from ..log import log_rank0
-from ..towers import glob_regex
+from ..towers import find_towers, glob_regex
 from ..tensors import tensor_aliases
 
 
@@ -63,7 +63,7 @@ def resolve_tp_plan(model: nn.Module, tp_plan: str | dict | None) -> dict[str, s
     """The plan as full-name glob -> style name, from "auto" (the model's transformers plan) or a dict.
 
     "auto" takes `config.base_model_tp_plan` under the model's `base_model_prefix`: the decoder
-    layers. Embeddings and the LM head stay whole over tp (FSDP still shards them): a tied pair
+    layers; a VLM's is its language tower's (`text_config`'s), under that tower. Embeddings and the LM head stay whole over tp (FSDP still shards them): a tied pair
     would otherwise need one DTensor for two styles, and a vocabulary split needs a parallel loss.
     Entries with styles torch has no counterpart for (transformers' fused-expert `packed_colwise`,
     `moe_tp_experts`) are left out with everything under them: experts stay replicated over tp.
@@ -75,13 +75,11 @@ def resolve_tp_plan(model: nn.Module, tp_plan: str | dict | None) -> dict[str, s
     if tp_plan != "auto":
         raise PlanError(f"tp_plan must be 'auto' or a dict of module glob -> style, got {tp_plan!r}")
     inner, wrapper_prefix = _unwrapped(model)
-    base = getattr(getattr(inner, "config", None), "base_model_tp_plan", None)
+    base, prefix = _transformers_plan(inner)
     if not base:
         raise PlanError(f"{type(inner).__name__} has no transformers TP plan (config.base_model_tp_plan); "
                         "pass tp_plan as a dict of module glob -> style")
-    prefix = getattr(inner, "base_model_prefix", "")
-    prefix = wrapper_prefix + (f"{prefix}." if prefix and hasattr(inner, prefix) else "")
-    plan = {prefix + pattern: style for pattern, style in base.items()}
+    plan = {wrapper_prefix + prefix + pattern: style for pattern, style in base.items()}
     dropped = [p for p, s in plan.items() if s not in TP_STYLES]
     names = [n for n, _ in model.named_modules() if n]
     kept = {}
@@ -95,6 +93,21 @@ def resolve_tp_plan(model: nn.Module, tp_plan: str | dict | None) -> dict[str, s
     if dropped:
         log_rank0(f"tp_plan auto: {dropped} stay replicated over tp (no torch style for {sorted({plan[d] for d in dropped})})")
     return kept
+
+
+def _transformers_plan(model: nn.Module) -> tuple[dict | None, str]:
+    """transformers' base-model TP plan of `model` and the prefix of the module names it is relative
+    to: the model's own under its `base_model_prefix`, else, for a VLM, its language tower's (the
+    vision tower has none and stays whole over tp)."""
+    plan = getattr(getattr(model, "config", None), "base_model_tp_plan", None)
+    if plan:
+        prefix = getattr(model, "base_model_prefix", "")
+        return plan, f"{prefix}." if prefix and hasattr(model, prefix) else ""
+    for name in find_towers(model).language:  # the text model (the head beside it has no config)
+        plan = getattr(getattr(model.get_submodule(name), "config", None), "base_model_tp_plan", None)
+        if plan:
+            return plan, name + "."
+    return None, ""
 
 
 def _unwrapped(model: nn.Module) -> tuple[nn.Module, str]:
