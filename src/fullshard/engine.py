@@ -59,7 +59,8 @@ class EngineConfig:
     activation_checkpointing: recompute each block's activations in backward (non-reentrant).
     plan: "auto", a seed-003 `fsdp_plan` dict, or a `ShardingPlan`.
     dp_replicate / dp_shard: the mesh (HSDP when dp_replicate > 1).
-    compile: `torch.compile` each block in place before sharding (`fullshard.compile`).
+    compile: `torch.compile` each block in place before sharding (`fullshard.compile`); True uses
+        inductor, a string names another `torch.compile` backend (torchtitan's `compile.backend`).
     prefetch: explicit all-gather prefetch depth across block units (0: FSDP's default order;
         `fullshard.compile.set_block_prefetch`).
     tp_size: tensor-parallel ranks per layer; the mesh is dp_replicate x dp_shard x cp x tp.
@@ -95,7 +96,7 @@ class EngineConfig:
     cp_size: int = 1
     ep_size: int = 1
     dcp_path: str | None = None
-    compile: bool = False
+    compile: bool | str = False
     prefetch: int = 0
     timeout_s: float = 1800.0
     pp_size: int = 1
@@ -112,6 +113,8 @@ class EngineConfig:
         raf = self.reshard_after_forward
         if not isinstance(raf, (bool, int)) or (not isinstance(raf, bool) and raf < 1):
             raise ValueError(f"reshard_after_forward must be a bool or an int >= 1, got {raf!r}")
+        if not isinstance(self.compile, (bool, str)) or self.compile == "":
+            raise ConfigError(f"compile must be a bool or a torch.compile backend name, got {self.compile!r}")
         if not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise ConfigError(f"prefetch must be an int >= 0, got {self.prefetch!r}")
         for key in ("tp_size", "cp_size", "ep_size", "pp_size", "pp_virtual_stages"):
@@ -232,7 +235,7 @@ class FSDP2Engine:
         if self.config.activation_checkpointing:
             apply_activation_checkpointing(model)
         if self.config.compile:  # after checkpointing, before sharding: torchtitan's order
-            compile_blocks(model)
+            compile_blocks(model, **({"backend": self.config.compile} if isinstance(self.config.compile, str) else {}))
         modules = dict(model.named_modules())
         for unit in plan.sharding_order():
             targets = [modules[name] for name in unit.modules]
