@@ -290,6 +290,106 @@ def test_causal_lm_is_not_a_vlm():
         freeze_targets(model, ["vision"])
 
 
+# --------------------------------------------------------------------------- the engine's settings on a VLM
+
+LANGUAGE_LINEARS = r".*language_model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj"  # LoRA on the language model only
+BF16_TOL = 5e-2  # bf16 compute against the fp32 reference (test_compile's tolerance)
+# each run: (name, engine settings beyond fp32, vlm_against_reference arguments). "aot_eager" compiles
+# each block through dynamo and AOTAutograd, the capture FSDP's hooks and the checkpointing meet;
+# inductor's code generation adds ~80 s on 2 CPUs and nothing fullshard owns
+SETTINGS = [
+    ("checkpointing", {"activation_checkpointing": True, "freeze": []}, {}),
+    ("compile", {"compile": "aot_eager", "freeze": []}, {}),
+    ("tp", {"tp_size": 2, "freeze": []}, {"dp_size": 1}),
+    ("lora", {}, {"prepare": "lora"}),
+    ("bf16", {"mixed_precision": "bf16"}, {}),
+]
+
+
+def _lora_on_language(model):
+    from fullshard.lora import apply_lora
+
+    return apply_lora(model, {"r": 4, "alpha": 8, "target_modules": LANGUAGE_LINEARS})
+
+
+def _sharded_parts(model) -> dict:
+    """What the engine did to each block (checkpointed, compiled) and which parameters tp split."""
+    from torch.distributed.tensor import DTensor
+
+    from fullshard import find_blocks
+    from fullshard.towers import find_towers
+
+    towers = find_towers(model)
+    blocks = {}
+    for name in find_blocks(model):
+        block = model.get_submodule(name)
+        tower = next((w for w in ("vision", "language") if any(name.startswith(t + ".") for t in towers.of(w))), None)
+        blocks[name] = (tower, getattr(block, "_fullshard_checkpointed", False), block._compiled_call_impl is not None)
+    split = [n for n, p in model.named_parameters()
+             if isinstance(p, DTensor) and "tp" in (p.device_mesh.mesh_dim_names or ()) and p.device_mesh["tp"].size() > 1]
+    return {"blocks": blocks, "tp_split": split, "trainable": [n for n, p in model.named_parameters() if p.requires_grad]}
+
+
+def _settings_checks() -> dict:
+    from torch._dynamo.utils import counters
+
+    from fullshard import FSDP2Engine
+    from fullshard.towers import freeze
+
+    torch.set_num_threads(1)
+    out = {}
+    for name, settings, arguments in SETTINGS:
+        engine = FSDP2Engine({"mixed_precision": "fp32", **settings})
+        parts = {}
+
+        def shard(model, engine=engine, parts=parts):
+            model = engine.prepare_model(model)
+            parts.update(_sharded_parts(model))
+            return model
+
+        arguments = dict(arguments, prepare=_lora_on_language if arguments.get("prepare") else None)
+        r = vlm_against_reference("qwen2_vl", shard, freeze=functools.partial(freeze, spec=engine.config.freeze),
+                                  **arguments)
+        out[name] = {**r, **parts, "graphs": counters["stats"]["unique_graphs"]}
+    return out
+
+
+def test_vlm_checkpointing_compile_tp_lora_and_bf16_train_like_one_process():
+    """Qwen2-VL at world 2 through the image / no-image schedule against one process, with each of the
+    settings the issue names: activation checkpointing (both towers' blocks), compiled blocks, tp 2 on
+    the language model (transformers' plan from `text_config`; the vision tower stays whole), LoRA on
+    the language model's linear layers (the same adapters on both sides) and bf16 compute."""
+    out = run_distributed(_settings_checks, 2, timeout=600)[0]
+    problems = [p for name in ("checkpointing", "compile", "tp", "lora") for p in vlm_problems(name, out[name])]
+    assert not problems, "\n".join(problems)
+
+    blocks = out["checkpointing"]["blocks"]
+    assert {tower for tower, _, _ in blocks.values()} == {"vision", "language"}, blocks
+    assert all(checkpointed for _, checkpointed, _ in blocks.values()), blocks
+    assert not any(checkpointed for _, checkpointed, _ in out["compile"]["blocks"].values())
+    assert all(compiled for _, _, compiled in out["compile"]["blocks"].values()), out["compile"]["blocks"]
+    assert out["compile"]["graphs"] > 0, "no block was compiled"
+
+    split, vision = out["tp"]["tp_split"], out["tp"]["vision"]
+    language_linears = [n for n in out["tp"]["trainable"] if re.fullmatch(LANGUAGE_LINEARS + r"\.weight", n)]
+    assert language_linears and set(language_linears) <= set(split), sorted(set(language_linears) - set(split))
+    assert not set(split) & set(vision), "tp split the vision tower, which has no TP plan"
+
+    lora = out["lora"]
+    adapters = [n for n in lora["trainable"] if ".lora_" in n]
+    assert adapters and adapters == lora["trainable"], lora["trainable"][:4]
+    assert all(re.search(r"language_model\.layers\.", n) for n in adapters), adapters[:4]
+    assert all(".lora_" in n for n in lora["grads"][0]) and lora["grads"][0], "a base weight got a gradient under LoRA"
+    assert len(lora["frozen"]) > len(adapters) and not lora["frozen_changed"]
+
+    bf16 = out["bf16"]
+    assert all(torch.isfinite(torch.tensor(bf16["loss"] + bf16["norm"]))), bf16["loss"]
+    assert max(abs(a - b) for a, b in zip(bf16["loss"], bf16["ref_loss"])) <= BF16_TOL, (bf16["loss"], bf16["ref_loss"])
+    assert max(abs(a - b) / b for a, b in zip(bf16["norm"], bf16["ref_norm"])) <= BF16_TOL, (bf16["norm"], bf16["ref_norm"])
+    assert set(vision) - {n for n in vision if ".merger." in n} <= set(bf16["frozen"]), "the vision tower was not frozen"
+    assert not bf16["frozen_changed"], f"bf16 changed frozen parameters: {bf16['frozen_changed'][:4]}"
+
+
 # --------------------------------------------------------------------------- loading and saving
 
 

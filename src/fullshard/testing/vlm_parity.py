@@ -42,15 +42,24 @@ def _vision_names(model) -> list[str]:
 
 
 def vlm_against_reference(model_type: str, shard, schedule=SCHEDULE, max_norm: float = 0.05, lr: float = 1e-3,
-                          freeze=None, config=None) -> dict:
+                          freeze=None, config=None, prepare=None, dp_size: int | None = None) -> dict:
     """Train `model_type` sharded by `shard(model)` and whole in this process through `schedule`.
 
-    `freeze(model)` (optional) freezes the reference as the sharded run will be. Returns per-step
-    losses and grad norms of both, the parameter names that had a gradient at each step on each side,
-    the largest final weight difference and whether the frozen parameters stayed bit-identical."""
+    `freeze(model)` (optional) freezes the reference as the sharded run will be. `prepare(model)`
+    (optional, e.g. LoRA) turns both models into what is trained, under the same seed, before
+    freezing and sharding. `dp_size` is the number of data-parallel ranks the rows are split over
+    (default: every rank; tensor-parallel ranks share their rows). Returns per-step losses and grad
+    norms of both, the parameter names that had a gradient at each step on each side, the largest
+    final weight difference and whether the frozen parameters stayed bit-identical."""
     rank, world = get_rank(), get_world_size()
+    dp_size = dp_size or world
     reference, model = build_vlm(model_type, config=config), build_vlm(model_type, config=config)
     inputs = VLMInputs(reference)
+    if prepare is not None:
+        torch.manual_seed(0)
+        reference = prepare(reference)
+        torch.manual_seed(0)
+        model = prepare(model)
     if freeze is not None:
         freeze(reference)
     initial = {n: p.detach().clone() for n, p in reference.named_parameters()}
@@ -70,12 +79,13 @@ def vlm_against_reference(model_type: str, shard, schedule=SCHEDULE, max_norm: f
             loss, _ = token_loss_sum(reference, inputs.batch(flags, seed=seed))
             (loss / tokens).backward()
             ref_total += float(loss) / tokens
-            per_rank = len(flags) // world
-            mine = inputs.batch(flags, rows=range(rank * per_rank, (rank + 1) * per_rank), seed=seed)
+            per_rank, dp_rank = len(flags) // dp_size, rank // (world // dp_size)
+            mine = inputs.batch(flags, rows=range(dp_rank * per_rank, (dp_rank + 1) * per_rank), seed=seed)
             loss, _ = token_loss_sum(model, mine)
-            (loss * world / tokens).backward()  # FSDP averages over ranks: the sum over ranks is wanted
+            (loss * dp_size / tokens).backward()  # FSDP averages over dp ranks: the sum over them is wanted
             total += loss.detach() / tokens
         torch.distributed.all_reduce(total)
+        total /= world // dp_size  # ranks sharing rows (tp) each counted them
         out["ref_grads"].append(sorted(n for n, p in reference.named_parameters() if p.grad is not None))
         out["grads"].append(sorted(n for n, p in model.named_parameters() if p.grad is not None))
         out["ref_norm"].append(clip_grad_norm([p for p in reference.parameters() if p.grad is not None], max_norm))
