@@ -63,8 +63,9 @@ def resolve_tp_plan(model: nn.Module, tp_plan: str | dict | None) -> dict[str, s
     """The plan as full-name glob -> style name, from "auto" (the model's transformers plan) or a dict.
 
     "auto" takes `config.base_model_tp_plan` under the model's `base_model_prefix`: the decoder
-    layers; a VLM's is its language tower's (`text_config`'s), under that tower. Embeddings and the LM head stay whole over tp (FSDP still shards them): a tied pair
-    would otherwise need one DTensor for two styles, and a vocabulary split needs a parallel loss.
+    layers; a VLM's is its language tower's (`text_config`'s), under that tower. Embeddings and the
+    LM head stay whole over tp (FSDP still shards them): a tied pair would otherwise need one
+    DTensor for two styles, and a vocabulary split needs a parallel loss.
     Entries with styles torch has no counterpart for (transformers' fused-expert `packed_colwise`,
     `moe_tp_experts`) are left out with everything under them: experts stay replicated over tp.
     """
