@@ -154,9 +154,13 @@ def registered(entries: dict):
 
 def _train_every_type(model_types: list[str]) -> dict:
     torch.set_num_threads(1)
+    # which types build and train in one process: each rank finds out for its share, then all share
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    found = [None] * world
+    torch.distributed.all_gather_object(found, {t: zoo_entry(t) for t in model_types[rank::world]})
     entries, skipped, ties = {}, {}, {}
     for model_type in model_types:
-        entry, reason, ties[model_type] = zoo_entry(model_type)
+        entry, reason, ties[model_type] = next(share[model_type] for share in found if model_type in share)
         if entry is None:
             skipped[model_type] = reason
         else:

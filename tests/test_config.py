@@ -144,6 +144,8 @@ def test_stop_request_first_signal_asks_second_acts(tmp_path):
 
     from fullshard.train.stop import StopRequest
 
+    # Python's own SIGINT handler, whatever started pytest (a background job starts with SIGINT ignored)
+    started_with = signal.signal(signal.SIGINT, signal.default_int_handler)
     before = signal.getsignal(signal.SIGINT)
     stop = StopRequest(stop_file=tmp_path / "stop")
     assert not stop.requested()
@@ -160,6 +162,7 @@ def test_stop_request_first_signal_asks_second_acts(tmp_path):
     assert by_file.requested()
     by_file.finish(7, 10, tmp_path / "step_7")
     assert signal.getsignal(signal.SIGINT) is before
+    signal.signal(signal.SIGINT, started_with)
 
 
 def test_rank_failure_is_logged_and_reported_in_one_line(tmp_path, monkeypatch, capsys):
