@@ -108,6 +108,23 @@ def _save_checkpoint(model_dir: str, save_dir: str) -> None:
     CheckpointManager(save_dir).save(1, model, tokenizer=AutoTokenizer.from_pretrained(model_dir))
 
 
+def _plain_completions(model_dir: str) -> list[str]:
+    """What one process of plain transformers completes for each prompt, chat template applied."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    completions = []
+    for prompt in PROMPTS_CLI:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                             add_generation_prompt=True)
+        ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+                             pad_token_id=tokenizer.pad_token_id)
+        completions.append(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+    return completions
+
+
 def test_fullshard_generate_command_from_a_directory_and_a_checkpoint(tmp_path):
     import os
     import subprocess
@@ -121,15 +138,9 @@ def test_fullshard_generate_command_from_a_directory_and_a_checkpoint(tmp_path):
     model.save_pretrained(tmp_path / "model")
     tokenizer.save_pretrained(tmp_path / "model")
     run_distributed(_save_checkpoint, 1, str(tmp_path / "model"), str(tmp_path / "ckpts"))
-
-    expected = []
-    for prompt in PROMPTS_CLI:  # what one process of plain transformers completes, chat template applied
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                             add_generation_prompt=True)
-        ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
-                             pad_token_id=tokenizer.pad_token_id)
-        expected.append(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+    # in a fresh process set up as the command's ranks are (one thread): this process's state after
+    # other tests could round a near tie of the random model's logits the other way
+    expected = run_distributed(_plain_completions, 1, str(tmp_path / "model"))[0]
 
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src"), OMP_NUM_THREADS="1",
                CUDA_VISIBLE_DEVICES="")

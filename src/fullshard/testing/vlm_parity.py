@@ -94,14 +94,17 @@ def vlm_against_reference(model_type: str, shard, schedule=SCHEDULE, max_norm: f
         opt.step(), opt.zero_grad(set_to_none=True)
         out["ref_loss"].append(ref_total)
         out["loss"].append(float(total))
+    return {**out, **_final_weights(model, reference, frozen, initial)}
+
+
+def _final_weights(model, reference, frozen: list[str], initial: dict) -> dict:
+    """The largest difference between the trained weights, the names only one side has, and the
+    frozen parameters that changed."""
     sharded, ref = full_state(model), dict(reference.named_parameters())
     diffs = {k: (sharded[k] - ref[k].detach()).abs().max().item() for k in sharded}
-    out["worst_weight"] = max(diffs, key=diffs.get)
-    out["max_weight_diff"] = diffs[out["worst_weight"]]
-    out["missing"] = sorted(set(ref) ^ set(sharded))
-    out["frozen"] = frozen
-    out["frozen_changed"] = [n for n in frozen if not torch.equal(sharded[n], initial[n])]
-    return out
+    worst = max(diffs, key=diffs.get)
+    return {"worst_weight": worst, "max_weight_diff": diffs[worst], "missing": sorted(set(ref) ^ set(sharded)),
+            "frozen": frozen, "frozen_changed": [n for n in frozen if not torch.equal(sharded[n], initial[n])]}
 
 
 def vlm_problems(name: str, r: dict, tol: float = 1e-5) -> list[str]:
