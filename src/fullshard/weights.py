@@ -351,12 +351,20 @@ def _messages(bucket: list[StreamUnit], rank: int) -> tuple[list[tuple[int, int,
             direct.append((u, index, box))
         else:
             packed.append((u, index, box, position))
-            position += _aligned(_numel(box[1]) * item.dtype.itemsize)
+            position += _aligned(_region_bytes(bucket, u, index, box))
     return direct, packed
 
 
 def _region_bytes(bucket: list[StreamUnit], u: int, index: int, box: Box) -> int:
     return _numel(box[1]) * bucket[u].inputs[index].dtype.itemsize
+
+
+def _packed_span(bucket: list[StreamUnit], packed: list[tuple[int, int, Box, int]]) -> int:
+    """The bytes of a rank's packed message (`_messages`): up to the end of its last region."""
+    if not packed:
+        return 0
+    u, index, box, at = packed[-1]
+    return at + _region_bytes(bucket, u, index, box)
 
 
 def _send_to_first(bucket: list[StreamUnit], state: dict, device: torch.device, buffers: dict) -> None:
@@ -373,7 +381,7 @@ def _send_to_first(bucket: list[StreamUnit], state: dict, device: torch.device, 
             placed.append((u, index, box, position))
             position += _aligned(_region_bytes(bucket, u, index, box))
     placed += [(u, index, box, position + at) for u, index, box, at in packed]
-    need = position + sum(_aligned(_region_bytes(bucket, u, i, box)) for u, i, box, _ in packed)
+    need = position + _aligned(_packed_span(bucket, packed))
     kept = kept_buffer(buffers, "send", need, device) if need else None
     for u, index, box, at in placed:
         size = _region_bytes(bucket, u, index, box)
@@ -385,8 +393,7 @@ def _send_to_first(bucket: list[StreamUnit], state: dict, device: torch.device, 
         parts.append(local(u, index).reshape(-1).view(torch.uint8) if at is None
                      else kept[at:at + _region_bytes(bucket, u, index, box)])
     if packed:
-        u, index, box, at = packed[-1]
-        parts.append(kept[position:position + at + _region_bytes(bucket, u, index, box)])
+        parts.append(kept[position:position + _packed_span(bucket, packed)])
     for work in gather_to_first({get_rank(): parts}):
         work.wait()
 
@@ -408,8 +415,7 @@ def _gather_to_first(bucket: list[StreamUnit], state: dict, out: Callable[[int],
     wholes = [[flat[start:start + item.nbytes].view(item.dtype).view(item.shape)
                for item, start in zip(unit.inputs, at)] for unit in bucket]
     plans = {r: _messages(bucket, r) for r in range(1, get_world_size())}
-    need = {r: sum(_aligned(_region_bytes(bucket, u, i, box)) for u, i, box, _ in packed)
-            for r, (_, packed) in plans.items()}
+    need = {r: _aligned(_packed_span(bucket, packed)) for r, (_, packed) in plans.items()}
     kept = kept_buffer(buffers, "staging", sum(need.values()), flat.device) if sum(need.values()) else None
     targets, staged, position = {}, {}, 0
     for r, (direct, packed) in plans.items():
@@ -421,8 +427,7 @@ def _gather_to_first(bucket: list[StreamUnit], state: dict, out: Callable[[int],
             targets[r].append(whole.view(-1).view(torch.uint8)[start:start + _region_bytes(bucket, u, index, box)])
         if packed:
             staged[r] = kept[position:position + need[r]]
-            targets[r].append(staged[r][:need[r] - _aligned(_region_bytes(bucket, *packed[-1][:3]))
-                                        + _region_bytes(bucket, *packed[-1][:3])])
+            targets[r].append(staged[r][:_packed_span(bucket, packed)])
             position += need[r]
     works = gather_to_first(targets)
     for u, index, box in _own_pieces(bucket, 0):
