@@ -152,10 +152,10 @@ def _run_problems(name: str, r: dict) -> list[str]:
 
 
 def readme_vlm_lists(model_types: set[str]) -> tuple[set[str], set[str], str]:
-    """The types README's VLM section says are tested and left out, and its count."""
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = text[text.index("### Vision-language models\n"):]
-    section = section[:section.index("\n### ", 1)]
+    """The types docs/vision-language.md says are tested and left out, and its count."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "vision-language.md").read_text()
+    section = text[text.index("## Which types are tested\n"):]
+    section = section[:section.index("\n## ", 1)]
     tested = section[section.index("Tested (world 2"):section.index("Left out")]
     left_out = section[section.index("Left out"):]
     count = re.search(r"\d+ of the \d+ types", tested)
@@ -193,7 +193,7 @@ def test_every_vlm_type_trains_sharded_like_one_process():
     assert {"frozen" in name for name in runs} == {True, False}
     readme_tested, readme_left_out, readme_count = readme_vlm_lists(set(model_types))
     assert (readme_tested, readme_left_out) == (set(tested), set(skipped)), (
-        f"README's VLM lists are out of date: tested {sorted(readme_tested ^ set(tested))}, "
+        f"docs/vision-language.md's VLM lists are out of date: tested {sorted(readme_tested ^ set(tested))}, "
         f"left out {sorted(readme_left_out ^ set(skipped))}")
     assert readme_count == f"{len(tested)} of the {len(model_types)} types"
     assert len(tested) >= MIN_TESTED, f"only {len(tested)} types could be built offline"

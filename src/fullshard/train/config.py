@@ -31,6 +31,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 import yaml
 from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
 
+from ..data.builtin import BUILTIN_MODELS  # noqa: F401  (defined with the built-in models; imported from here too)
 from ..distributed import ParallelDims
 from ..engine import EngineConfig
 from ..errors import ConfigError
@@ -42,17 +43,6 @@ PositiveFloat = Annotated[float, Field(gt=0)]
 NonNegativeFloat = Annotated[float, Field(ge=0)]
 Ratio = Annotated[float, Field(ge=0, le=1)]
 Beta = Annotated[float, Field(ge=0, lt=1)]
-
-BUILTIN_MODELS = {
-    # name -> LlamaConfig kwargs; vocab size comes from the tokenizer, max positions from data.seq_len
-    "tiny-llama": dict(hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=4,
-                       num_key_value_heads=2, tie_word_embeddings=False),
-    "micro-llama": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                        num_key_value_heads=2, tie_word_embeddings=False),
-    # a Qwen2-VL (data/builtin.py): its language model's sizes; without data.path it trains on generated pictures
-    "tiny-qwen2-vl": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2),
-}
-
 
 @dataclass
 class ModelSection:
