@@ -327,7 +327,7 @@ def cmd_export(argv: list[str]) -> int:
     parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
                         help="the dtype written (default: the dtype the fine-tuned source checkpoint is stored in)")
     args = parser.parse_args(argv)
-    from .checkpoint import export_checkpoint
+    from .hf.offline import export_checkpoint
 
     path = export_checkpoint(args.checkpoint, args.output, dtype=args.dtype)
     written = json.loads((Path(path) / "config.json").read_text()).get("dtype")

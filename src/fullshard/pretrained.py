@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from torch import nn
 
-from .checkpoint import remember_source_dtype
 from .distributed import agreed
 from .dtypes import resolve_dtype
 from .engine import FSDP2Engine
 from .errors import LoadError
+from .hf.export import remember_source_dtype
 from .loading import checkpoint_dtype, init_empty_model, resolve_checkpoint_dir
 from .lora import apply_lora, lora_checkpoint_view
 from .packed_attention import use_attention

@@ -14,14 +14,16 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..checkpoint import CheckpointManager, export_hf, source_dtype
+from ..checkpoint.manager import CheckpointManager
 from ..data.builtin import builtin_model_config, builtin_tokenizer
 from ..data.vision import is_multimodal
 from ..distributed import ParallelDims, barrier, broadcast_from_rank0, get_rank, get_world_size, run_agreed
 from ..dtypes import DTYPES, dtype_name
 from ..fsdp import reshard_all
+from ..hf.export import export_hf, source_dtype
+from ..hf.lora import export_merged, save_adapter
 from ..log import log_rank0, warn_rank0
-from ..lora import apply_lora, export_merged, save_adapter
+from ..lora import apply_lora
 from ..optim import create_scheduler
 from ..packed_attention import attention_path, use_attention
 from ..strategy import FSDPStrategy, describe_mesh
