@@ -16,6 +16,9 @@ MOVED = {
     "fullshard.checkpoint.export": "fullshard.hf.export",
     "fullshard.checkpoint.offline": "fullshard.hf.offline",
     "fullshard.weights": "fullshard.hf.stream",
+    "fullshard.towers": "fullshard.plan.towers",
+    "fullshard.train.memory": "fullshard.plan.memory",
+    "fullshard.strategy": "fullshard.faces.lightrft",
 }
 
 

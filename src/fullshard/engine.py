@@ -40,13 +40,13 @@ from .parallel.ep_lists import agree_on_expert_calls, apply_expert_lists
 from .parallel.images import agree_on_images
 from .parallel.pp import check_pipeline_config, prepare_pipeline
 from .parallel.tp import apply_tp_styles, plan_assignments, resolve_tp_plan
-from .plan import ShardingPlan, build_plan
-from .towers import freeze
+from .plan.build import ShardingPlan, build_plan
+from .plan.towers import freeze
 
 
 @dataclass
 class EngineConfig:
-    """Everything that decides how a model is sharded. The seed-000 `dist_config` dict maps onto it.
+    """Everything that decides how a model is sharded. LLaMA-Factory's FSDP2 `dist_config` dict maps onto it.
 
     mixed_precision: compute dtype of the all-gathered weights (bf16 / fp16 / fp32); the sharded
         master weights keep their own dtype and gradients are reduced in `reduce_dtype`.
@@ -56,7 +56,7 @@ class EngineConfig:
     offload_params: keep sharded parameters, gradients and optimizer state on CPU.
     pin_memory: pin the offloaded CPU memory; only honoured where an accelerator exists.
     activation_checkpointing: recompute each block's activations in backward (non-reentrant).
-    plan: "auto", a seed-003 `fsdp_plan` dict, or a `ShardingPlan`.
+    plan: "auto", a transformers `fsdp_plan` dict, or a `ShardingPlan`.
     dp_replicate / dp_shard: the mesh (HSDP when dp_replicate > 1).
     compile: `torch.compile` each block in place before sharding (`fullshard.compile`); True uses
         inductor, a string names another `torch.compile` backend (torchtitan's `compile.backend`).
@@ -78,7 +78,7 @@ class EngineConfig:
     freeze: parts left untrained, set before sharding (no gradients, no optimizer state): the words
         vision / audio / projector / language, or globs over module and parameter names; "auto" freezes a
         VLM's vision (and an Omni model's audio) tower and nothing of other models; [] or "none" trains
-        everything (`fullshard.towers`).
+        everything (`fullshard.plan.towers`).
     """
 
     mixed_precision: str = "fp32"
@@ -128,7 +128,7 @@ class EngineConfig:
     @classmethod
     def from_any(cls, config: "EngineConfig | dict | None", **overrides) -> "EngineConfig":
         """An `EngineConfig` from itself, a dict, or a config object (a dataclass such as
-        LLaMA-Factory's `FSDP2Params`, or a mapping such as its `PluginConfig`). Keys of seed 000's
+        LLaMA-Factory's `FSDP2Params`, or a mapping such as its `PluginConfig`). Keys of LLaMA-Factory's
         set that fullshard has no use for are named once in a warning and dropped, `bf16` is read
         as `mixed_precision`; any other unknown key is refused."""
         values = cls.values_of(config)
@@ -161,7 +161,7 @@ class EngineConfig:
         raise TypeError(f"dist_config must be a dict, a dataclass or an EngineConfig, got {type(config).__name__}")
 
 
-# seed 000's keys (LLaMA-Factory's `dist_config` / `FSDP2Params`) that fullshard accepts and ignores
+# the keys of LLaMA-Factory's FSDP2 plugin (its `dist_config` / `FSDP2Params`) that fullshard accepts and ignores
 SEED_ONLY_KEYS = {"name": "its distributed plugin's name"}
 
 
@@ -199,7 +199,7 @@ class FSDP2Engine:
         return shard_mesh(self.mesh).size()
 
     def get_mp_policy(self, enabled: bool | None = None) -> MixedPrecisionPolicy:
-        """The mixed-precision policy; `enabled=True` on an fp32 engine means bf16 (seed 003's flag)."""
+        """The mixed-precision policy; `enabled=True` on an fp32 engine means bf16 (transformers' flag)."""
         name = self.config.mixed_precision
         if enabled is False or (enabled is None and name == "fp32"):
             return MixedPrecisionPolicy()
@@ -376,7 +376,7 @@ class FSDP2Engine:
 
 def meshes_of(device_mesh: DeviceMesh, config: EngineConfig) -> tuple[Meshes, ParallelDims]:
     """Split a caller's mesh: a dim named "tp" is tensor parallel, the others (one, or two for HSDP)
-    are FSDP's, as in seed 003's ("fsdp", "tp") mesh. A tp dim of size 1 still applies the plan."""
+    are FSDP's, as in transformers' ("fsdp", "tp") mesh. A tp dim of size 1 still applies the plan."""
     names = device_mesh.mesh_dim_names or ()
     for key in ("cp_size", "pp_size", "ep_size"):
         if getattr(config, key) > 1:
@@ -397,6 +397,9 @@ def meshes_of(device_mesh: DeviceMesh, config: EngineConfig) -> tuple[Meshes, Pa
     return meshes, dims
 
 
-def apply_fsdp2(model: nn.Module, device_mesh: DeviceMesh | None = None, fsdp_plan: dict | str | None = None, **config):
-    """Seed 003's entry point: shard `model` over `device_mesh` following `fsdp_plan`."""
-    return FSDP2Engine(dict(config, plan=fsdp_plan or "auto"), device_mesh=device_mesh).prepare_model(model)
+def __getattr__(name: str):
+    if name == "apply_fsdp2":  # transformers' entry point, now a face of its own (its old home was here)
+        import importlib
+
+        return importlib.import_module("fullshard.faces.transformers").apply_fsdp2
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

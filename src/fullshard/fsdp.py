@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.utils.checkpoint import checkpoint
 
-from .plan import find_blocks
+from .plan.blocks import find_blocks
 
 
 def is_on_meta(model: nn.Module) -> bool:

@@ -31,7 +31,7 @@ def from_pretrained(name_or_path: str, engine=None, dtype=None, model_class=None
     the checkpoint and whose adapters are initialised as `get_peft_model` would.
     `attn_implementation` names transformers' attention kernel (None: transformers' pick).
     `freeze` (None: the engine's `freeze`, by default "auto": a VLM's vision and audio towers) names the
-    parts left untrained: `vision`, `audio`, `projector`, `language` or module patterns (`fullshard.towers`).
+    parts left untrained: `vision`, `audio`, `projector`, `language` or module patterns (`fullshard.plan.towers`).
     The model class is the config's (`architectures`), else transformers' image-text-to-text class
     for a VLM config, else its causal-LM class.
     """

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..towers import find_towers
+from ..plan.towers import find_towers
 
 DIAGNOSTIC = ("last_hidden_state", "hidden_states", "attentions")
 

@@ -1,6 +1,6 @@
 """The memory estimate against a real step, layout by layout: each cell trains a tiny model one step
 after a warm-up step and measures the peak of live tensor bytes on every rank with torch's
-FSDPMemTracker (`fullshard.train.memory.measured_peak_bytes`), beside `estimate_run`'s figure for
+FSDPMemTracker (`fullshard.plan.memory.measured_peak_bytes`), beside `estimate_run`'s figure for
 the same model, layout, batch and precision (per pipeline stage under pp). `tests/test_memory.py`
 asserts on it, `bench/bench_memory.py` tables it.
 
@@ -92,11 +92,11 @@ def measure_cell(name: str) -> dict:
     """On every rank of the group: this rank's measured peak, and the estimate of the stage it holds."""
     import torch.distributed as dist
 
+    from ..faces.lightrft import FSDPStrategy
     from ..lora import apply_lora
     from ..parallel.cp import context_parallel_batch
     from ..parallel.pp import pipeline_of
-    from ..strategy import FSDPStrategy
-    from ..train.memory import estimate_run, measured_peak_bytes
+    from ..plan.memory import estimate_run, measured_peak_bytes
     from ..train.pp_step import pipeline_train_step
     from ..train.step import train_step
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from ..distributed import get_rank, get_world_size
 from ..optim import clip_grad_norm
-from ..towers import find_towers
+from ..plan.towers import find_towers
 from .compare import full_state
 from .vlm_zoo import VLMInputs, build_vlm
 

@@ -125,7 +125,7 @@ class TrainSection:
     seed: int = 42
     """seed of the random weights, the data order and every rank's RNG"""
     accumulation_policy: str = "reduce_scatter_every"
-    """when gradients of accumulated micro-batches are reduced (see FSDPStrategy)"""
+    """when gradients of accumulated micro-batches are reduced (see TrainingSession)"""
     max_norm: NonNegativeFloat = 1.0
     """global gradient-norm clip; 0 disables clipping"""
     loss_chunk_tokens: NonNegativeInt = DEFAULT_LOSS_CHUNK_TOKENS
@@ -310,7 +310,7 @@ class TrainConfig:
     def accumulation_steps(self, world_size: int) -> int:
         """Micro-batches per rank per step, over the data-parallel ranks of the mesh (cp and tp ranks
         share a batch); the mesh and batch arithmetic is checked here, naming the keys."""
-        from ..strategy import batch_arithmetic
+        from .session import batch_arithmetic
 
         dims = self.parallel_dims(world_size)
         steps = batch_arithmetic(self.train.global_batch_size, self.train.micro_batch_size, dims.dp_size,
@@ -458,7 +458,7 @@ def _check_values(config: TrainConfig) -> None:
     fields of sections defined elsewhere)."""
     from ..dtypes import DTYPES
     from ..optim import OPTIMIZERS, SCHEDULES
-    from ..strategy import ACCUMULATION_POLICIES
+    from .session import ACCUMULATION_POLICIES
 
     checks = [
         ("train.accumulation_policy", config.train.accumulation_policy,

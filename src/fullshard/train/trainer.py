@@ -1,8 +1,8 @@
 """The training loop behind `fullshard train`: config in, trained checkpoint and HF directory out.
 
-It is the strategy API used the way seed 001 intends, plus what a run needs around it: data
-positions and the config in every checkpoint (so a resume continues with the next unseen batch
-and refuses other data), evaluation, metrics and the loss plot.
+It runs on a `TrainingSession` (`train.session`, the core LightRFT's strategy API is a face of),
+plus what a run needs around it: data positions and the config in every checkpoint (so a resume
+continues with the next unseen batch and refuses other data), evaluation, metrics and the loss plot.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from ..log import log_rank0, warn_rank0
 from ..lora import apply_lora
 from ..optim import create_scheduler
 from ..packed_attention import attention_path, use_attention
-from ..strategy import FSDPStrategy, describe_mesh
 from ..tensors import parameter_counts
 from .chunked_loss import DEFAULT_LOSS_CHUNK_TOKENS
 from .config import BUILTIN_MODELS, ConfigError, TrainConfig
@@ -44,17 +43,19 @@ from .metrics import (
 )
 from .pp_step import pipeline_evaluate, pipeline_of, pipeline_train_step
 from .rundir import claim_run_directory, lock_for_this_process, run_identity
+from .session import TrainingSession, describe_mesh
 from .step import train_step
 from .stop import StopRequest
 
 
-def strategy_of(config: TrainConfig) -> FSDPStrategy:
-    """The strategy for a run, not yet set up: `config.fsdp` whole (every engine setting reaches
-    the engines it builds) plus the train section's batch sizes, seed, clipping and accumulation policy."""
+def strategy_of(config: TrainConfig) -> TrainingSession:
+    """The training session for a run, not yet set up: `config.fsdp` whole (every engine setting
+    reaches the engines it builds) plus the train section's batch sizes, seed, clipping and
+    accumulation policy."""
     train = config.train
-    return FSDPStrategy(seed=train.seed, max_norm=train.max_norm, micro_train_batch_size=train.micro_batch_size,
-                        train_batch_size=train.global_batch_size, config=engine_settings(config),
-                        accumulation_policy=train.accumulation_policy)
+    return TrainingSession(seed=train.seed, max_norm=train.max_norm, micro_batch_size=train.micro_batch_size,
+                           global_batch_size=train.global_batch_size, config=engine_settings(config),
+                           accumulation_policy=train.accumulation_policy)
 
 
 def engine_settings(config: TrainConfig):
@@ -64,7 +65,7 @@ def engine_settings(config: TrainConfig):
     return replace(config.fsdp, freeze=config.freeze)
 
 
-def build_strategy(config: TrainConfig) -> FSDPStrategy:
+def build_strategy(config: TrainConfig) -> TrainingSession:
     """`strategy_of(config)` with its process group started and its mesh and batch arithmetic checked."""
     strategy = strategy_of(config)
     strategy.setup_distributed()
@@ -141,7 +142,7 @@ def text_tokenizer(tokenizer):
     return getattr(tokenizer, "tokenizer", tokenizer)
 
 
-def build_model(config: TrainConfig, strategy: FSDPStrategy, tokenizer) -> torch.nn.Module:
+def build_model(config: TrainConfig, strategy: TrainingSession, tokenizer) -> torch.nn.Module:
     """A sharded model: a built-in config with seeded random weights, or a local HF directory
     loaded slice by slice into the shards."""
     dtype = DTYPES[config.model.dtype]
@@ -395,7 +396,7 @@ class Trainer:
 class Run:
     """The pieces of one run that its phases share."""
 
-    strategy: FSDPStrategy
+    strategy: TrainingSession
     tokenizer: object
     data: object  # train/data's prepared dataset
     model: torch.nn.Module

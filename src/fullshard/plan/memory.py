@@ -40,8 +40,8 @@ import torch
 from torch import nn
 
 from ..parallel.tp import TP_STYLES
-from ..plan import ShardingPlan, shard_bytes
-from .chunked_loss import DEFAULT_LOSS_CHUNK_TOKENS, chunkable_head
+from ..train.chunked_loss import DEFAULT_LOSS_CHUNK_TOKENS, chunkable_head
+from .build import ShardingPlan, shard_bytes
 
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0}
 LOSS_TRANSIENT_BYTES_PER_LOGIT = 8  # the logits' fp32 copy and the log-softmax gradient, beyond the saved output
@@ -168,7 +168,7 @@ def frozen_inputs(model: nn.Module) -> int:
     base): a frozen Linear keeps no input for a weight gradient. Counted once per parent module and
     input width (a shared input, as gate and up projections have, is one tensor), and not where an
     adapter wraps the layer (its own input is saved)."""
-    from ..plan import find_blocks
+    from .blocks import find_blocks
 
     layer = next((model.get_submodule(name) for name in find_blocks(model)
                   if any(True for _ in model.get_submodule(name).parameters())), None)
@@ -456,7 +456,7 @@ def estimate_run(model: nn.Module, engine, world_size: int, micro_batch_size: in
     per pipeline stage."""
     from ..distributed import ParallelDims
     from ..engine import EngineConfig
-    from ..plan import build_plan
+    from .build import build_plan
 
     engine = EngineConfig.from_any(engine)
     dims = ParallelDims(engine.dp_replicate, engine.dp_shard, world_size, cp=engine.cp_size, tp=engine.tp_size,
