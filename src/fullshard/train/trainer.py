@@ -28,7 +28,7 @@ from ..strategy import FSDPStrategy, describe_mesh
 from ..tensors import parameter_counts
 from .config import BUILTIN_MODELS, ConfigError, TrainConfig
 from .data import load_data
-from .chunked_loss import DEFAULT_LOSS_CHUNK_TOKENS
+from ..objectives.logprobs import DEFAULT_LOSS_CHUNK_TOKENS
 from .loss import causal_lm_loss_sum, target_count
 from .metrics import (NO_PLOT, MetricsLogger, Throughput, check_report_to, model_flops_per_token, peak_device_flops,
                       peak_memory_gb, plot_loss)
