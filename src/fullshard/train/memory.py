@@ -39,9 +39,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..objectives.logprobs import DEFAULT_LOSS_CHUNK_TOKENS, chunkable_head
 from ..parallel.tp import TP_STYLES
 from ..plan import ShardingPlan, shard_bytes
-from .chunked_loss import DEFAULT_LOSS_CHUNK_TOKENS, chunkable_head
 
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0}
 LOSS_TRANSIENT_BYTES_PER_LOGIT = 8  # the logits' fp32 copy and the log-softmax gradient, beyond the saved output

@@ -22,11 +22,11 @@ from ..dtypes import DTYPES, dtype_name
 from ..fsdp import reshard_all
 from ..log import log_rank0, warn_rank0
 from ..lora import apply_lora, export_merged, save_adapter
+from ..objectives.logprobs import DEFAULT_LOSS_CHUNK_TOKENS
 from ..optim import create_scheduler
 from ..packed_attention import attention_path, use_attention
 from ..strategy import FSDPStrategy, describe_mesh
 from ..tensors import parameter_counts
-from .chunked_loss import DEFAULT_LOSS_CHUNK_TOKENS
 from .config import BUILTIN_MODELS, ConfigError, TrainConfig
 from .data import load_data
 from .loss import causal_lm_loss_sum, target_count
