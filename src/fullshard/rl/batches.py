@@ -33,6 +33,17 @@ def _fit(lengths: list[int], count: int, max_tokens: int, padded: bool) -> list[
     return bins
 
 
+def _next_fit(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Padded: longest first, a new micro-batch when the next would push the padded size over the
+    budget (sequences of similar length share one)."""
+    bins: list[list[int]] = []
+    for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        if not bins or lengths[bins[-1][0]] * (len(bins[-1]) + 1) > max_tokens:
+            bins.append([])
+        bins[-1].append(index)
+    return bins
+
+
 def _split(bins: list[list[int]], lengths: list[int], padded: bool) -> bool:
     """Split the heaviest micro-batch of several sequences in two; False when none has two."""
     splittable = [b for b in bins if len(b) > 1]
@@ -45,6 +56,16 @@ def _split(bins: list[list[int]], lengths: list[int], padded: bool) -> bool:
     return True
 
 
+def _packed(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Packed: the fewest micro-batches, from the lower bound up, that the longest-first fill fits."""
+    count = max(1, -(-sum(lengths) // max_tokens)) if lengths else 0
+    bins = None
+    while lengths and bins is None:
+        bins = _fit(lengths, count, max_tokens, False)
+        count += bins is None
+    return [b for b in (bins or []) if b]
+
+
 def token_batches(lengths, max_tokens: int, *, padded: bool = False, group=None) -> list[list[int]]:
     """This rank's sequences (their `lengths`) as micro-batches of indices, each at most
     `max_tokens` tokens, every rank of `group` (default: all; a collective when distributed) with
@@ -52,12 +73,7 @@ def token_batches(lengths, max_tokens: int, *, padded: bool = False, group=None)
     lengths = [int(length) for length in lengths]
     if max_tokens < 1:
         raise ValueError(f"max_tokens={max_tokens} must be positive")
-    count = max(1, -(-sum(lengths) // max_tokens)) if lengths else 0
-    bins = None
-    while lengths and bins is None:
-        bins = _fit(lengths, count, max_tokens, padded)
-        count += bins is None
-    bins = [b for b in (bins or []) if b]
+    bins = _next_fit(lengths, max_tokens) if padded else _packed(lengths, max_tokens)
     wanted = torch.tensor([len(bins)], dtype=torch.int64)
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         backend = dist.get_backend(group)
