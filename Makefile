@@ -19,7 +19,7 @@ demo: setup
 	.venv/bin/fullshard train
 
 test: setup
-	$(PY) -m pytest -q --durations=25 tests
+	.venv/bin/ruff check src tests bench examples && $(PY) -m pytest -q --durations=25 tests
 
 clean:
 	rm -rf .venv runs out

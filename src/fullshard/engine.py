@@ -10,15 +10,13 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields, is_dataclass
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import Shard
 
 from .compile import compile_blocks, set_block_prefetch
-from .dtypes import DTYPES
 from .distributed import (
     Meshes,
     ParallelDims,
@@ -29,12 +27,13 @@ from .distributed import (
     init_distributed,
     shard_mesh,
 )
+from .dtypes import DTYPES
 from .errors import ConfigError, PlanError
 from .fsdp import apply_activation_checkpointing, keep_output_capturing, needs_weight_in_backward
 from .loading import materialize_and_load
-from .log import warn_rank0
 from .loading.materialize import tie_declared_weights
 from .loading.rank0 import LOADED, RANK0, agree_on_layout, init_from_rank0
+from .log import warn_rank0
 from .parallel.cp import check_context_parallel, enable_context_parallel
 from .parallel.ep import apply_expert_parallel, check_expert_parallel, global_router_loss
 from .parallel.ep_lists import agree_on_expert_calls, apply_expert_lists
@@ -175,7 +174,9 @@ class FSDP2Engine:
     and FSDP the others). `self.mesh` is the mesh FSDP shards over.
     """
 
-    def __init__(self, dist_config: EngineConfig | dict | None = None, device_mesh: DeviceMesh | None = None, **overrides):
+    def __init__(
+        self, dist_config: EngineConfig | dict | None = None, device_mesh: DeviceMesh | None = None, **overrides
+    ):
         self.config = EngineConfig.from_any(dist_config, **overrides)
         self.device_type = device_mesh.device_type if device_mesh is not None else detect_device_type()
         self.device = init_distributed(self.device_type, timeout_s=self.config.timeout_s)
@@ -391,8 +392,8 @@ def meshes_of(device_mesh: DeviceMesh, config: EngineConfig) -> tuple[Meshes, Pa
         rest = tuple(n for n in names if n != "tp")
         meshes = Meshes(world=device_mesh, fsdp=device_mesh[rest] if len(rest) > 1 else device_mesh[rest[0]], tp=tp)
     shape = tuple(meshes.fsdp.shape)
-    dims = ParallelDims(dp_replicate=shape[0] if len(shape) > 1 else 1, dp_shard=shape[-1], world_size=device_mesh.size(),
-                        tp=meshes.tp.size() if meshes.tp is not None else 1)
+    dims = ParallelDims(dp_replicate=shape[0] if len(shape) > 1 else 1, dp_shard=shape[-1],
+                        world_size=device_mesh.size(), tp=meshes.tp.size() if meshes.tp is not None else 1)
     return meshes, dims
 
 

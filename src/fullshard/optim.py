@@ -56,7 +56,9 @@ def param_groups(
             continue
         no_decay = is_no_decay(name, param, embeddings) or any(token in name for token in extra)
         key = (no_decay, *_placement_key(param))
-        group = groups.setdefault(key, {"params": [], "param_names": [], "weight_decay": 0.0 if no_decay else weight_decay})
+        group = groups.setdefault(
+            key, {"params": [], "param_names": [], "weight_decay": 0.0 if no_decay else weight_decay}
+        )
         group["params"].append(param)
         group["param_names"].append(name)
     if not groups:

@@ -26,7 +26,6 @@ from ..data.rows import model_inputs
 from ..packed_attention import packed_inputs
 from .chunked_loss import DEFAULT_LOSS_CHUNK_TOKENS, IGNORE_INDEX, chunked_loss_sum
 
-
 NOT_MODEL_INPUTS = ("labels", "shift_labels", "num_items_in_batch")
 
 
@@ -72,7 +71,9 @@ class PendingTargetCount:
         return int(self.value) // self.repeats
 
 
-def causal_lm_loss_sum(model: torch.nn.Module, batch: dict, chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS) -> torch.Tensor:
+def causal_lm_loss_sum(
+    model: torch.nn.Module, batch: dict, chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS
+) -> torch.Tensor:
     """Sum of the next-token cross-entropy over the batch's target tokens, in fp32; the logits of
     `chunk_tokens` tokens at a time where the model allows (0: all at once)."""
     inputs = packed_inputs(model, model_inputs({k: v for k, v in batch.items() if k not in NOT_MODEL_INPUTS}))

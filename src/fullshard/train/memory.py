@@ -282,8 +282,8 @@ def loss_bytes(config, head: nn.Module | None, tokens: int, compute_bytes: int, 
     chunk_bytes = CHUNK_BYTES_PER_LOGIT + (compute_bytes if compute_bytes < 4 else 0)
     head_bytes = sum(p.numel() for p in head.parameters()) * compute_bytes
     trains_head = any(p.requires_grad for p in head.parameters())  # a frozen head (LoRA) gets no gradient
-    loss = (min(loss_chunk_tokens, tokens) * config.vocab_size * chunk_bytes + (1 + trains_head * in_flight) * head_bytes
-            + tokens * config.hidden_size * compute_bytes)
+    loss = (min(loss_chunk_tokens, tokens) * config.vocab_size * chunk_bytes
+            + (1 + trains_head * in_flight) * head_bytes + tokens * config.hidden_size * compute_bytes)
     return loss, tokens * config.hidden_size * compute_bytes
 
 
@@ -303,8 +303,9 @@ class TensorParallelSplit:
     """What a tp rank holds of each parameter: its shape after torch's TP style, as a meta tensor."""
 
     # (style kind, module type, parameter) -> the dim torch's style splits; absent: kept whole
-    DIMS = {("colwise", nn.Linear, "weight"): 0, ("colwise", nn.Linear, "bias"): 0, ("colwise", nn.Embedding, "weight"): 1,
-            ("rowwise", nn.Linear, "weight"): 1, ("rowwise", nn.Embedding, "weight"): 0}
+    DIMS = {("colwise", nn.Linear, "weight"): 0, ("colwise", nn.Linear, "bias"): 0,
+            ("colwise", nn.Embedding, "weight"): 1, ("rowwise", nn.Linear, "weight"): 1,
+            ("rowwise", nn.Embedding, "weight"): 0}
 
     def __init__(self, model: nn.Module, assignments: dict[str, str], tp_size: int):
         self.modules, self.assignments, self.tp_size = dict(model.named_modules()), assignments, tp_size
@@ -340,12 +341,15 @@ def expert_units(model: nn.Module, ep_size: int, shard_size: int) -> dict[str, t
     kept_whole = ep_size == shard_size
     units = {f"{e.name}.{p}": (e.name, ep_size, kept_whole) for e in find_experts(model) for p in e.params}
     for name in per_expert_module_lists(model):  # each rank gathers (or keeps) its experts of the list
-        units.update({f"{name}.{p}": (name, ep_size, kept_whole) for p, _ in model.get_submodule(name).named_parameters()})
+        units.update(
+            {f"{name}.{p}": (name, ep_size, kept_whole) for p, _ in model.get_submodule(name).named_parameters()}
+        )
     return units
 
 
 def _unit_bytes(model: nn.Module, plan: ShardingPlan, shard_size: int, compute_dtype: torch.dtype, optimizer: str,
-                block: int, split: TensorParallelSplit, experts: dict[str, tuple[str, int, bool]] | None = None) -> dict:
+                block: int, split: TensorParallelSplit,
+                experts: dict[str, tuple[str, int, bool]] | None = None) -> dict:
     """Per FSDP unit: its all-gathered bytes in the compute dtype (a tp rank gathers its 1/tp), its
     element count and this rank's gradient shard; over the model: this rank's parameter shard and
     the allocator's rounding."""
@@ -366,7 +370,8 @@ def _unit_bytes(model: nn.Module, plan: ShardingPlan, shard_size: int, compute_d
         if full_param.requires_grad:
             out["trainable_numel"] += param.numel()
             out["grad"][unit] = out["grad"].get(unit, 0) + per_rank
-        copies = 1 + (1 + OPTIMIZER_STATES[optimizer]) * full_param.requires_grad  # the weight, its gradient and moments
+        # the weight, its gradient and moments
+        copies = 1 + (1 + OPTIMIZER_STATES[optimizer]) * full_param.requires_grad
         out["rounding"] += copies * (-(-per_rank // block) * block - per_rank)
     return out
 
