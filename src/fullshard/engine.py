@@ -30,7 +30,9 @@ from .distributed import (
     shard_mesh,
 )
 from .errors import ConfigError, PlanError
-from .fsdp import apply_activation_checkpointing, keep_output_capturing, needs_weight_in_backward
+from .activation_offload import apply_activation_offload
+from .fsdp import (ac_mode, apply_activation_checkpointing, keep_output_capturing,
+                   needs_weight_in_backward)
 from .loading import materialize_and_load
 from .log import warn_rank0
 from .loading.materialize import tie_declared_weights
@@ -56,7 +58,14 @@ class EngineConfig:
         many ranks (inside a node, say).
     offload_params: keep sharded parameters, gradients and optimizer state on CPU.
     pin_memory: pin the offloaded CPU memory; only honoured where an accelerator exists.
-    activation_checkpointing: recompute each block's activations in backward (non-reentrant).
+    activation_checkpointing: recompute activations in backward (non-reentrant): `full` (or true)
+        every block whole, `selective` every block with the outputs of attention and of every other
+        matmul kept (torchtitan's per-op policy), `every_n` every `ac_every`-th block whole, `none`
+        (or false) nothing.
+    ac_every: with `every_n`, checkpoint the ac_every-th, 2 x ac_every-th, ... block.
+    activation_offload: move the tensors each block saves for backward to host memory during
+        forward and back one block ahead in backward (`fullshard.activation_offload`); with
+        checkpointing only the checkpoints move.
     plan: "auto", a seed-003 `fsdp_plan` dict, or a `ShardingPlan`.
     dp_replicate / dp_shard: the mesh (HSDP when dp_replicate > 1).
     compile: `torch.compile` each block in place before sharding (`fullshard.compile`); True uses
@@ -87,7 +96,9 @@ class EngineConfig:
     reshard_after_forward: bool | int = True
     offload_params: bool = False
     pin_memory: bool = True
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool | str = False
+    ac_every: int = 2
+    activation_offload: bool = False
     plan: Any = "auto"
     dp_replicate: int = 1
     dp_shard: int = -1
@@ -115,6 +126,10 @@ class EngineConfig:
             raise ValueError(f"reshard_after_forward must be a bool or an int >= 1, got {raf!r}")
         if not isinstance(self.compile, (bool, str)) or self.compile == "":
             raise ConfigError(f"compile must be a bool or a torch.compile backend name, got {self.compile!r}")
+        self.activation_checkpointing = ac_mode(self.activation_checkpointing)
+        every = self.ac_every
+        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+            raise ConfigError(f"ac_every must be an int >= 1, got {self.ac_every!r}")
         if not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise ConfigError(f"prefetch must be an int >= 0, got {self.prefetch!r}")
         for key in ("tp_size", "cp_size", "ep_size", "pp_size", "pp_virtual_stages"):
@@ -232,10 +247,12 @@ class FSDP2Engine:
         self.apply_tensor_parallel(model)
         self.apply_context_parallel(model)
         self.apply_expert_parallel(model)
-        if self.config.activation_checkpointing:
-            apply_activation_checkpointing(model)
+        apply_activation_checkpointing(model, self.config.activation_checkpointing,
+                                       self.config.ac_every)
         if self.config.compile:  # after checkpointing, before sharding: torchtitan's order
             compile_blocks(model, **({"backend": self.config.compile} if isinstance(self.config.compile, str) else {}))
+        if self.config.activation_offload:  # after compiling: hooks around a compiled block's graph
+            apply_activation_offload(model, self.device)
         modules = dict(model.named_modules())
         for unit in plan.sharding_order():
             targets = [modules[name] for name in unit.modules]
