@@ -23,7 +23,7 @@ def test_token_batches_respect_the_budget(padded):
     assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
     for b in batches:
         size = max(lengths[i] for i in b) * len(b) if padded else sum(lengths[i] for i in b)
-        assert size <= 64 or b == [len(lengths) - 1], (b, cost)  # the 90-token one alone
+        assert size <= 64 or b == [len(lengths) - 1], (b, size)  # the 90-token one alone
         assert b == sorted(b)
     cost = (lambda b: max(lengths[i] for i in b) * len(b)) if padded else \
         (lambda b: sum(lengths[i] for i in b))

@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
+from .activation_offload import apply_activation_offload
 from .compile import compile_blocks, set_block_prefetch
 from .distributed import (
     Meshes,
@@ -30,9 +31,7 @@ from .distributed import (
 from .dtypes import DTYPES
 from .errors import ConfigError, PlanError
 from .float8 import check_float8_config, check_float8_device, convert_to_float8
-from .activation_offload import apply_activation_offload
-from .fsdp import (ac_mode, apply_activation_checkpointing, keep_output_capturing,
-                   needs_weight_in_backward)
+from .fsdp import ac_mode, apply_activation_checkpointing, keep_output_capturing, needs_weight_in_backward
 from .loading import materialize_and_load
 from .loading.materialize import tie_declared_weights
 from .loading.rank0 import LOADED, RANK0, agree_on_layout, init_from_rank0
