@@ -10,6 +10,7 @@ export OMP_NUM_THREADS ?= 1
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps verl==0.9.1  # RL losses' reference; its imports: the dev extra
 	touch $@
 
 setup: .venv/.installed

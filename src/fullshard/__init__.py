@@ -28,6 +28,7 @@ _EXPORTS = {
     **dict.fromkeys(["apply_activation_checkpointing", "reshard_all"], "fsdp"),
     **dict.fromkeys(["init_empty_model", "materialize_and_load", "meta_init"], "loading"),
     **dict.fromkeys(["apply_lora"], "lora"),
+    **dict.fromkeys(["token_logprobs"], "objectives"),
     **dict.fromkeys(["ShardedGradScaler", "clip_grad_norm", "create_optimizer", "create_scheduler", "global_grad_norm"],
                     "optim"),
     **dict.fromkeys(["ShardingPlan", "UnitSpec", "auto_plan", "build_plan", "find_blocks", "get_transformer_layer_cls"],

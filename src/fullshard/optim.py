@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from .float8 import register_scale_precompute
 from .fsdp import reshard_all
 from .parallel.ep_lists import unique_parameters
 from .tensors import local_tensor
@@ -90,8 +91,11 @@ def create_optimizer(
     groups = param_groups(model, weight_decay, decay_embeddings)
     if name == "sgd":
         kwargs.setdefault("momentum", 0.0)
-        return torch.optim.SGD(groups, lr=lr, **kwargs)
-    return OPTIMIZERS[name](groups, lr=lr, betas=tuple(betas), eps=eps, **kwargs)
+        optimizer = torch.optim.SGD(groups, lr=lr, **kwargs)
+    else:
+        optimizer = OPTIMIZERS[name](groups, lr=lr, betas=tuple(betas), eps=eps, **kwargs)
+    register_scale_precompute(optimizer, model)  # float8 tensorwise: scales after every step
+    return optimizer
 
 
 # ---------------------------------------------------------------------------------------------- schedules

@@ -35,7 +35,7 @@ from ..data.builtin import BUILTIN_MODELS  # noqa: F401  (defined with the built
 from ..distributed import ParallelDims
 from ..engine import EngineConfig
 from ..errors import ConfigError
-from .chunked_loss import DEFAULT_LOSS_CHUNK_TOKENS
+from ..objectives.logprobs import DEFAULT_LOSS_CHUNK_TOKENS
 
 PositiveInt = Annotated[int, Field(ge=1)]
 NonNegativeInt = Annotated[int, Field(ge=0)]

@@ -24,10 +24,10 @@ from ..hf.export import export_hf, source_dtype
 from ..hf.lora import export_merged, save_adapter
 from ..log import log_rank0, warn_rank0
 from ..lora import apply_lora
+from ..objectives.logprobs import DEFAULT_LOSS_CHUNK_TOKENS
 from ..optim import create_scheduler
 from ..packed_attention import attention_path, use_attention
 from ..tensors import parameter_counts
-from .chunked_loss import DEFAULT_LOSS_CHUNK_TOKENS
 from .config import BUILTIN_MODELS, ConfigError, TrainConfig
 from .data import load_data
 from .loss import causal_lm_loss_sum, target_count
