@@ -46,7 +46,7 @@ def test_one_run_per_directory_through_the_launcher(tmp_path):
     finally:
         first.kill()  # SIGKILL: no handler runs in the launcher
         first.wait()
-    assert no_process_left("held"), fullshard_processes("held")
+    assert no_process_left("held", cwd=tmp_path), fullshard_processes("held", tmp_path)
 
     fresh = run_cli("train", "tiny.yaml", "--train.output_dir=held", "--checkpoint.resume=none", "--nproc=2",
                     cwd=tmp_path)
