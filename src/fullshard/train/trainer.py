@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from ..checkpoint.manager import CheckpointManager
 from ..data.builtin import builtin_model_config, builtin_tokenizer
+from ..data.chat import adopt_chat_template
 from ..data.vision import is_multimodal
 from ..distributed import ParallelDims, barrier, broadcast_from_rank0, get_rank, get_world_size, run_agreed
 from ..dtypes import DTYPES, dtype_name
@@ -88,7 +89,13 @@ class ContextSplit:
 
 
 def load_tokenizer(config: TrainConfig):
-    """The run's tokenizer, or for a vision-language model its processor (images, tokenizer, chat template)."""
+    """The run's tokenizer, or for a vision-language model its processor (images, tokenizer, chat
+    template), holding the chat template the run trains with (saved with checkpoints and exports)."""
+    return adopt_chat_template(read_tokenizer(config), config.data)
+
+
+def read_tokenizer(config: TrainConfig):
+    """The model's tokenizer or processor as stored."""
     if config.model.name_or_path in BUILTIN_MODELS:
         return builtin_tokenizer(config.model.name_or_path)
     from transformers import AutoTokenizer
