@@ -175,7 +175,7 @@ def test_model_that_changes_its_logits_keeps_the_plain_loss(monkeypatch):
     import transformers
 
     warnings = []
-    monkeypatch.setattr("fullshard.train.chunked_loss.warn_rank0", warnings.append)
+    monkeypatch.setattr("fullshard.objectives.logprobs.warn_rank0", warnings.append)
     config = transformers.Gemma2Config(vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                        num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                                        final_logit_softcapping=3.0)

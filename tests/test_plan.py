@@ -144,7 +144,6 @@ def test_frozen_and_trainable_in_one_unit_warns_and_auto_splits_them():
 
 
 def test_nesting_cycle_is_an_error():
-    model = build_model("llama")
     plan = ShardingPlan([UnitSpec(("model.layers.0", "model.layers.1.mlp")),
                          UnitSpec(("model.layers.1", "model.layers.0.mlp"))])
     with pytest.raises(PlanError, match="nest inside each other"):

@@ -320,7 +320,9 @@ def describe_tp(model, assignments: dict[str, str], tp_size: int) -> str:
 
 def cmd_export(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="fullshard export")
-    parser.add_argument("checkpoint", help="a checkpoint directory, or a save directory (its newest complete checkpoint)")
+    parser.add_argument(
+        "checkpoint", help="a checkpoint directory, or a save directory (its newest complete checkpoint)"
+    )
     parser.add_argument("output", help="the Hugging Face directory to write")
     parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
                         help="the dtype written (default: the dtype the fine-tuned source checkpoint is stored in)")

@@ -139,7 +139,8 @@ class ShardingPlan:
                     )
                 if name in claimed:
                     raise PlanError(
-                        f"module {name!r} is claimed by two plan entries: {claimed[name]!r} and {unit.source or unit.name!r}"
+                        f"module {name!r} is claimed by two plan entries: {claimed[name]!r} and "
+                        f"{unit.source or unit.name!r}"
                     )
                 claimed[name] = unit.source or unit.name
             if isinstance(unit.reshard_after_forward, int) and not isinstance(unit.reshard_after_forward, bool):

@@ -24,7 +24,8 @@ def from_pretrained(name_or_path: str, engine=None, dtype=None, model_class=None
     """The short path: build the model on meta from its config, shard it with `engine`, load it sharded.
 
     `engine` defaults to `FSDP2Engine()` (fp32, auto plan, whole world). `dtype=None` keeps the
-    checkpoint's dtype; exports default to the checkpoint's stored dtype either way. Code a repository ships runs only with `trust_remote_code=True`. `lora` (a
+    checkpoint's dtype; exports default to the checkpoint's stored dtype either way. Code a
+    repository ships runs only with `trust_remote_code=True`. `lora` (a
     `peft.LoraConfig` or a dict of its fields) wraps the model on meta with PEFT LoRA before it is
     sharded (`fullshard.lora.apply_lora`): the result is a `PeftModel` whose base loads sharded from
     the checkpoint and whose adapters are initialised as `get_peft_model` would.

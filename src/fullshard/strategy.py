@@ -100,7 +100,9 @@ class FSDPStrategy:
         self.micro_train_batch_size = micro_train_batch_size
         self.train_batch_size = train_batch_size
         if accumulation_policy not in ACCUMULATION_POLICIES:
-            raise ConfigError(f"accumulation_policy must be one of {ACCUMULATION_POLICIES}, got {accumulation_policy!r}")
+            raise ConfigError(
+                f"accumulation_policy must be one of {ACCUMULATION_POLICIES}, got {accumulation_policy!r}"
+            )
         self.accumulation_policy = accumulation_policy
         resolved, configured = engine_config(config)
         self.config = replace(resolved, mixed_precision=resolve_precision(bf16, fp16, configured))
@@ -268,8 +270,8 @@ class FSDPStrategy:
         """Returns `(load_dir, client_state)`, as seed 001 does; restores the strategy's own state."""
         from .checkpoint import load_ckpt
 
-        return load_ckpt(model, load_dir, optimizer=optimizer, scheduler=scheduler, load_module_strict=load_module_strict,
-                         load_optimizer_states=load_optimizer_states,
+        return load_ckpt(model, load_dir, optimizer=optimizer, scheduler=scheduler,
+                         load_module_strict=load_module_strict, load_optimizer_states=load_optimizer_states,
                          load_lr_scheduler_states=load_lr_scheduler_states, states={"strategy": self})
 
     def save_model(self, model, tokenizer, output_dir, **kwargs) -> None:
@@ -280,7 +282,8 @@ class FSDPStrategy:
         save_model(model, tokenizer, output_dir, **kwargs)
 
     def state_dict(self) -> dict:
-        return {"micro_step": self._micro_step, "window": self.accumulated_gradient, "skipped_steps": self.skipped_steps,
+        return {"micro_step": self._micro_step, "window": self.accumulated_gradient,
+                "skipped_steps": self.skipped_steps,
                 "scaler": self.scaler.state_dict() if self.scaler is not None else None}
 
     def load_state_dict(self, state: dict) -> None:

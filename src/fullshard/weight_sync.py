@@ -31,10 +31,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .weights import buckets_to_first, kept_buffer
 from .distributed import all_ranks_agree_ok, current_device, get_rank
 from .errors import WeightSyncError
 from .tensors import named_state_tensors
+from .weights import buckets_to_first, kept_buffer
 
 BUCKET, END, ABORT = 1, 2, 3  # what a control message announces
 ALIGN = 16  # every tensor starts 16-byte aligned in a bucket's buffer, so it can be viewed in its dtype
@@ -116,7 +116,9 @@ def pack_bucket(pairs: list[tuple[str, torch.Tensor]], device: torch.device,
     for index, (name, tensor) in enumerate(pairs):
         nbytes = tensor.numel() * tensor.element_size()
         start = together[1][index] if together else offset
-        for key, value in zip(header, (name, list(tensor.shape), str(tensor.dtype).removeprefix("torch."), start, nbytes)):
+        for key, value in zip(
+            header, (name, list(tensor.shape), str(tensor.dtype).removeprefix("torch."), start, nbytes)
+        ):
             header[key].append(value)
         offset += _padded(nbytes)
     if together:
@@ -137,7 +139,9 @@ def unpack_bucket(header: dict, payload: torch.Tensor, sent: list[int]) -> list[
         if expected != found:
             raise WeightSyncError(f"checksum mismatch for {name!r}: sent {expected}, received {found}")
     pairs = []
-    for name, shape, dtype, offset, nbytes in zip(*(header[k] for k in ("names", "shapes", "dtypes", "offsets", "nbytes"))):
+    for name, shape, dtype, offset, nbytes in zip(
+        *(header[k] for k in ("names", "shapes", "dtypes", "offsets", "nbytes"))
+    ):
         pairs.append((name, payload[offset:offset + nbytes].view(_DTYPES[dtype]).view(shape)))
     return pairs
 
@@ -158,7 +162,9 @@ def feed(load_weights: Callable[[Iterable], object], pairs: list[tuple[str, torc
         at = f" at {seen[-1]!r}" if seen else ""
         raise WeightSyncError(f"load_weights failed{at}: {type(err).__name__}: {err}") from err
     if len(seen) < len(pairs):
-        raise WeightSyncError(f"load_weights did not take {pairs[len(seen)][0]!r} (it stopped reading the weights there)")
+        raise WeightSyncError(
+            f"load_weights did not take {pairs[len(seen)][0]!r} (it stopped reading the weights there)"
+        )
 
 
 def weight_loader(model: nn.Module) -> Callable[[Iterable[tuple[str, torch.Tensor]]], set[str]]:
@@ -307,7 +313,9 @@ class WeightSync:
 
     def _verdicts(self, message: str) -> list[str]:
         """Every member's error message (empty when fine), gathered in one collective."""
-        outputs = [torch.empty(STATUS_BYTES, dtype=torch.uint8, device=self.device) for _ in range(self.num_engines + 1)]
+        outputs = [
+            torch.empty(STATUS_BYTES, dtype=torch.uint8, device=self.device) for _ in range(self.num_engines + 1)
+        ]
         self.group.allgather([outputs], [_status(message, self.device)]).wait()
         return [_message(status) for status in outputs]
 
@@ -486,12 +494,18 @@ class WeightSync:
             self._broadcast(control).wait()
             kind, header_len, payload_len, version = control.tolist()
             if version != self.version:
-                raise WeightSyncError(f"engine {self.rank - 1} expected push {self.version}, the trainer sent {version}")
+                raise WeightSyncError(
+                    f"engine {self.rank - 1} expected push {self.version}, the trainer sent {version}"
+                )
             if kind == ABORT:
-                raise WeightSyncError(f"engine {self.rank - 1}: the trainer aborted push {self.version} (its gather failed)")
+                raise WeightSyncError(
+                    f"engine {self.rank - 1}: the trainer aborted push {self.version} (its gather failed)"
+                )
             if kind == END:
                 if not failure and (header_len, payload_len) != (tensors, nbytes):
-                    failure = f"received {tensors} tensors / {nbytes} bytes, the trainer sent {header_len} / {payload_len}"
+                    failure = (
+                        f"received {tensors} tensors / {nbytes} bytes, the trainer sent {header_len} / {payload_len}"
+                    )
                 return tensors, nbytes, failure
             header = torch.empty(header_len, dtype=torch.uint8, device=self.device)
             payload = kept_buffer(self.buffers, "receiving", payload_len, self.device)

@@ -340,7 +340,9 @@ def _whole_rows(box: Box, shape: tuple[int, ...]) -> bool:
     return len(shape) > 0 and tuple(box[1][1:]) == tuple(shape[1:])
 
 
-def _messages(bucket: list[StreamUnit], rank: int) -> tuple[list[tuple[int, int, Box]], list[tuple[int, int, Box, int]]]:
+def _messages(
+    bucket: list[StreamUnit], rank: int
+) -> tuple[list[tuple[int, int, Box]], list[tuple[int, int, Box, int]]]:
     """What `rank` sends the first rank of a bucket: each region that is whole rows of its tensor
     (FSDP's and EP's) a message of its own, which lands straight in its place; the others (TP's
     columns) packed into one more message, each at its aligned byte position in it."""

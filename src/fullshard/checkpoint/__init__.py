@@ -53,9 +53,9 @@ def load_ckpt(model, load_dir, optimizer=None, scheduler=None, load_module_stric
     client_state with "step"). A missing directory raises CheckpointError.
     """
     manager = CheckpointManager(load_dir)
-    client_state = manager.load(model, optimizer=optimizer, scheduler=scheduler, states=states, path=os.fspath(load_dir),
-                                load_optimizer=load_optimizer_states, load_scheduler=load_lr_scheduler_states,
-                                strict=load_module_strict)
+    client_state = manager.load(model, optimizer=optimizer, scheduler=scheduler, states=states,
+                                path=os.fspath(load_dir), load_optimizer=load_optimizer_states,
+                                load_scheduler=load_lr_scheduler_states, strict=load_module_strict)
     return manager.last_load_info["path"], client_state
 
 

@@ -21,8 +21,21 @@ from ..dtypes import dtype_name, resolve_dtype
 from ..errors import CheckpointError
 from ..fsdp import model_class_name
 from . import layout
-from .export import (DEFAULT_SHARD_SIZE, Entry, SafetensorsStream, export_config, export_recipe, finish_directory,
-                     merge_lora, parse_size, plan_files, recipe_view, source_dtype, staging_dir, written_dtype)
+from .export import (
+    DEFAULT_SHARD_SIZE,
+    Entry,
+    SafetensorsStream,
+    export_config,
+    export_recipe,
+    finish_directory,
+    merge_lora,
+    parse_size,
+    plan_files,
+    recipe_view,
+    source_dtype,
+    staging_dir,
+    written_dtype,
+)
 from .read import CheckpointReader
 
 
@@ -59,7 +72,9 @@ def _read(reader: CheckpointReader, keys: list[str]) -> dict[str, torch.Tensor]:
     for key in keys:
         item = reader.metadata.state_dict_metadata.get(f"model.{key}")
         if item is None or not hasattr(item, "size"):
-            raise CheckpointError(f"{reader.checkpoint}: tensor {key!r} is in the export recipe but not in the DCP index")
+            raise CheckpointError(
+                f"{reader.checkpoint}: tensor {key!r} is in the export recipe but not in the DCP index"
+            )
         state[f"model.{key}"] = torch.empty(tuple(item.size), dtype=item.properties.dtype)
     reader.read(state)
     return {key: state[f"model.{key}"] for key in keys}
@@ -135,7 +150,9 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, output_dir: str | os.Pa
     for name, key in recipe["names"].items():
         item = index.get(f"model.{key}")
         if item is None or not hasattr(item, "size"):
-            raise CheckpointError(f"{checkpoint}: tensor {key!r} is listed in {layout.MODEL_META} but not in the DCP index")
+            raise CheckpointError(
+                f"{checkpoint}: tensor {key!r} is listed in {layout.MODEL_META} but not in the DCP index"
+            )
         view = recipe_view(recipe, name).view
         written = written_dtype(recipe, name, item.properties.dtype, out_dtype)
         entries.append(Entry(name, tuple(view[0] if view else item.size), written))

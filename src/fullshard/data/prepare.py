@@ -65,8 +65,8 @@ def cache_key(source: Source, tokenizer, section, exact: bool = True, rope=None)
     """Tokenizer + data + packing; `exact=False` identifies the data by file names and sizes only.
     Images are named by the records, so the data's files stand for them too."""
     recipe = {"version": CACHE_VERSION, "data": source.stamp(exact), "tokenizer": tokenizer_id(tokenizer),
-              "format": section.format, "fields": [layouts(section), optional_fields(section)], "seq_len": section.seq_len,
-              "overlong": section.overlong, "packing": section.packing,
+              "format": section.format, "fields": [layouts(section), optional_fields(section)],
+              "seq_len": section.seq_len, "overlong": section.overlong, "packing": section.packing,
               "chat_template": chat_template_of(tokenizer, section.chat_template) if section.format == "chat" else None}
     if vision_records(tokenizer, section):
         recipe["images"] = {"bad_images": getattr(section, "bad_images", "error"),

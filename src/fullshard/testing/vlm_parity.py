@@ -67,9 +67,12 @@ def vlm_against_reference(model_type: str, shard, schedule=SCHEDULE, max_norm: f
     model = shard(model)
     frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
     vision = set(_vision_names(reference))
-    ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=lr, weight_decay=0.01, eps=1e-6)
+    ref_opt = torch.optim.AdamW(
+        [p for p in reference.parameters() if p.requires_grad], lr=lr, weight_decay=0.01, eps=1e-6
+    )
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.01, eps=1e-6)
-    out = {"loss": [], "ref_loss": [], "norm": [], "ref_norm": [], "grads": [], "ref_grads": [], "vision": sorted(vision)}
+    out = {"loss": [], "ref_loss": [], "norm": [], "ref_norm": [], "grads": [], "ref_grads": [],
+           "vision": sorted(vision)}
     for step, micro_batches in enumerate(schedule):
         tokens = 0
         for flags in micro_batches:

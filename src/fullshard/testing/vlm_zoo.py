@@ -30,7 +30,8 @@ SIZES = (
           "codebook_dim", "downsample_hidden_size", "vision_output_dim", "projector_input_dim",
           "projector_output_dim", "mm_embed_dim", "output_proj_dims")),
     (64, ("intermediate_size", "ffn_dim", "d_ff", "max_position_embeddings", "n_positions", "mlp_dim",
-          "dense_intermediate_size", "shared_intermediate_size", "num_position_embeddings", "mm_posemb_size", "encoder_ffn_dim",
+          "dense_intermediate_size", "shared_intermediate_size", "num_position_embeddings", "mm_posemb_size",
+          "encoder_ffn_dim",
           "decoder_ffn_dim", "alignment_intermediate_size", "intermediate_size_mlp",
           "moe_shared_expert_intermediate_size", "projection_intermediate_size")),
     (LAYERS, LAYER_KEYS),
@@ -71,7 +72,8 @@ def shrink(defaults: dict, layers: int | None = None) -> dict:
         elif key in SIZE and isinstance(value, (list, tuple)) and value and all(type(v) is int for v in value):
             per_layer = layers and len(value) == layers > LAYERS  # one size per layer (Gemma 3n)
             out[key] = [min(v, SIZE[key]) for v in (value[:LAYERS] if per_layer else value)]
-        elif "feature_layer" in key and (type(value) is int or isinstance(value, list) and all(type(v) is int for v in value)):
+        elif "feature_layer" in key and (
+                type(value) is int or isinstance(value, list) and all(type(v) is int for v in value)):
             # hidden states of the vision tower that feed the projector: inside the shrunk tower
             clamp = lambda v: max(-LAYERS, min(v, LAYERS - 1))  # noqa: E731
             out[key] = clamp(value) if type(value) is int else [clamp(v) for v in value]

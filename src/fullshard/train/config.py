@@ -34,7 +34,7 @@ from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
 from ..distributed import ParallelDims
 from ..engine import EngineConfig
 from ..errors import ConfigError
-from .chunked_loss import DEFAULT_LOSS_CHUNK_TOKENS
+from ..objectives.logprobs import DEFAULT_LOSS_CHUNK_TOKENS
 
 PositiveInt = Annotated[int, Field(ge=1)]
 NonNegativeInt = Annotated[int, Field(ge=0)]
@@ -59,7 +59,8 @@ class ModelSection:
     """The model to train."""
 
     name_or_path: str = "tiny-llama"
-    """a built-in config (tiny-llama, micro-llama: random weights, byte tokenizer; tiny-qwen2-vl: a vision-language model), a local HF directory or a Hub id"""
+    """a built-in config (tiny-llama, micro-llama: random weights, byte tokenizer; tiny-qwen2-vl: a vision-language
+    model), a local HF directory or a Hub id"""
     dtype: str = "fp32"
     """dtype of the sharded master weights (fp32, bf16, fp16)"""
     trust_remote_code: bool = False
@@ -67,7 +68,8 @@ class ModelSection:
     attn_implementation: Optional[str] = None
     """attention kernel (sdpa, eager, flex_attention, flash_attention_2/3); unset: transformers' pick"""
     freeze: Union[str, list[str]] = "auto"
-    """parts left untrained: vision, audio, projector, language or module globs (a list); auto: a VLM's vision and audio towers, nothing else; none: train everything"""
+    """parts left untrained: vision, audio, projector, language or module globs (a list); auto: a VLM's vision and
+    audio towers, nothing else; none: train everything"""
 
 
 @dataclass
@@ -75,7 +77,8 @@ class DataSection:
     """What to train on (path unset: the built-in generated corpus), as text or as chat."""
 
     path: Optional[Union[str, list[str]]] = None
-    """a data file (.txt .md .jsonl .json .parquet .arrow), a directory of them, a saved or cached Hub dataset; a list of them: mixed"""
+    """a data file (.txt .md .jsonl .json .parquet .arrow), a directory of them, a saved or cached Hub dataset; a list
+    of them: mixed"""
     weights: Optional[list[PositiveFloat]] = None
     """with a list data.path: each source's share of the rows (unset: each row once)"""
     eval_path: Optional[str] = None
@@ -87,7 +90,8 @@ class DataSection:
     text_field: str = "text"
     """the field of a JSON / Parquet record holding the document (format text)"""
     messages_field: str = "messages"
-    """the field holding a conversation: OpenAI / transformers chat turns (text or text parts, tool calls, tool turns)"""
+    """the field holding a conversation: OpenAI / transformers chat turns (text or text parts, tool calls, tool
+    turns)"""
     tools_field: str = "tools"
     """the field, where a chat record has it, of the tool schemas passed to the chat template"""
     prompt_field: str = "prompt"
@@ -97,9 +101,11 @@ class DataSection:
     chat_template: Optional[str] = None
     """a Jinja chat template, or a file holding one; unset: the tokenizer's"""
     overlong: Literal["drop", "truncate"] = "drop"
-    """a conversation (or, unpacked, a document) longer than seq_len: drop it, or keep its first seq_len tokens (with images: up to the first image it would split)"""
+    """a conversation (or, unpacked, a document) longer than seq_len: drop it, or keep its first seq_len tokens (with
+    images: up to the first image it would split)"""
     bad_images: Literal["error", "drop"] = "error"
-    """an image-text record with a missing or unreadable image, or image tokens that do not match its images: stop naming it, or drop and count it"""
+    """an image-text record with a missing or unreadable image, or image tokens that do not match its images: stop
+    naming it, or drop and count it"""
     seq_len: int = 128
     """tokens per packed row"""
     packing: bool = True
@@ -133,13 +139,15 @@ class TrainSection:
     max_norm: NonNegativeFloat = 1.0
     """global gradient-norm clip; 0 disables clipping"""
     loss_chunk_tokens: NonNegativeInt = DEFAULT_LOSS_CHUNK_TOKENS
-    """tokens whose logits exist at once: the loss goes through the output head this many tokens at a time (same loss and gradients, far less memory for large vocabularies); 0 computes all logits at once"""
+    """tokens whose logits exist at once: the loss goes through the output head this many tokens at a time (same loss
+    and gradients, far less memory for large vocabularies); 0 computes all logits at once"""
     log_every: PositiveInt = 10
     """steps between metric lines"""
     eval_every: NonNegativeInt = 0
     """steps between evaluations; 0 evaluates at the end only"""
     eval_batches: NonNegativeInt = 4
-    """one evaluation's size in global batches: the first eval_batches x global_batch_size held-out rows, whatever the micro-batch and world size"""
+    """one evaluation's size in global batches: the first eval_batches x global_batch_size held-out rows, whatever the
+    micro-batch and world size"""
     output_dir: str = "runs/demo"
     """where metrics, checkpoints, the exported model, the loss plot and logs/ go"""
     nproc: Optional[PositiveInt] = None
@@ -151,7 +159,8 @@ class TrainSection:
     plot: bool = True
     """write loss.png at the end"""
     export_dtype: Optional[Literal["bf16", "fp16", "fp32"]] = None
-    """dtype of the exported hf/ model; unset: the dtype the source checkpoint is stored in (the masters' for a built-in model)"""
+    """dtype of the exported hf/ model; unset: the dtype the source checkpoint is stored in (the masters' for a
+    built-in model)"""
     report_to: list[str] = field(default_factory=list)
     """trackers to send metrics to besides metrics.jsonl: any of tensorboard, wandb, trackio"""
 
@@ -195,9 +204,11 @@ class CheckpointSection:
     overwrite: bool = False
     """a run that does not continue the checkpoints already in dir deletes them first (else it is refused)"""
     init_from: Optional[str] = None
-    """stage-2 training: a training checkpoint (or save / run directory: its newest) whose weights start this new run; its step, data position and schedule start anew"""
+    """stage-2 training: a training checkpoint (or save / run directory: its newest) whose weights start this new run;
+    its step, data position and schedule start anew"""
     init_optimizer: bool = False
-    """with init_from: also load its optimizer state (moments, step counts); lr and the other optim settings stay this run's"""
+    """with init_from: also load its optimizer state (moments, step counts); lr and the other optim settings stay this
+    run's"""
     export: bool = True
     """write a plain Hugging Face directory to <train.output_dir>/hf at the end"""
     async_save: bool = False
@@ -501,7 +512,7 @@ def key_rows(name: str) -> list[tuple[str, str, str, str]]:
     rows = []
     for f in dataclasses.fields(cls):
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        about = schema.get(f.name, {}).get("description") or fallback.get(f.name, "")
+        about = " ".join((schema.get(f.name, {}).get("description") or fallback.get(f.name, "")).split())
         rows.append((f"--{name}.{f.name}", _type_label(hints[f.name]), _yaml_value(default), about))
     return rows
 

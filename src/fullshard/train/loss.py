@@ -22,12 +22,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..data.rows import model_inputs
-from ..packed_attention import packed_inputs
-from .chunked_loss import DEFAULT_LOSS_CHUNK_TOKENS, IGNORE_INDEX, chunked_loss_sum
-
-
-NOT_MODEL_INPUTS = ("labels", "shift_labels", "num_items_in_batch")
+from ..objectives.logprobs import (  # noqa: F401
+    DEFAULT_LOSS_CHUNK_TOKENS,
+    IGNORE_INDEX,
+    NOT_MODEL_INPUTS,
+    aligned_targets,
+    chunked_loss_sum,
+    forward_inputs,
+)
 
 
 def _targets(batch: dict) -> torch.Tensor:
@@ -72,10 +74,12 @@ class PendingTargetCount:
         return int(self.value) // self.repeats
 
 
-def causal_lm_loss_sum(model: torch.nn.Module, batch: dict, chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS) -> torch.Tensor:
+def causal_lm_loss_sum(
+    model: torch.nn.Module, batch: dict, chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS
+) -> torch.Tensor:
     """Sum of the next-token cross-entropy over the batch's target tokens, in fp32; the logits of
     `chunk_tokens` tokens at a time where the model allows (0: all at once)."""
-    inputs = packed_inputs(model, model_inputs({k: v for k, v in batch.items() if k not in NOT_MODEL_INPUTS}))
+    inputs = forward_inputs(model, batch)
     targets = aligned_targets(batch)
     if chunk_tokens > 0:
         loss = chunked_loss_sum(model, inputs, targets, chunk_tokens)
@@ -89,15 +93,6 @@ def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     logits = logits.float()
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.to(logits.device).reshape(-1),
                            ignore_index=IGNORE_INDEX, reduction="sum")
-
-
-def aligned_targets(batch: dict) -> torch.Tensor:
-    """The next-token target of every position, as long as the inputs (the last position of unshifted
-    labels gets none): what a pipeline's last stage and the loss compare logits with, unshifted, so
-    logits are never sliced and copied."""
-    if "shift_labels" in batch:
-        return batch["shift_labels"]
-    return F.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE_INDEX)
 
 
 def normalized_loss(loss_sum: torch.Tensor, global_tokens: int, dp_size: int) -> torch.Tensor:

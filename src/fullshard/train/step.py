@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..objectives.logprobs import DEFAULT_LOSS_CHUNK_TOKENS
 from ..optim import StepResult
-from .chunked_loss import DEFAULT_LOSS_CHUNK_TOKENS
 from .loss import PendingTargetCount, causal_lm_loss_sum, normalized_loss, sum_over_ranks
 
 

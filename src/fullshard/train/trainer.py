@@ -22,16 +22,24 @@ from ..dtypes import DTYPES, dtype_name
 from ..fsdp import reshard_all
 from ..log import log_rank0, warn_rank0
 from ..lora import apply_lora, export_merged, save_adapter
+from ..objectives.logprobs import DEFAULT_LOSS_CHUNK_TOKENS
 from ..optim import create_scheduler
 from ..packed_attention import attention_path, use_attention
 from ..strategy import FSDPStrategy, describe_mesh
 from ..tensors import parameter_counts
 from .config import BUILTIN_MODELS, ConfigError, TrainConfig
 from .data import load_data
-from .chunked_loss import DEFAULT_LOSS_CHUNK_TOKENS
 from .loss import causal_lm_loss_sum, target_count
-from .metrics import (NO_PLOT, MetricsLogger, Throughput, check_report_to, model_flops_per_token, peak_device_flops,
-                      peak_memory_gb, plot_loss)
+from .metrics import (
+    NO_PLOT,
+    MetricsLogger,
+    Throughput,
+    check_report_to,
+    model_flops_per_token,
+    peak_device_flops,
+    peak_memory_gb,
+    plot_loss,
+)
 from .pp_step import pipeline_evaluate, pipeline_of, pipeline_train_step
 from .rundir import claim_run_directory, lock_for_this_process, run_identity
 from .step import train_step
@@ -160,7 +168,9 @@ def parameters_line(model: torch.nn.Module) -> str:
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, batches: list[dict], loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS) -> float | None:
+def evaluate(
+    model: torch.nn.Module, batches: list[dict], loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS
+) -> float | None:
     """Mean loss per target token over this rank's eval batches and every other rank's."""
     if not batches:
         return None
@@ -306,7 +316,8 @@ class Trainer:
 
     def _train(self, run: "Run") -> dict:
         """The steps of this run: train, log, evaluate and checkpoint on the configured intervals."""
-        config, strategy, model, optimizer, scheduler = self.config, run.strategy, run.model, run.optimizer, run.scheduler
+        config, strategy, model = self.config, run.strategy, run.model
+        optimizer, scheduler = run.optimizer, run.scheduler
         manager, logger, batches = run.manager, run.logger, run.batches
         throughput = Throughput(model_flops_per_token(model, config.data.seq_len), get_world_size(),
                                 peak_device_flops(config.train.peak_tflops))
@@ -404,7 +415,9 @@ def done_line(summary: dict, plot_asked: bool) -> str:
     """The run's last line: where the checkpoint, model, adapter, metrics and plot are (or why no plot)."""
     parts = [f"checkpoint {summary['checkpoint']}"]
     if "export" in summary:
-        parts.append(f"model {summary['export']}" + (f" ({summary['export_dtype']})" if "export_dtype" in summary else ""))
+        parts.append(
+            f"model {summary['export']}" + (f" ({summary['export_dtype']})" if "export_dtype" in summary else "")
+        )
     if "adapter" in summary:
         parts.append(f"adapter {summary['adapter']}")
     parts.append(f"metrics {summary['metrics']}")
