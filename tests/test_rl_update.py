@@ -21,12 +21,13 @@ def test_token_batches_respect_the_budget(padded):
     lengths = torch.randint(1, 40, (37,), generator=generator).tolist() + [90]
     batches = rl.token_batches(lengths, 64, padded=padded)
     assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+
+    def cost(b):
+        return max(lengths[i] for i in b) * len(b) if padded else sum(lengths[i] for i in b)
+
     for b in batches:
-        size = max(lengths[i] for i in b) * len(b) if padded else sum(lengths[i] for i in b)
-        assert size <= 64 or b == [len(lengths) - 1], (b, size)  # the 90-token one alone
+        assert cost(b) <= 64 or b == [len(lengths) - 1], (b, cost(b))  # the 90-token one alone
         assert b == sorted(b)
-    cost = (lambda b: max(lengths[i] for i in b) * len(b)) if padded else \
-        (lambda b: sum(lengths[i] for i in b))
     for a in batches:  # no two micro-batches would fit in one
         assert all(cost(a + b) > 64 for b in batches if b is not a)
     assert rl.token_batches(lengths, 64, padded=padded) == batches  # deterministic

@@ -126,7 +126,14 @@ def apply_lora(model: nn.Module, config, adapter_name: str = "default", **peft_k
     config = lora_config(config)
     recorded: dict[int, dict[str, torch.Tensor]] = {}
     with _adapters_kept_off_meta(recorded), _quiet_peft_wrapping():
-        peft_model = get_peft_model(model, config, adapter_name=adapter_name, **peft_kwargs)
+        try:
+            peft_model = get_peft_model(model, config, adapter_name=adapter_name, **peft_kwargs)
+        except ValueError as err:  # peft has no default modules for this type (most VLMs)
+            if config.target_modules is not None or "target_modules" not in str(err):
+                raise
+            model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+            raise ConfigError(f"lora.target_modules: PEFT has no default modules to adapt for {model_type!r}; "
+                              "name them, e.g. lora.target_modules=[q_proj,v_proj]") from None
     with torch.no_grad():
         for layer in peft_model.modules():
             for name, value in recorded.get(id(layer), {}).items():

@@ -54,7 +54,8 @@ def vlm_against_reference(model_type: str, shard, schedule=SCHEDULE, max_norm: f
     rank, world = get_rank(), get_world_size()
     dp_size = dp_size or world
     reference, model = build_vlm(model_type, config=config), build_vlm(model_type, config=config)
-    inputs = VLMInputs(reference)
+    videos = any(f == "video" for micro in schedule for flags in micro for f in flags)
+    inputs = VLMInputs(reference, video=videos)
     if prepare is not None:
         torch.manual_seed(0)
         reference = prepare(reference)

@@ -21,7 +21,7 @@ def stored_dtype(config) -> str | None:
 
 
 def print_estimate(config, run, device: str, capacity: int | None, micro: int, seq_len: int,
-                   accumulation: int | None, largest) -> None:
+                   accumulation: int | None, largest_micro) -> None:
     """The estimate's header (what it assumed), each rank's (or stage's) rows, and whether it fits."""
     fsdp = config.fsdp
     stored = stored_dtype(config)
@@ -39,13 +39,13 @@ def print_estimate(config, run, device: str, capacity: int | None, micro: int, s
             print(f"\n{stage.label}:")
         print(stage.estimate.describe())
     if len(run.stages) > 1:
-        largest = max(run.stages, key=lambda s: s.estimate.total)
-        print(f"\nlargest per-rank total: {largest.label.split(':')[0]}, {largest.estimate.total / 2**20:,.2f} MiB")
+        top = max(run.stages, key=lambda s: s.estimate.total)
+        print(f"\nlargest per-rank total: {top.label.split(':')[0]}, {top.estimate.total / 2**20:,.2f} MiB")
     if capacity is not None:
         fits = run.per_rank <= capacity
         print(f"\nfits: {run.per_rank / 2**30:.1f} of {capacity / 2**30:.1f} GiB ({device})" if fits else
               f"\ndoes NOT fit: {run.per_rank / 2**30:.1f} of {capacity / 2**30:.1f} GiB ({device})")
-        best = largest()
+        best = largest_micro()
         print(f"largest micro batch that fits at {seq_len} tokens: {best}" if best else
               f"no micro batch fits at {seq_len} tokens: shard over more ranks, checkpoint activations or offload")
 

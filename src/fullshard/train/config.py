@@ -75,8 +75,9 @@ class DataSection:
     """held-out data, read like path; unset: the last eval_fraction of path's rows (streaming: no eval)"""
     split: str = "train"
     """the split of a saved DatasetDict or a Hub dataset"""
-    format: Literal["text", "chat"] = "text"
-    """text: every token trains; chat: conversations rendered with the chat template, only assistant turns train"""
+    format: Literal["text", "chat", "preference"] = "text"
+    """text: every token trains; chat: conversations rendered with the chat template, only assistant turns train;
+    preference: prompt / chosen / rejected records (TRL's formats; train.objective dpo or reward)"""
     text_field: str = "text"
     """the field of a JSON / Parquet record holding the document (format text)"""
     messages_field: str = "messages"
@@ -124,6 +125,9 @@ class TrainSection:
     """sequences per optimizer step over all ranks (a multiple of micro_batch_size x data-parallel size)"""
     seed: int = 42
     """seed of the random weights, the data order and every rank's RNG"""
+    objective: Literal["sft", "dpo"] = "sft"
+    """what the run optimises: sft (next-token loss), dpo (the preference section's loss on data.format=preference
+    pairs; batch sizes then count pairs, packed: rows)"""
     accumulation_policy: str = "reduce_scatter_every"
     """when gradients of accumulated micro-batches are reduced (see TrainingSession)"""
     max_norm: NonNegativeFloat = 1.0
@@ -245,8 +249,45 @@ class LoraSection:
         return fields_
 
 
+@dataclass
+class PreferenceSection:
+    """The preference loss of train.objective=dpo (TRL's DPOTrainer names and defaults)."""
+
+    loss_type: Literal["sigmoid", "ipo", "hinge", "robust", "simpo"] = "sigmoid"
+    """sigmoid (DPO), ipo (length-normalised, as TRL), hinge, robust (label_smoothing), simpo (reference-free, length-
+    normalised, simpo_gamma)"""
+    beta: PositiveFloat = 0.1
+    """the strength of the implicit KL to the reference (IPO's tau)"""
+    label_smoothing: Annotated[float, Field(ge=0, lt=0.5)] = 0.0
+    """robust: the assumed share of flipped labels"""
+    simpo_gamma: float = 0.5
+    """simpo: the target reward margin"""
+    reference: Literal["auto", "model", "adapter", "none"] = "auto"
+    """model: a frozen sharded copy of the starting weights; adapter: under LoRA the same model with its adapters
+    disabled; none: reference-free losses; auto: adapter under LoRA, none for simpo, else model"""
+    offload_reference: bool = False
+    """reference model: keep its shards on the host between its forwards"""
+
+    def resolved_reference(self, lora: bool) -> str:
+        """The reference strategy `auto` stands for, or the one set, checked against the loss and LoRA."""
+        free = self.loss_type == "simpo"
+        if self.reference == "auto":
+            return "none" if free else "adapter" if lora else "model"
+        if free and self.reference != "none":
+            raise ConfigError(f"preference.loss_type={self.loss_type} is reference-free: set preference.reference=none "
+                              f"(or auto), not {self.reference}")
+        if not free and self.reference == "none":
+            raise ConfigError(f"preference.loss_type={self.loss_type} needs a reference: set preference.reference to "
+                              "model, adapter (LoRA) or auto")
+        if self.reference == "adapter" and not lora:
+            raise ConfigError("preference.reference=adapter disables the LoRA adapters, and lora.r is unset: "
+                              "use preference.reference=model or set lora.r")
+        return self.reference
+
+
 SECTIONS = {"model": ModelSection, "data": DataSection, "train": TrainSection, "optim": OptimSection,
-            "fsdp": FsdpSection, "checkpoint": CheckpointSection, "lora": LoraSection}
+            "fsdp": FsdpSection, "checkpoint": CheckpointSection, "lora": LoraSection,
+            "preference": PreferenceSection}
 ALIASES = {"engine": "fsdp"}  # old name -> canonical name; a file may not use both
 PATH_KEYS = ("model.name_or_path", "data.path", "data.eval_path", "data.cache_dir", "train.output_dir",
              "checkpoint.dir", "checkpoint.resume", "fsdp.dcp_path")
@@ -263,6 +304,7 @@ class TrainConfig:
     fsdp: FsdpSection = field(default_factory=FsdpSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     lora: LoraSection = field(default_factory=LoraSection)
+    preference: PreferenceSection = field(default_factory=PreferenceSection)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -488,6 +530,28 @@ def _check_values(config: TrainConfig) -> None:
     from ..data.mix import check_mixture
 
     check_mixture(config.data)
+    _check_objective(config)
+
+
+def _check_objective(config: TrainConfig) -> None:
+    """Objective, data format and layout that do not fit together: one line before launch."""
+    objective, data, fsdp = config.train.objective, config.data, config.fsdp
+    if objective == "sft":
+        if data.format == "preference":
+            raise ConfigError("data.format=preference holds pairs for train.objective=dpo, not sft")
+        return
+    if data.format != "preference":
+        raise ConfigError(f"train.objective={objective} trains on pairs: set data.format=preference "
+                          "(prompt / chosen / rejected records)")
+    for key, value, why in (("data.streaming", data.streaming, "pairs are prepared once per node"),
+                            ("fsdp.cp_size", fsdp.cp_size > 1, "a pair's sequences are not split over cp ranks yet"),
+                            ("fsdp.pp_size", fsdp.pp_size > 1,
+                             "the pipeline's last stage computes the SFT loss only yet"),
+                            ("data.overlong", data.overlong == "truncate",
+                             "pairs longer than data.seq_len are dropped")):
+        if value:
+            raise ConfigError(f"train.objective={objective}: {key} is not supported ({why})")
+    config.preference.resolved_reference(config.lora.enabled)
 
 
 # ---------------------------------------------------------------------------------------------- help
