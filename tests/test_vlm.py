@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from fullshard.testing import run_distributed
-from fullshard.testing.vlm_parity import vlm_against_reference, vlm_problems
+from harness.vlm_parity import vlm_against_reference, vlm_problems
 from fullshard.testing.vlm_zoo import VLMInputs, build_vlm, tiny_vlm_config, vlm_types
 
 MIN_TESTED = 30
@@ -69,7 +69,7 @@ def batch_coupled(model_type: str, tol: float = 1e-5) -> str | None:
     """Why one process on two halves of a batch with two images trains differently from one process
     on the whole batch (its images interact, e.g. vision attention across images), else None: no
     sharding can then match the whole batch."""
-    from fullshard.testing.vlm_parity import token_loss_sum
+    from harness.vlm_parity import token_loss_sum
 
     flags, norms = [True, False, False, True], []
     for parts in ([range(0, 4)], [range(0, 2), range(2, 4)]):
@@ -446,7 +446,7 @@ def _load_checks(directories: dict) -> dict:
 
     from fullshard import FSDP2Engine, from_pretrained
     from fullshard.fsdp import model_class_name
-    from fullshard.testing.compare import full_state
+    from harness.compare import full_state
 
     out = {}
     for label, (directory, budget) in directories.items():
@@ -541,7 +541,7 @@ def _inputs(model_type: str) -> VLMInputs:
 
 def _steps(model, optimizer, model_type: str, steps, manager=None, save_after: int = 1) -> list[float]:
     """SCHEDULE's first micro-batch of each step, this rank's rows; the loss summed over ranks."""
-    from fullshard.testing.vlm_parity import SCHEDULE, token_loss_sum
+    from harness.vlm_parity import SCHEDULE, token_loss_sum
 
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     inputs, losses = _inputs(model_type), []

@@ -21,6 +21,7 @@ alone, built on this module's plan (`stream_plan`, `StreamUnit`).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -324,10 +325,16 @@ def hf_weight_buckets(model: torch.nn.Module, *, dtype: torch.dtype | str | None
         del items
 
 
-def hf_weights(model: torch.nn.Module, *, dtype: torch.dtype | str | None = None,
+def hf_weights(model: torch.nn.Module | str | os.PathLike, *, dtype: torch.dtype | str | None = None,
                bucket_bytes: int = DEFAULT_BUCKET_BYTES, lora: str = "merge") -> Iterator[tuple[str, torch.Tensor]]:
     """`hf_weight_buckets`, one `(hf_name, full tensor)` at a time (every rank in step); a tensor
-    handed out is no longer held here, so the caller holds at most the one in hand."""
+    handed out is no longer held here, so the caller holds at most the one in hand. Given a
+    training checkpoint's path instead of a model: `checkpoint_hf_weights` (one process, merged)."""
+    if isinstance(model, (str, os.PathLike)):
+        if lora != "merge":
+            raise CheckpointError(f"a checkpoint's weights come merged, not lora={lora!r}")
+        yield from checkpoint_hf_weights(model, dtype=dtype)
+        return
     buckets = hf_weight_buckets(model, dtype=dtype, bucket_bytes=bucket_bytes, lora=lora)
     while (bucket := next(buckets, None)) is not None:
         bucket.reverse()
