@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import warnings
 
-import pytest
 import torch
 import transformers
 from torch import nn

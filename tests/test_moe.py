@@ -1,7 +1,6 @@
 """MoE models: outermost decoder layer as the unit, idle experts, and experts spread over more ranks than experts."""
 
 import pytest
-import torch
 from torch.distributed.tensor import DTensor, Shard
 
 from fullshard import FSDP2Engine

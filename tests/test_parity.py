@@ -1,7 +1,6 @@
 """A model sharded by fullshard trains exactly like the same model in one process."""
 
 import pytest
-import torch
 
 from fullshard import FSDP2Engine
 from fullshard.testing import ZOO, run_distributed

@@ -152,10 +152,10 @@ def _run_problems(name: str, r: dict) -> list[str]:
 
 
 def readme_vlm_lists(model_types: set[str]) -> tuple[set[str], set[str], str]:
-    """The types README's VLM section says are tested and left out, and its count."""
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = text[text.index("### Vision-language models\n"):]
-    section = section[:section.index("\n### ", 1)]
+    """The types docs/vision-language.md says are tested and left out, and its count."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "vision-language.md").read_text()
+    section = text[text.index("## Which types are tested\n"):]
+    section = section[:section.index("\n## ", 1)]
     tested = section[section.index("Tested (world 2"):section.index("Left out")]
     left_out = section[section.index("Left out"):]
     count = re.search(r"\d+ of the \d+ types", tested)
@@ -193,7 +193,7 @@ def test_every_vlm_type_trains_sharded_like_one_process():
     assert {"frozen" in name for name in runs} == {True, False}
     readme_tested, readme_left_out, readme_count = readme_vlm_lists(set(model_types))
     assert (readme_tested, readme_left_out) == (set(tested), set(skipped)), (
-        f"README's VLM lists are out of date: tested {sorted(readme_tested ^ set(tested))}, "
+        f"docs/vision-language.md's VLM lists are out of date: tested {sorted(readme_tested ^ set(tested))}, "
         f"left out {sorted(readme_left_out ^ set(skipped))}")
     assert readme_count == f"{len(tested)} of the {len(model_types)} types"
     assert len(tested) >= MIN_TESTED, f"only {len(tested)} types could be built offline"
@@ -202,6 +202,48 @@ def test_every_vlm_type_trains_sharded_like_one_process():
                      "smolvlm", "mistral3", "internvl", "paligemma", "llava_next", "llava_next_video",
                      "llava_onevision"):
         assert required in tested, f"{required} left out: {skipped.get(required)}"
+
+
+# images and videos on different ranks: step 0 one rank an image, the other a video; step 1 a video
+# on one rank only; step 2 accumulation: a micro-batch with a video and an image on one rank, then a
+# text-only one; step 3 neither anywhere
+VIDEO_SCHEDULE = [
+    [[True, False, "video", False]],
+    [[False, "video", False, False]],
+    [["video", True, False, False], [False, False, False, False]],
+    [[False, False, False, False]],
+]
+VIDEO_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava_next_video", "llava_onevision", "video_llava",
+               "video_llama_3")
+
+
+def _video_checks(model_types) -> dict:
+    from fullshard import FSDP2Engine
+
+    torch.set_num_threads(1)
+    out = {}
+    for model_type in model_types:
+        engine = FSDP2Engine({"mixed_precision": "fp32", "freeze": []})
+        try:
+            out[model_type] = vlm_against_reference(model_type, engine.prepare_model, schedule=VIDEO_SCHEDULE)
+        except Exception as error:  # noqa: BLE001 - every failure is reported at the end
+            out[model_type] = {"error": f"{type(error).__name__}: {error}"[:300]}
+    return out
+
+
+def test_videos_on_some_ranks_train_like_one_process():
+    """World 2, fp32, everything trained, against one process: a rank with an image and one with a
+    video, a video on one rank only, a micro-batch with both then a text-only one, and a step with
+    neither. Each rank runs the model's own video path on a stand-in when another has a video, after
+    its real image call where it has one (Video-LLaVA's two towers are gathered in the same order on
+    both ranks), and the vision tower gets a gradient only where one process gives it one."""
+    out = run_distributed(_video_checks, 2, VIDEO_TYPES, timeout=900)[0]
+    problems = [p for t in VIDEO_TYPES for p in vlm_problems(t, out[t])]
+    assert not problems, "\n".join(problems)
+    for model_type in VIDEO_TYPES:
+        r = out[model_type]
+        assert set(r["vision"]) & set(r["ref_grads"][1]), f"{model_type}: the video step trained no vision"
+        assert not set(r["vision"]) & set(r["ref_grads"][3]), model_type
 
 
 # --------------------------------------------------------------------------- plan and freezing

@@ -79,7 +79,7 @@ def to_first(model, **kwargs) -> dict:
     """What `buckets_to_first` (WeightSync's stream) gives the first rank, with the counts every rank
     reports and how many of its buckets lie in one run of their buffer (sent with no packing copy)."""
     from fullshard.weight_sync import lying_together
-    from fullshard.weights import buckets_to_first
+    from fullshard.weight_sync import buckets_to_first
 
     pairs, tensors, nbytes, together, buckets = {}, 0, 0, 0, 0
     for bucket in buckets_to_first(model, lambda n: torch.full((n,), 7, dtype=torch.uint8), **kwargs):

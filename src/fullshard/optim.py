@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from .float8 import register_scale_precompute
 from .fsdp import reshard_all
 from .parallel.ep_lists import unique_parameters
 from .tensors import local_tensor
@@ -56,7 +57,9 @@ def param_groups(
             continue
         no_decay = is_no_decay(name, param, embeddings) or any(token in name for token in extra)
         key = (no_decay, *_placement_key(param))
-        group = groups.setdefault(key, {"params": [], "param_names": [], "weight_decay": 0.0 if no_decay else weight_decay})
+        group = groups.setdefault(
+            key, {"params": [], "param_names": [], "weight_decay": 0.0 if no_decay else weight_decay}
+        )
         group["params"].append(param)
         group["param_names"].append(name)
     if not groups:
@@ -88,8 +91,11 @@ def create_optimizer(
     groups = param_groups(model, weight_decay, decay_embeddings)
     if name == "sgd":
         kwargs.setdefault("momentum", 0.0)
-        return torch.optim.SGD(groups, lr=lr, **kwargs)
-    return OPTIMIZERS[name](groups, lr=lr, betas=tuple(betas), eps=eps, **kwargs)
+        optimizer = torch.optim.SGD(groups, lr=lr, **kwargs)
+    else:
+        optimizer = OPTIMIZERS[name](groups, lr=lr, betas=tuple(betas), eps=eps, **kwargs)
+    register_scale_precompute(optimizer, model)  # float8 tensorwise: scales after every step
+    return optimizer
 
 
 # ---------------------------------------------------------------------------------------------- schedules

@@ -51,6 +51,18 @@ def chat_template_of(tokenizer, override: str | None) -> str:
     return template
 
 
+def adopt_chat_template(tokenizer, section):
+    """`tokenizer` (and a processor's own tokenizer) given the template `data.chat_template` names,
+    when chat data is rendered with it: the tokenizer saved with checkpoints and exports then
+    renders as training did (`apply_chat_template`, `fullshard generate`, a server)."""
+    if section.format == "chat" and section.chat_template:
+        template = chat_template_of(tokenizer, section.chat_template)
+        tokenizer.chat_template = template
+        if getattr(tokenizer, "tokenizer", None) is not None:
+            tokenizer.tokenizer.chat_template = template
+    return tokenizer
+
+
 def as_messages(row: int, messages=None, prompt=None, response=None, system=None) -> list[dict]:
     """A record's conversation as chat-format turns, checked; prompt/response records become two turns.
     Keys a record does not set (Arrow fills them with null when other records have them) are left out."""

@@ -66,8 +66,8 @@ def cache_key(source: Source, tokenizer, section, exact: bool = True, rope=None)
     """Tokenizer + data + packing; `exact=False` identifies the data by file names and sizes only.
     Images are named by the records, so the data's files stand for them too."""
     recipe = {"version": CACHE_VERSION, "data": source.stamp(exact), "tokenizer": tokenizer_id(tokenizer),
-              "format": section.format, "fields": [layouts(section), optional_fields(section)], "seq_len": section.seq_len,
-              "overlong": section.overlong, "packing": section.packing,
+              "format": section.format, "fields": [layouts(section), optional_fields(section)],
+              "seq_len": section.seq_len, "overlong": section.overlong, "packing": section.packing,
               "chat_template": chat_template_of(tokenizer, section.chat_template) if section.format == "chat" else None}
     if section.format == "preference":
         recipe["chat_template"] = section.chat_template
@@ -208,7 +208,8 @@ def _write_rows(tokens, section, tokenizer, path: Path, extra_columns: tuple[str
     from datasets.arrow_writer import ArrowWriter
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    packer = Packer(section.seq_len, pad, whole_documents=section.format in ("chat", "preference"), packing=section.packing,
+    packer = Packer(section.seq_len, pad, whole_documents=section.format in ("chat", "preference"),
+                    packing=section.packing,
                     extra_columns=extra_columns, with_images=IMAGES in tokens.column_names)
     images = IMAGES in tokens.column_names
     features = Features({c: Sequence(Value("int32"), length=section.seq_len) for c in (*COLUMNS, *extra_columns)}

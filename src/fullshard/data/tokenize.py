@@ -46,7 +46,10 @@ class Tokenize:
             docs = [doc + [eos] for doc in ids]
             if self.packing:
                 return {"input_ids": docs}
-            return {"input_ids": [self._fit(doc, doc)[0] for doc in docs], "truncated": list(map(self._truncates, docs))}
+            return {
+                "input_ids": [self._fit(doc, doc)[0] for doc in docs],
+                "truncated": list(map(self._truncates, docs)),
+            }
         out = {"input_ids": [], "labels": [], "truncated": []}
         messages, prompt, response = self.chat_fields
         for k, row in enumerate(indices):

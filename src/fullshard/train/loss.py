@@ -20,10 +20,15 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from ..objectives.logprobs import (DEFAULT_LOSS_CHUNK_TOKENS, IGNORE_INDEX, NOT_MODEL_INPUTS,  # noqa: F401
-                                   aligned_targets, chunked_loss_sum, forward_inputs)
+from ..objectives.logprobs import (  # noqa: F401
+    DEFAULT_LOSS_CHUNK_TOKENS,
+    IGNORE_INDEX,
+    NOT_MODEL_INPUTS,
+    aligned_targets,
+    chunked_loss_sum,
+    forward_inputs,
+)
 from ..objectives.sft import causal_lm_loss_sum, token_loss_sum  # noqa: F401
 
 

@@ -1,8 +1,8 @@
 """The training loop behind `fullshard train`: config in, trained checkpoint and HF directory out.
 
-It is the strategy API used the way seed 001 intends, plus what a run needs around it: data
-positions and the config in every checkpoint (so a resume continues with the next unseen batch
-and refuses other data), evaluation, metrics and the loss plot.
+It runs on a `TrainingSession` (`train.session`, the core LightRFT's strategy API is a face of),
+plus what a run needs around it: data positions and the config in every checkpoint (so a resume
+continues with the next unseen batch and refuses other data), evaluation, metrics and the loss plot.
 """
 
 from __future__ import annotations
@@ -14,38 +14,50 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..checkpoint import CheckpointManager, export_hf, source_dtype
+from ..checkpoint.manager import CheckpointManager
 from ..data.builtin import builtin_model_config, builtin_tokenizer
+from ..data.chat import adopt_chat_template
 from ..data.vision import is_multimodal
 from ..distributed import ParallelDims, barrier, broadcast_from_rank0, get_rank, get_world_size, run_agreed
 from ..dtypes import DTYPES, dtype_name
 from ..fsdp import reshard_all
+from ..hf.export import export_hf, source_dtype
+from ..hf.lora import export_merged, save_adapter
 from ..log import log_rank0, warn_rank0
-from ..lora import apply_lora, export_merged, save_adapter
+from ..lora import apply_lora
+from ..objectives import Objective, build_objective
+from ..objectives.logprobs import DEFAULT_LOSS_CHUNK_TOKENS
+from ..objectives.sft import SFT
 from ..optim import create_scheduler
 from ..packed_attention import attention_path, use_attention
-from ..strategy import FSDPStrategy, describe_mesh
 from ..tensors import parameter_counts
 from .config import BUILTIN_MODELS, ConfigError, TrainConfig
 from .data import load_data
-from ..objectives.logprobs import DEFAULT_LOSS_CHUNK_TOKENS
-from ..objectives import Objective, build_objective
-from ..objectives.sft import SFT
-from .metrics import (NO_PLOT, MetricsLogger, Throughput, check_report_to, model_flops_per_token, peak_device_flops,
-                      peak_memory_gb, plot_loss)
+from .metrics import (
+    NO_PLOT,
+    MetricsLogger,
+    Throughput,
+    check_report_to,
+    model_flops_per_token,
+    peak_device_flops,
+    peak_memory_gb,
+    plot_loss,
+)
 from .pp_step import pipeline_evaluate, pipeline_of, pipeline_train_step
 from .rundir import claim_run_directory, lock_for_this_process, run_identity
+from .session import TrainingSession, describe_mesh
 from .step import train_step
 from .stop import StopRequest
 
 
-def strategy_of(config: TrainConfig) -> FSDPStrategy:
-    """The strategy for a run, not yet set up: `config.fsdp` whole (every engine setting reaches
-    the engines it builds) plus the train section's batch sizes, seed, clipping and accumulation policy."""
+def strategy_of(config: TrainConfig) -> TrainingSession:
+    """The training session for a run, not yet set up: `config.fsdp` whole (every engine setting
+    reaches the engines it builds) plus the train section's batch sizes, seed, clipping and
+    accumulation policy."""
     train = config.train
-    return FSDPStrategy(seed=train.seed, max_norm=train.max_norm, micro_train_batch_size=train.micro_batch_size,
-                        train_batch_size=train.global_batch_size, config=engine_settings(config),
-                        accumulation_policy=train.accumulation_policy)
+    return TrainingSession(seed=train.seed, max_norm=train.max_norm, micro_batch_size=train.micro_batch_size,
+                           global_batch_size=train.global_batch_size, config=engine_settings(config),
+                           accumulation_policy=train.accumulation_policy)
 
 
 def engine_settings(config: TrainConfig):
@@ -55,7 +67,7 @@ def engine_settings(config: TrainConfig):
     return replace(config.fsdp, freeze=config.freeze)
 
 
-def build_strategy(config: TrainConfig) -> FSDPStrategy:
+def build_strategy(config: TrainConfig) -> TrainingSession:
     """`strategy_of(config)` with its process group started and its mesh and batch arithmetic checked."""
     strategy = strategy_of(config)
     strategy.setup_distributed()
@@ -78,7 +90,13 @@ class ContextSplit:
 
 
 def load_tokenizer(config: TrainConfig):
-    """The run's tokenizer, or for a vision-language model its processor (images, tokenizer, chat template)."""
+    """The run's tokenizer, or for a vision-language model its processor (images, tokenizer, chat
+    template), holding the chat template the run trains with (saved with checkpoints and exports)."""
+    return adopt_chat_template(read_tokenizer(config), config.data)
+
+
+def read_tokenizer(config: TrainConfig):
+    """The model's tokenizer or processor as stored."""
     if config.model.name_or_path in BUILTIN_MODELS:
         return builtin_tokenizer(config.model.name_or_path)
     from transformers import AutoTokenizer
@@ -132,7 +150,7 @@ def text_tokenizer(tokenizer):
     return getattr(tokenizer, "tokenizer", tokenizer)
 
 
-def build_model(config: TrainConfig, strategy: FSDPStrategy, tokenizer) -> torch.nn.Module:
+def build_model(config: TrainConfig, strategy: TrainingSession, tokenizer) -> torch.nn.Module:
     """A sharded model: a built-in config with seeded random weights, or a local HF directory
     loaded slice by slice into the shards."""
     dtype = DTYPES[config.model.dtype]
@@ -323,7 +341,8 @@ class Trainer:
 
     def _train(self, run: "Run") -> dict:
         """The steps of this run: train, log, evaluate and checkpoint on the configured intervals."""
-        config, strategy, model, optimizer, scheduler = self.config, run.strategy, run.model, run.optimizer, run.scheduler
+        config, strategy, model = self.config, run.strategy, run.model
+        optimizer, scheduler = run.optimizer, run.scheduler
         manager, logger, batches = run.manager, run.logger, run.batches
         throughput = Throughput(model_flops_per_token(model, config.data.seq_len), get_world_size(),
                                 peak_device_flops(config.train.peak_tflops))
@@ -400,7 +419,7 @@ class Trainer:
 class Run:
     """The pieces of one run that its phases share."""
 
-    strategy: FSDPStrategy
+    strategy: TrainingSession
     tokenizer: object
     data: object  # train/data's prepared dataset
     model: torch.nn.Module
@@ -427,7 +446,7 @@ def eval_shown(evaluated) -> tuple[str, ...]:
     return ("eval_loss", "eval_rewards/accuracies") if isinstance(evaluated, tuple) else ("eval_loss", "eval_ppl")
 
 
-def build_reference(config: TrainConfig, strategy: FSDPStrategy, tokenizer) -> torch.nn.Module:
+def build_reference(config: TrainConfig, strategy: TrainingSession, tokenizer) -> torch.nn.Module:
     """The frozen reference of `preference.reference=model`: the starting weights (the model, or
     `checkpoint.init_from`'s), sharded like the policy, without LoRA, never in the optimizer."""
     from dataclasses import replace
@@ -443,7 +462,9 @@ def done_line(summary: dict, plot_asked: bool) -> str:
     """The run's last line: where the checkpoint, model, adapter, metrics and plot are (or why no plot)."""
     parts = [f"checkpoint {summary['checkpoint']}"]
     if "export" in summary:
-        parts.append(f"model {summary['export']}" + (f" ({summary['export_dtype']})" if "export_dtype" in summary else ""))
+        parts.append(
+            f"model {summary['export']}" + (f" ({summary['export_dtype']})" if "export_dtype" in summary else "")
+        )
     if "adapter" in summary:
         parts.append(f"adapter {summary['adapter']}")
     parts.append(f"metrics {summary['metrics']}")
