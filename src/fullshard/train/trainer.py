@@ -145,6 +145,19 @@ def rope_index(config: TrainConfig, tokenizer):
     return RopeIndex.of(AutoConfig.from_pretrained(name, trust_remote_code=config.model.trust_remote_code))
 
 
+def quiet_image_feature_views() -> None:
+    """Silence torch's "FSDP2-wrapped module returned a view tensor" for a VLM's root module. The
+    views are its per-image features (transformers' `get_image_features` returns `torch.split` of the
+    vision tower's output, and the model output carries them beside the loss); the warning is about
+    an in-place op on such a view dropping FSDP's pre-backward hook, and the step never changes a
+    model output in place (it reads the loss or the logits), so training is exact (the VLM parity
+    tests compare it with one process)."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDP\w+For\w+\) returned a "
+                            "view tensor", category=UserWarning)
+
+
 def text_tokenizer(tokenizer):
     """The tokenizer itself, also when the run reads with a processor."""
     return getattr(tokenizer, "tokenizer", tokenizer)
@@ -303,6 +316,8 @@ class Trainer:
             raise ConfigError("image-text data is not split over context- or pipeline-parallel ranks yet: "
                               "set fsdp.cp_size=1 and fsdp.pp_size=1")
         data = load_data(config.data, tokenizer, rope_index(config, tokenizer))
+        if is_multimodal(tokenizer):
+            quiet_image_feature_views()
         model = build_model(config, strategy, tokenizer)
         objective = build_objective(config.train.objective, config.train.loss_chunk_tokens, config.preference,
                                     config.lora.enabled, lambda: build_reference(config, strategy, tokenizer))
