@@ -136,7 +136,7 @@ class TrainSection:
     """tokens whose logits exist at once: the loss goes through the output head this many tokens at a time (same loss
     and gradients, far less memory for large vocabularies); 0 computes all logits at once"""
     log_every: PositiveInt = 10
-    """steps between metric lines"""
+    """steps between metric lines (step 1 and the last step are always logged)"""
     eval_every: NonNegativeInt = 0
     """steps between evaluations; 0 evaluates at the end only"""
     eval_batches: NonNegativeInt = 4

@@ -375,7 +375,7 @@ class Trainer:
             losses[step], hashes[step] = out.loss, batches.step_hash(step)
             done = step + 1
             logger.step()
-            if done % config.train.log_every == 0 or done == run.end:
+            if done % config.train.log_every == 0 or done == run.end or done == 1:  # the loss it starts from
                 logger.log({"kind": "train", "step": done, "loss": out.loss, "lr": scheduler.get_last_lr()[0],
                             "grad_norm": out.result.grad_norm, "skipped": out.result.skipped, "tokens": out.tokens,
                             "batch": hashes[step], **out.metrics, **throughput.tick(),
