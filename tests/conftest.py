@@ -10,10 +10,17 @@ _STARTED = time.monotonic()
 
 
 def _cpu_seconds() -> float:
-    """CPU time of this process and of every child it has waited for (xdist workers, spawned ranks,
-    `fullshard` commands), user and system."""
+    """CPU time of this process and of every child it has waited for (xdist workers, the rank
+    server and its ranks, `fullshard` commands), user and system."""
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Each pytest process (an xdist worker too) waits for its rank server before the totals."""
+    from fullshard.testing.spawn import stop_fork_server
+
+    stop_fork_server()
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
