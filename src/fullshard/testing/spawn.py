@@ -35,7 +35,7 @@ HIDE_GPUS = {"CUDA_VISIBLE_DEVICES": "", "HIP_VISIBLE_DEVICES": ""}
 # starts a thread or touches a device
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp",
            "torch.distributed.checkpoint", "transformers", "fullshard", "fullshard.testing.zoo",
-           "fullshard.testing.compare", "fullshard.train.trainer", "fullshard.cli"]
+           "harness.compare", "fullshard.train.trainer", "fullshard.cli"]
 
 
 def _context(device: str, fresh: bool):
