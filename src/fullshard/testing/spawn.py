@@ -5,11 +5,12 @@ so a test hands one function many checks, and CPU ranks are forked from a server
 imported torch, transformers and fullshard once (multiprocessing's forkserver, preloaded): a rank
 then starts in a fraction of a second instead of repeating those imports. Each rank still gets the
 caller's environment as it is at the call, and `fresh=True` starts new interpreters instead (for
-what a process reads only at its start, such as glibc's MALLOC_* settings). A failure on any rank comes back with that rank's
-traceback; ranks still waiting in a collective for the failed one are killed after a short grace
-period, so nothing hangs. On a machine with GPUs the CPU ranks are not shown them, so the suite
-does the same on any machine; a test that wants GPUs asks (`device="cuda"`) and is skipped where
-there are fewer than it has ranks.
+what a process reads only at its start, such as glibc's MALLOC_* settings).
+
+A failure on any rank comes back with that rank's traceback; ranks still waiting in a collective
+for the failed one are killed after a short grace period, so nothing hangs. On a machine with GPUs
+the CPU ranks are not shown them, so the suite does the same on any machine; a test that wants
+GPUs asks (`device="cuda"`) and is skipped where there are fewer than it has ranks.
 """
 
 from __future__ import annotations
