@@ -19,8 +19,11 @@ import contextlib
 import io
 import os
 import queue
+import sys
+import tempfile
 import time
 import traceback
+from pathlib import Path
 from typing import Any, Callable
 
 import torch.multiprocessing as mp
@@ -60,10 +63,15 @@ def stop_fork_server() -> None:
 
 
 def _worker(rank: int, world_size: int, port: int, device: str, init: bool, fn: Callable, args: tuple, kwargs: dict,
-            results, environment: dict | None = None) -> None:
+            results, environment: dict | None = None, output: str | None = None) -> None:
     if environment is not None:  # the caller's, now: a forked rank would have the server's, from its start
         os.environ.clear()
         os.environ.update(environment)
+    if output is not None:  # a forked rank's stdout and stderr are the server's: write where the caller reads
+        sink = os.open(output, os.O_WRONLY | os.O_APPEND)
+        for fd in (1, 2):
+            os.dup2(sink, fd)
+        os.close(sink)
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -127,11 +135,15 @@ def _spawn(fn: Callable, world_size: int, port: int, device: str, init: bool, ar
            timeout: float, grace: float, fresh: bool = False) -> list:
     ctx = _context(device, fresh)
     results = ctx.Queue()
+    output = None
+    if ctx.get_start_method() == "forkserver":
+        handle, output = tempfile.mkstemp(prefix="fullshard-ranks-", suffix=".log")
+        os.close(handle)
     with _environment(HIDE_GPUS if device == "cpu" else {}):  # a spawned child copies the environment at start
         environment = dict(os.environ)
         procs = [
             ctx.Process(target=_worker, args=(rank, world_size, port, device, init, fn, args, kwargs, results,
-                                              environment), daemon=True)
+                                              environment, output), daemon=True)
             for rank in range(world_size)
         ]
         for proc in procs:
@@ -143,6 +155,9 @@ def _spawn(fn: Callable, world_size: int, port: int, device: str, init: bool, ar
             if proc.is_alive():
                 proc.kill()
             proc.join(timeout=5)
+        if output is not None:  # what the ranks printed, into this process's (pytest's per-test capture)
+            sys.stderr.write(Path(output).read_text(errors="replace"))
+            os.unlink(output)
     if failures:
         report = "\n".join(f"----- rank {r} -----\n{tb}" for r, tb in sorted(failures.items()))
         raise DistributedTestError(f"{len(failures)} of {world_size} ranks failed:\n{report}")
