@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -446,13 +446,30 @@ def eval_shown(evaluated) -> tuple[str, ...]:
     return ("eval_loss", "eval_rewards/accuracies") if isinstance(evaluated, tuple) else ("eval_loss", "eval_ppl")
 
 
+class OffloadedEngine:
+    """What `build_model` asks of a session, with FSDP's CPU offload on: the reference model's shards
+    live on the host and are gathered to the device for each forward."""
+
+    def __init__(self, session: TrainingSession):
+        from ..engine import FSDP2Engine
+
+        self._engine = FSDP2Engine(replace(session.engine().config, offload_params=True))
+
+    def engine(self):
+        return self._engine
+
+    def prepare_model(self, model: torch.nn.Module, is_training: bool = False) -> torch.nn.Module:
+        return self._engine.shard_model(model).train(is_training)
+
+
 def build_reference(config: TrainConfig, strategy: TrainingSession, tokenizer) -> torch.nn.Module:
     """The frozen reference of `preference.reference=model`: the starting weights (the model, or
     `checkpoint.init_from`'s), sharded like the policy, without LoRA, never in the optimizer."""
     from dataclasses import replace
 
     plain = replace(config, lora=replace(config.lora, r=None))
-    reference = build_model(plain, strategy, tokenizer)
+    reference = build_model(plain, OffloadedEngine(strategy) if config.preference.offload_reference else strategy,
+                            tokenizer)
     if config.checkpoint.init_from:
         CheckpointManager(config.checkpoint_dir).init_from(config.checkpoint.init_from, reference, None)
     return reference.eval().requires_grad_(False)
