@@ -262,9 +262,8 @@ class PreferenceSection:
     """robust: the assumed share of flipped labels"""
     simpo_gamma: float = 0.5
     """simpo: the target reward margin"""
-    reference: Literal["auto", "model", "adapter", "none"] = "auto"
-    """model: a frozen sharded copy of the starting weights; adapter: under LoRA the same model with its adapters
-    disabled; none: reference-free losses; auto: adapter under LoRA, none for simpo, else model"""
+    reference: Literal["auto", "model", "precompute", "adapter", "none"] = "auto"
+    """model: a frozen sharded copy of the starting weights; precompute: their log-probs of every pair computed once before training and cached beside the tokenized rows (no reference held while training); adapter: under LoRA the same model with its adapters disabled; none: reference-free losses; auto: adapter under LoRA, none for simpo, else model"""
     offload_reference: bool = False
     """reference=model: keep its shards on the host, gathered to the device for its forwards (FSDP's CPU offload)"""
 
