@@ -3,8 +3,9 @@
 TRL runs in this process: fp32, the records in file order (a sequential sampler), constant learning
 rate, no weight decay, AdamW (0.9, 0.999) non-fused, clipping 1.0, no gradient checkpointing, its
 raw loss of each step read from `compute_loss` (its log rounds to 4 digits). fullshard runs `fullshard.train.train` at world 2 in one spawned group, for
-sigmoid, ipo and hinge (one pair per row), sigmoid packed (whole pairs per row), and under LoRA
-the adapter-disabled reference against a frozen base copy (`reference=model`, the same weights).
+sigmoid, ipo and hinge (one pair per row); sigmoid packed (whole pairs per row), with the
+reference offloaded to the host, with it precomputed, and at tp 2, against the plain run; and under LoRA the
+adapter-disabled reference against a frozen base copy (`reference=model`, the same weights).
 """
 
 import json
@@ -91,6 +92,9 @@ def _fullshard_runs(root: str) -> dict:
     out = {loss: run(loss, f"--preference.loss_type={loss}") for loss in ("sigmoid", "ipo", "hinge")}
     # packed: two whole pairs per row, two rows per step: the same pairs per step as one per row
     out["packed"] = run("packed", "--data.packing=true", "--data.seq_len=40", f"--train.global_batch_size={BATCH // 2}")
+    out["offloaded_reference"] = run("offloaded", "--preference.offload_reference=true")
+    out["precompute"] = run("precompute", "--preference.reference=precompute")
+    out["tp2"] = run("tp2", "--fsdp.tp_size=2")  # dp 1: each step's four pairs one after another
     lora = ("--lora.r=4", "--lora.target_modules=[q_proj,v_proj]", "--lora.save_adapter=false")
     out["lora_adapter"] = run("lora_adapter", *lora, "--preference.reference=adapter")
     out["lora_model"] = run("lora_model", *lora, "--preference.reference=model")
@@ -117,9 +121,10 @@ def test_dpo_world_2_matches_trl_step_by_step(runs, loss_type):
     assert ours[loss_type][-1] != ours[loss_type][0]  # it trained
 
 
-def test_packed_pairs_equal_one_pair_per_row(runs):
+@pytest.mark.parametrize("layout", ["packed", "offloaded_reference", "precompute", "tp2"])
+def test_layouts_and_reference_placement_equal_the_plain_run(runs, layout):
     ours, _ = runs
-    assert max(abs(a - b) for a, b in zip(ours["packed"], ours["sigmoid"])) <= TOL, (ours["packed"], ours["sigmoid"])
+    assert max(abs(a - b) for a, b in zip(ours[layout], ours["sigmoid"])) <= TOL, (ours[layout], ours["sigmoid"])
 
 
 def test_lora_adapter_reference_equals_a_frozen_base_copy(runs):

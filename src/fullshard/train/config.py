@@ -262,9 +262,10 @@ class PreferenceSection:
     """robust: the assumed share of flipped labels"""
     simpo_gamma: float = 0.5
     """simpo: the target reward margin"""
-    reference: Literal["auto", "model", "adapter", "none"] = "auto"
-    """model: a frozen sharded copy of the starting weights; adapter: under LoRA the same model with its adapters
-    disabled; none: reference-free losses; auto: adapter under LoRA, none for simpo, else model"""
+    reference: Literal["auto", "model", "precompute", "adapter", "none"] = "auto"
+    """model: a frozen sharded copy of the starting weights; precompute: their log-probs of every pair computed once before training and cached beside the tokenized rows (no reference held while training); adapter: under LoRA the same model with its adapters disabled; none: reference-free losses; auto: adapter under LoRA, none for simpo, else model"""
+    offload_reference: bool = False
+    """reference=model: keep its shards on the host, gathered to the device for its forwards (FSDP's CPU offload)"""
 
     def resolved_reference(self, lora: bool) -> str:
         """The reference strategy `auto` stands for, or the one set, checked against the loss and LoRA."""
@@ -277,6 +278,9 @@ class PreferenceSection:
         if not free and self.reference == "none":
             raise ConfigError(f"preference.loss_type={self.loss_type} needs a reference: set preference.reference to "
                               "model, adapter (LoRA) or auto")
+        if self.offload_reference and self.reference not in ("model", "auto"):
+            raise ConfigError(f"preference.offload_reference offloads a reference model, and preference.reference="
+                              f"{self.reference} holds none")
         if self.reference == "adapter" and not lora:
             raise ConfigError("preference.reference=adapter disables the LoRA adapters, and lora.r is unset: "
                               "use preference.reference=model or set lora.r")
