@@ -251,7 +251,7 @@ def test_reversible_blocks_are_sharded_by_their_children():
 
 
 def test_frozen_part_below_a_trainable_root_keeps_the_unit_whole():
-    from fullshard.plan import _split_trainable
+    from fullshard.plan.build import _split_trainable
 
     model = torch.nn.Module()
     model.holder = torch.nn.Module()

@@ -95,10 +95,10 @@ def model_directory(path: str):
     import tempfile
     from pathlib import Path
 
-    from .checkpoint import export_checkpoint
     from .checkpoint.layout import is_complete
     from .distributed import barrier, broadcast_from_rank0, get_rank, run_agreed
     from .errors import CheckpointError
+    from .hf.offline import export_checkpoint
 
     local = Path(path)
     checkpoint = local.is_dir() and (is_complete(local) or not (local / "config.json").is_file())

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from torch import nn
 
-from .checkpoint import remember_source_dtype
 from .distributed import agreed
 from .dtypes import resolve_dtype
 from .engine import FSDP2Engine
 from .errors import LoadError
+from .hf.export import remember_source_dtype
 from .loading import checkpoint_dtype, init_empty_model, resolve_checkpoint_dir
 from .lora import apply_lora, lora_checkpoint_view
 from .packed_attention import use_attention
@@ -31,7 +31,7 @@ def from_pretrained(name_or_path: str, engine=None, dtype=None, model_class=None
     the checkpoint and whose adapters are initialised as `get_peft_model` would.
     `attn_implementation` names transformers' attention kernel (None: transformers' pick).
     `freeze` (None: the engine's `freeze`, by default "auto": a VLM's vision and audio towers) names the
-    parts left untrained: `vision`, `audio`, `projector`, `language` or module patterns (`fullshard.towers`).
+    parts left untrained: `vision`, `audio`, `projector`, `language` or module patterns (`fullshard.plan.towers`).
     The model class is the config's (`architectures`), else transformers' image-text-to-text class
     for a VLM config, else its causal-LM class.
     """

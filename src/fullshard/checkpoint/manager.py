@@ -36,12 +36,13 @@ from torch.distributed.checkpoint.state_dict import (
 from ..distributed import agreed, broadcast_from_rank0, get_rank, get_world_size, run_agreed
 from ..errors import CheckpointError, ConfigError
 from ..fsdp import reshard_all
+from ..hf.export import config_json, every_rank_part, generation_config_json
+from ..hf.lora import is_peft_model, write_adapter_config
+from ..hf.offline import model_meta
 from ..log import log_rank0, logger, warn_rank0
 from ..tensors import holds_part
 from . import async_exit, layout
-from .export import config_json, every_rank_part, generation_config_json
 from .fit import few, fit_to_index
-from .offline import model_meta
 from .read import CheckpointReader, UnreadableCheckpoint, failure_summary, read_side_file
 from .rng import capture_rng_state, rederive_rng_state, restore_rng_state
 
@@ -497,8 +498,6 @@ def _check_save_arguments(tag: str, extra_state: dict, states: dict | None) -> N
 def _write_model_files(tmp: Path, model, tokenizer) -> None:
     """Config, generation config, a LoRA run's adapter config and the tokenizer: what an offline
     export writes beside the weights."""
-    from ..lora import is_peft_model, write_adapter_config  # lora imports checkpoint.export: not at import time
-
     base = model.get_base_model() if is_peft_model(model) else model
     for name, text in ((layout.CONFIG, config_json(base)), (layout.GENERATION_CONFIG, generation_config_json(base))):
         if text is not None:

@@ -25,6 +25,9 @@ from .chat import IGNORE_INDEX
 COLUMNS = ("input_ids", "labels", "position_ids")
 ROPE_COLUMNS = ("rope_t", "rope_h", "rope_w")  # an mRoPE document's temporal, height and width positions
 IMAGES = "images"
+# a per-token column at whose changes a new sequence starts inside one document: the two completions
+# of a preference pair, packed as one document so that a pair is never split (`data.preference`)
+SPLIT_COLUMN = "pair_role"
 
 
 def positions(starts: np.ndarray) -> np.ndarray:
@@ -71,6 +74,8 @@ class Packer:
         self.documents += len(lengths)
         starts = np.zeros(len(ids), bool)
         starts[np.cumsum(lengths) - lengths] = True
+        if SPLIT_COLUMN in extras:
+            starts[1:] |= extras[SPLIT_COLUMN][1:] != extras[SPLIT_COLUMN][:-1]
         labels = np.where(starts, IGNORE_INDEX, labels)
         if not self.whole:
             if extras or images:

@@ -23,8 +23,8 @@ from torch.distributed.tensor.parallel import (
 
 from ..errors import PlanError
 from ..log import log_rank0
+from ..plan.towers import find_towers, glob_regex
 from ..tensors import tensor_aliases
-from ..towers import find_towers, glob_regex
 
 
 class ReplicatedWithGradAllreduce(ParallelStyle):

@@ -31,10 +31,11 @@ from typing import Annotated, Any, Literal, Optional, Union
 import yaml
 from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
 
+from ..data.builtin import BUILTIN_MODELS  # noqa: F401  (defined with the built-in models; imported from here too)
 from ..distributed import ParallelDims
 from ..engine import EngineConfig
 from ..errors import ConfigError
-from .chunked_loss import DEFAULT_LOSS_CHUNK_TOKENS
+from ..objectives.logprobs import DEFAULT_LOSS_CHUNK_TOKENS
 
 PositiveInt = Annotated[int, Field(ge=1)]
 NonNegativeInt = Annotated[int, Field(ge=0)]
@@ -42,17 +43,6 @@ PositiveFloat = Annotated[float, Field(gt=0)]
 NonNegativeFloat = Annotated[float, Field(ge=0)]
 Ratio = Annotated[float, Field(ge=0, le=1)]
 Beta = Annotated[float, Field(ge=0, lt=1)]
-
-BUILTIN_MODELS = {
-    # name -> LlamaConfig kwargs; vocab size comes from the tokenizer, max positions from data.seq_len
-    "tiny-llama": dict(hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=4,
-                       num_key_value_heads=2, tie_word_embeddings=False),
-    "micro-llama": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                        num_key_value_heads=2, tie_word_embeddings=False),
-    # a Qwen2-VL (data/builtin.py): its language model's sizes; without data.path it trains on generated pictures
-    "tiny-qwen2-vl": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2),
-}
-
 
 @dataclass
 class ModelSection:
@@ -85,8 +75,9 @@ class DataSection:
     """held-out data, read like path; unset: the last eval_fraction of path's rows (streaming: no eval)"""
     split: str = "train"
     """the split of a saved DatasetDict or a Hub dataset"""
-    format: Literal["text", "chat"] = "text"
-    """text: every token trains; chat: conversations rendered with the chat template, only assistant turns train"""
+    format: Literal["text", "chat", "preference"] = "text"
+    """text: every token trains; chat: conversations rendered with the chat template, only assistant turns train;
+    preference: prompt / chosen / rejected records (TRL's formats; train.objective=dpo)"""
     text_field: str = "text"
     """the field of a JSON / Parquet record holding the document (format text)"""
     messages_field: str = "messages"
@@ -134,8 +125,11 @@ class TrainSection:
     """sequences per optimizer step over all ranks (a multiple of micro_batch_size x data-parallel size)"""
     seed: int = 42
     """seed of the random weights, the data order and every rank's RNG"""
+    objective: Literal["sft", "dpo"] = "sft"
+    """what the run optimises: sft (next-token loss), dpo (the preference section's loss on data.format=preference
+    pairs; batch sizes then count pairs, packed: rows)"""
     accumulation_policy: str = "reduce_scatter_every"
-    """when gradients of accumulated micro-batches are reduced (see FSDPStrategy)"""
+    """when gradients of accumulated micro-batches are reduced (see TrainingSession)"""
     max_norm: NonNegativeFloat = 1.0
     """global gradient-norm clip; 0 disables clipping"""
     loss_chunk_tokens: NonNegativeInt = DEFAULT_LOSS_CHUNK_TOKENS
@@ -255,8 +249,43 @@ class LoraSection:
         return fields_
 
 
+@dataclass
+class PreferenceSection:
+    """The preference loss of train.objective=dpo (TRL's DPOTrainer names and defaults)."""
+
+    loss_type: Literal["sigmoid", "ipo", "hinge", "robust", "simpo"] = "sigmoid"
+    """sigmoid (DPO), ipo (length-normalised, as TRL), hinge, robust (label_smoothing), simpo (reference-free, length-
+    normalised, simpo_gamma)"""
+    beta: PositiveFloat = 0.1
+    """the strength of the implicit KL to the reference (IPO's tau)"""
+    label_smoothing: Annotated[float, Field(ge=0, lt=0.5)] = 0.0
+    """robust: the assumed share of flipped labels"""
+    simpo_gamma: float = 0.5
+    """simpo: the target reward margin"""
+    reference: Literal["auto", "model", "adapter", "none"] = "auto"
+    """model: a frozen sharded copy of the starting weights; adapter: under LoRA the same model with its adapters
+    disabled; none: reference-free losses; auto: adapter under LoRA, none for simpo, else model"""
+
+    def resolved_reference(self, lora: bool) -> str:
+        """The reference strategy `auto` stands for, or the one set, checked against the loss and LoRA."""
+        free = self.loss_type == "simpo"
+        if self.reference == "auto":
+            return "none" if free else "adapter" if lora else "model"
+        if free and self.reference != "none":
+            raise ConfigError(f"preference.loss_type={self.loss_type} is reference-free: set preference.reference=none "
+                              f"(or auto), not {self.reference}")
+        if not free and self.reference == "none":
+            raise ConfigError(f"preference.loss_type={self.loss_type} needs a reference: set preference.reference to "
+                              "model, adapter (LoRA) or auto")
+        if self.reference == "adapter" and not lora:
+            raise ConfigError("preference.reference=adapter disables the LoRA adapters, and lora.r is unset: "
+                              "use preference.reference=model or set lora.r")
+        return self.reference
+
+
 SECTIONS = {"model": ModelSection, "data": DataSection, "train": TrainSection, "optim": OptimSection,
-            "fsdp": FsdpSection, "checkpoint": CheckpointSection, "lora": LoraSection}
+            "fsdp": FsdpSection, "checkpoint": CheckpointSection, "lora": LoraSection,
+            "preference": PreferenceSection}
 ALIASES = {"engine": "fsdp"}  # old name -> canonical name; a file may not use both
 PATH_KEYS = ("model.name_or_path", "data.path", "data.eval_path", "data.cache_dir", "train.output_dir",
              "checkpoint.dir", "checkpoint.resume", "fsdp.dcp_path")
@@ -273,6 +302,7 @@ class TrainConfig:
     fsdp: FsdpSection = field(default_factory=FsdpSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     lora: LoraSection = field(default_factory=LoraSection)
+    preference: PreferenceSection = field(default_factory=PreferenceSection)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -320,7 +350,7 @@ class TrainConfig:
     def accumulation_steps(self, world_size: int) -> int:
         """Micro-batches per rank per step, over the data-parallel ranks of the mesh (cp and tp ranks
         share a batch); the mesh and batch arithmetic is checked here, naming the keys."""
-        from ..strategy import batch_arithmetic
+        from .session import batch_arithmetic
 
         dims = self.parallel_dims(world_size)
         steps = batch_arithmetic(self.train.global_batch_size, self.train.micro_batch_size, dims.dp_size,
@@ -468,7 +498,7 @@ def _check_values(config: TrainConfig) -> None:
     fields of sections defined elsewhere)."""
     from ..dtypes import DTYPES
     from ..optim import OPTIMIZERS, SCHEDULES
-    from ..strategy import ACCUMULATION_POLICIES
+    from .session import ACCUMULATION_POLICIES
 
     checks = [
         ("train.accumulation_policy", config.train.accumulation_policy,
@@ -498,6 +528,28 @@ def _check_values(config: TrainConfig) -> None:
     from ..data.mix import check_mixture
 
     check_mixture(config.data)
+    _check_objective(config)
+
+
+def _check_objective(config: TrainConfig) -> None:
+    """Objective, data format and layout that do not fit together: one line before launch."""
+    objective, data, fsdp = config.train.objective, config.data, config.fsdp
+    if objective == "sft":
+        if data.format == "preference":
+            raise ConfigError("data.format=preference holds pairs for train.objective=dpo, not sft")
+        return
+    if data.format != "preference":
+        raise ConfigError(f"train.objective={objective} trains on pairs: set data.format=preference "
+                          "(prompt / chosen / rejected records)")
+    for key, value, why in (("data.streaming", data.streaming, "pairs are prepared once per node"),
+                            ("fsdp.cp_size", fsdp.cp_size > 1, "a pair's sequences are not split over cp ranks yet"),
+                            ("fsdp.pp_size", fsdp.pp_size > 1,
+                             "the pipeline's last stage computes the SFT loss only yet"),
+                            ("data.overlong", data.overlong == "truncate",
+                             "pairs longer than data.seq_len are dropped")):
+        if value:
+            raise ConfigError(f"train.objective={objective}: {key} is not supported ({why})")
+    config.preference.resolved_reference(config.lora.enabled)
 
 
 # ---------------------------------------------------------------------------------------------- help

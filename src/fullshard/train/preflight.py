@@ -35,8 +35,8 @@ def check_before_launch(config: TrainConfig, world_size: int):
         from ..lora import apply_lora
 
         model = apply_lora(model, config.lora.peft_fields())
-    from ..plan import build_plan
-    from ..towers import freeze
+    from ..plan.build import build_plan
+    from ..plan.towers import freeze
 
     freeze(model, config.freeze)  # a word or pattern naming nothing: one line, before launch
     try:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 WORDS = ("vision", "audio", "projector", "language")
 

@@ -17,10 +17,11 @@ from typing import Iterator
 
 import torch
 
+from ..checkpoint import layout
+from ..checkpoint.read import CheckpointReader
 from ..dtypes import dtype_name, resolve_dtype
 from ..errors import CheckpointError
 from ..fsdp import model_class_name
-from . import layout
 from .export import (
     DEFAULT_SHARD_SIZE,
     Entry,
@@ -36,14 +37,12 @@ from .export import (
     staging_dir,
     written_dtype,
 )
-from .read import CheckpointReader
+from .lora import ADAPTER_WEIGHTS, is_peft_model, merge_recipe
 
 
 def model_meta(model: torch.nn.Module, shapes: dict) -> dict:
     """What an offline export needs to know of the model: class, source dtype and the export recipe
     (`shapes`: every state key of the whole model -> its shape)."""
-    from ..lora import is_peft_model, merge_recipe  # lora imports checkpoint.export: not at import time
-
     base = model.get_base_model() if is_peft_model(model) else model
     try:
         recipe = merge_recipe(model, shapes) if base is not model else export_recipe(model, shapes)
@@ -120,8 +119,6 @@ def checkpoint_hf_weights(path: str | os.PathLike, *, dtype: torch.dtype | str |
 def _write_adapter(reader: CheckpointReader, recipe: dict, staging: Path) -> None:
     """The PEFT adapter beside the merged model (`adapter/`), as `save_adapter` writes it."""
     from safetensors.torch import save_file
-
-    from ..lora import ADAPTER_WEIGHTS
 
     files = recipe["adapter"]["files"]
     read = _read(reader, list(files.values()))

@@ -4,7 +4,7 @@ The files hold what transformers' `save_pretrained` writes: the Hub's names and 
 recipe (`export_recipe`; `fullshard.lora.merge_recipe` for LoRA merged) mapping each Hub tensor to
 the state tensor it is, or the region of it (one expert of a fused MoE tensor), by transformers'
 own conversion run backwards (`fullshard.loading.convert.hub_views`). The same recipe drives the
-offline export and the weight stream (`fullshard.weights`), so all three give the same tensors.
+offline export and the weight stream (`fullshard.hf.stream`), so all three give the same tensors.
 
 No rank ever holds the whole model. Live, every file is created at its final size first (a
 safetensors header follows from names, shapes and dtypes alone), then every rank writes its own
@@ -32,13 +32,13 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from ..checkpoint import layout
 from ..distributed import all_ranks_agree_ok, broadcast_from_rank0, get_rank, get_world_size, run_agreed
 from ..dtypes import SAFETENSORS_NAMES, dtype_name, resolve_dtype
 from ..errors import CheckpointError
 from ..fsdp import model_class_name, reshard_all
 from ..loading.convert import HubView, hub_views
 from ..tensors import holds_part, replicated, tensor_aliases
-from . import layout
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
