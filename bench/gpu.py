@@ -176,7 +176,7 @@ def measure(peer: str, shape: dict, device: torch.device) -> dict:
                                                     shape["seq"]) / peak if peak else None,
               "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
               "estimate_gib": estimate / 2**30 if estimate is not None else None}
-    del model, optimizer
+    model = optimizer = None  # the closure above holds them: drop both before collecting
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -16,7 +16,7 @@ from fullshard.errors import ConfigError, PlanError
 from fullshard.lora import apply_lora
 from fullshard.parallel.ep import find_experts, owned_experts
 from fullshard.testing import build_model, reported_by_every_rank, run_distributed
-from fullshard.testing.compare import parity_problems, train_against_reference
+from harness.compare import parity_problems, train_against_reference
 from fullshard.testing.zoo import MOE_ZOO
 
 TOL = 1e-5
@@ -69,7 +69,7 @@ def _checkpoint_checks(root: str, ep: int) -> dict:
     from fullshard.checkpoint import CheckpointManager, export_checkpoint, export_hf
     from fullshard.checkpoint.export import own_rows
     from fullshard.testing import make_batch
-    from fullshard.testing.compare import full_state, step_on_slice
+    from harness.compare import full_state, step_on_slice
 
     root, name, rank, out = Path(root) / f"ep{ep}", "ep_mixtral", dist.get_rank(), {}
     if rank == 0:

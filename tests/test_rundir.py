@@ -5,11 +5,10 @@ once; and what the console tells about a run."""
 import json
 import logging
 import os
-import signal
 import socket
-import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -48,7 +47,7 @@ def test_one_run_per_directory_through_the_launcher(tmp_path):
     finally:
         first.kill()  # SIGKILL: no handler runs in the launcher
         first.wait()
-    assert no_process_left("held"), fullshard_processes("held")
+    assert no_process_left("held", cwd=tmp_path), fullshard_processes("held", tmp_path)
 
     fresh = run_cli("train", "tiny.yaml", "--train.output_dir=held", "--checkpoint.resume=none", "--nproc=2",
                     cwd=tmp_path)
@@ -138,7 +137,7 @@ def test_the_lock_refuses_a_live_run_and_takes_over_a_dead_ones(tmp_path, caplog
         in caplog.text
     # another host's lock: its process cannot be checked from here
     (tmp_path / LOCK_FILE).write_text(json.dumps({"host": "elsewhere", "pid": 1}))
-    with pytest.raises(ConfigError, match=rf"\(host elsewhere, PID 1, .*if that run is gone, delete "):
+    with pytest.raises(ConfigError, match=r"\(host elsewhere, PID 1, .*if that run is gone, delete "):
         RunLock(tmp_path).acquire()
 
 
@@ -258,7 +257,32 @@ def save_then_die_once(self, step, *args, **kwargs):
 
 
 CheckpointManager.save = save_then_die_once
-if os.environ["RANK"] == "1" and os.environ["TORCHELASTIC_RESTART_COUNT"] == "1":
+life = os.environ["TORCHELASTIC_RESTART_COUNT"]
+
+
+def torchruns_store():
+    import torch.distributed as dist
+
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+
+
+if life == "1" and os.environ["RANK"] == "0":
+    import torch.distributed as dist
+
+    class SaysItCounted(dist.TCPStore):  # the store fullshard opens on torchrun's
+        def add(self, key, amount):
+            count = super().add(key, amount)
+            if amount:  # rank 0 has counted itself in
+                self.set("die_once/rank0_arrived", "1")
+            return count
+
+    dist.TCPStore = SaysItCounted
+if life == "1" and os.environ["RANK"] == "1":
+    # the second life of rank 1 dies before it reaches the process group, once rank 0 of its group
+    # has: the third group of workers must still agree on its store prefix (counting arrivals split it)
+    torchruns_store().wait(["die_once/rank0_arrived"])
+    os._exit(18)
+if life == "2" and os.environ["RANK"] == "1":
     # the restarted rank 1 comes late: rank 0 must not take the dead rank 1's address, still in
     # torchrun's store, for the new one's (torch#135712: refused connections, or a hang)
     time.sleep(3)
@@ -266,14 +290,50 @@ sys.exit(main())
 """
 
 
+def test_restarted_groups_agree_on_their_store_prefix_whoever_died_before_counting():
+    """`distributed.group_key` over a store that outlives the groups (torchrun's): a group whose rank 1
+    died before counting itself in does not split the next group, however its ranks arrive."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from fullshard.distributed import group_key
+
+    store, world = dist.HashStore(), 3
+
+    def group(delays):
+        keys = [None] * world
+
+        def rank(r):
+            time.sleep(delays[r])
+            keys[r] = group_key(store, world, timedelta(seconds=20), poll_s=0.005)
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        return keys
+
+    first = group([0, 0.02, 0.01])
+    assert len(set(first)) == 1, first
+    store.add("fullshard/arrivals", 1)  # a group whose rank 0 counted itself in, then its rank 1 died
+    store.add("fullshard/arrivals", 1)
+    for delays in ([0.05, 0, 0.02], [0, 0.03, 0.06]):
+        keys = group(delays)
+        assert len(set(keys)) == 1 and keys[0] > first[0], (keys, first)
+        first = keys
+
+
 def test_workers_torchrun_restarts_resume_their_own_runs_checkpoints(tmp_path):
-    """`torchrun --max-restarts=1` with checkpoint.resume=none: rank 1 dies after the step-1 checkpoint;
-    the restarted workers continue from it (before: refused as another run's checkpoints)."""
+    """`torchrun --max-restarts=2` with checkpoint.resume=none: rank 1 dies after the step-1 checkpoint,
+    then dies again before it reaches the process group; the third group of workers continues from
+    that checkpoint (before: refused as another run's checkpoints; then a hang, the group split)."""
     (tmp_path / "tiny.yaml").write_text(CONFIG)
     (tmp_path / "die_once.py").write_text(DIE_ONCE)
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           "--max-restarts=1", "--monitor-interval=0.1", "die_once.py", "train", "tiny.yaml",
+                           "--max-restarts=2", "--monitor-interval=0.1", "die_once.py", "train", "tiny.yaml",
                            "--train.output_dir=elastic", "--checkpoint.resume=none", "--checkpoint.every=1",
+                           "--fsdp.timeout_s=60",
                            "--train.steps=3", "--checkpoint.export=false", "--train.plot=false"],
                           cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=300)
     output = done.stdout + done.stderr

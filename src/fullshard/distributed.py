@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -113,16 +114,50 @@ def _restarted_workers_store(timeout: timedelta) -> dist.Store | None:
     """torchrun hands its workers the agent's own TCPStore and keeps that store over restarts of
     the workers, with nothing to tell one group of workers' keys from the last one's
     (pytorch#135712): a restarted rank can read a dead rank's gloo address or NCCL id and fail with
-    a refused connection, or hang. Each group gets its own prefix: every rank counts itself in once,
-    so the n-th group to start reads counts n*world+1 .. (n+1)*world, the same on every node (a
-    restart count would not be: torchrun increments it only on the node that failed)."""
+    a refused connection, or hang. Each group gets its own prefix, `group_key`'s."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
-    world = int(os.environ["WORLD_SIZE"])
-    shared = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+    shared = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                            timeout=timeout)
-    group = (shared.add("fullshard/workers_started", 1) - 1) // world
-    return dist.PrefixStore(f"fullshard/workers_{group}", shared)
+    return dist.PrefixStore(f"fullshard/workers_{group_key(shared, int(os.environ['WORLD_SIZE']), timeout)}",
+                            shared)
+
+
+def group_key(store: dist.Store, world: int, timeout: timedelta, poll_s: float = 0.02) -> int:
+    """A number every rank of this group of workers agrees on and no earlier group had, read from a
+    store that outlives the groups. Nothing torchrun tells the workers would do: its restart count
+    goes up only on the node whose workers failed (the others restart theirs unchanged), and the
+    rendezvous round stays inside the agents. Counting arrivals (n-th group: counts n*world+1 ..)
+    breaks once a rank of some group died before counting: every later group splits.
+
+    The store's counter orders arrivals instead: every rank of a dead group counted (if at all)
+    before any rank of this one started (torchrun stops a group before starting the next), so
+    this group's counts are all above theirs. Each rank counts itself in, then confirms the
+    counter's current value `m` under `confirm/m`; a confirmation of `m` can come only from a rank
+    that counted at or below `m` in this group, so `world` of them mean every rank has counted and
+    `m` is the last count: the same number for every rank. One read and at most one add a poll."""
+    import time
+
+    store.add("fullshard/arrivals", 1)
+    deadline, confirmed = time.monotonic() + timeout.total_seconds(), None
+    while True:
+        last = store.add("fullshard/arrivals", 0)
+        if last != confirmed:
+            confirmed = last
+            if store.add(f"fullshard/confirm_{last}", 1) >= world:
+                return last
+        elif store.add(f"fullshard/confirm_{last}", 0) >= world:
+            return last
+        if time.monotonic() > deadline:
+            raise FullshardError(f"{world} workers did not all start within {timeout.total_seconds():.0f} s "
+                                 f"(torchrun's store counted {last} arrivals)")
+        if STOP_ASKED.is_set():  # torchrun stopping this group (another worker failed): nothing to wait for
+            raise FullshardError("stopped while waiting for the other workers to start")
+        time.sleep(poll_s)
+
+
+# set by a stop signal (`train.stop`): a wait for other workers to start gives up at once
+STOP_ASKED = threading.Event()
 
 
 def _check_devices_per_node(device_type: str) -> None:

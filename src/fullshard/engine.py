@@ -10,15 +10,14 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import Shard
 
+from .activation_offload import apply_activation_offload
 from .compile import compile_blocks, set_block_prefetch
-from .dtypes import DTYPES
 from .distributed import (
     Meshes,
     ParallelDims,
@@ -29,28 +28,27 @@ from .distributed import (
     init_distributed,
     shard_mesh,
 )
+from .dtypes import DTYPES
 from .errors import ConfigError, PlanError
 from .float8 import check_float8_config, check_float8_device, convert_to_float8
-from .activation_offload import apply_activation_offload
-from .fsdp import (ac_mode, apply_activation_checkpointing, keep_output_capturing,
-                   needs_weight_in_backward)
+from .fsdp import ac_mode, apply_activation_checkpointing, keep_output_capturing, needs_weight_in_backward
 from .loading import materialize_and_load
-from .log import warn_rank0
 from .loading.materialize import tie_declared_weights
 from .loading.rank0 import LOADED, RANK0, agree_on_layout, init_from_rank0
+from .log import warn_rank0
 from .parallel.cp import check_context_parallel, enable_context_parallel
 from .parallel.ep import apply_expert_parallel, check_expert_parallel, global_router_loss
 from .parallel.ep_lists import agree_on_expert_calls, apply_expert_lists
 from .parallel.images import agree_on_images
 from .parallel.pp import check_pipeline_config, prepare_pipeline
 from .parallel.tp import apply_tp_styles, plan_assignments, resolve_tp_plan
-from .plan import ShardingPlan, build_plan
-from .towers import freeze
+from .plan.build import ShardingPlan, build_plan
+from .plan.towers import freeze
 
 
 @dataclass
 class EngineConfig:
-    """Everything that decides how a model is sharded. The seed-000 `dist_config` dict maps onto it.
+    """Everything that decides how a model is sharded. LLaMA-Factory's FSDP2 `dist_config` dict maps onto it.
 
     mixed_precision: compute dtype of the all-gathered weights (bf16 / fp16 / fp32); the sharded
         master weights keep their own dtype and gradients are reduced in `reduce_dtype`.
@@ -71,7 +69,7 @@ class EngineConfig:
         torchao (`fullshard.float8`; needs `fullshard[float8]` and an SM 8.9+ GPU or the CPU);
         tensorwise also all-gathers their weights in float8. Weights stay in the model's dtype.
     float8_skip: globs of further Linear layers to keep in high precision.
-    plan: "auto", a seed-003 `fsdp_plan` dict, or a `ShardingPlan`.
+    plan: "auto", a transformers `fsdp_plan` dict, or a `ShardingPlan`.
     dp_replicate / dp_shard: the mesh (HSDP when dp_replicate > 1).
     compile: `torch.compile` each block in place before sharding (`fullshard.compile`); True uses
         inductor, a string names another `torch.compile` backend (torchtitan's `compile.backend`).
@@ -93,7 +91,7 @@ class EngineConfig:
     freeze: parts left untrained, set before sharding (no gradients, no optimizer state): the words
         vision / audio / projector / language, or globs over module and parameter names; "auto" freezes a
         VLM's vision (and an Omni model's audio) tower and nothing of other models; [] or "none" trains
-        everything (`fullshard.towers`).
+        everything (`fullshard.plan.towers`).
     """
 
     mixed_precision: str = "fp32"
@@ -152,7 +150,7 @@ class EngineConfig:
     @classmethod
     def from_any(cls, config: "EngineConfig | dict | None", **overrides) -> "EngineConfig":
         """An `EngineConfig` from itself, a dict, or a config object (a dataclass such as
-        LLaMA-Factory's `FSDP2Params`, or a mapping such as its `PluginConfig`). Keys of seed 000's
+        LLaMA-Factory's `FSDP2Params`, or a mapping such as its `PluginConfig`). Keys of LLaMA-Factory's
         set that fullshard has no use for are named once in a warning and dropped, `bf16` is read
         as `mixed_precision`; any other unknown key is refused."""
         values = cls.values_of(config)
@@ -185,7 +183,7 @@ class EngineConfig:
         raise TypeError(f"dist_config must be a dict, a dataclass or an EngineConfig, got {type(config).__name__}")
 
 
-# seed 000's keys (LLaMA-Factory's `dist_config` / `FSDP2Params`) that fullshard accepts and ignores
+# the keys of LLaMA-Factory's FSDP2 plugin (its `dist_config` / `FSDP2Params`) that fullshard accepts and ignores
 SEED_ONLY_KEYS = {"name": "its distributed plugin's name"}
 
 
@@ -198,7 +196,9 @@ class FSDP2Engine:
     and FSDP the others). `self.mesh` is the mesh FSDP shards over.
     """
 
-    def __init__(self, dist_config: EngineConfig | dict | None = None, device_mesh: DeviceMesh | None = None, **overrides):
+    def __init__(
+        self, dist_config: EngineConfig | dict | None = None, device_mesh: DeviceMesh | None = None, **overrides
+    ):
         self.config = EngineConfig.from_any(dist_config, **overrides)
         self.device_type = device_mesh.device_type if device_mesh is not None else detect_device_type()
         self.device = init_distributed(self.device_type, timeout_s=self.config.timeout_s)
@@ -221,7 +221,7 @@ class FSDP2Engine:
         return shard_mesh(self.mesh).size()
 
     def get_mp_policy(self, enabled: bool | None = None) -> MixedPrecisionPolicy:
-        """The mixed-precision policy; `enabled=True` on an fp32 engine means bf16 (seed 003's flag)."""
+        """The mixed-precision policy; `enabled=True` on an fp32 engine means bf16 (transformers' flag)."""
         name = self.config.mixed_precision
         if enabled is False or (enabled is None and name == "fp32"):
             return MixedPrecisionPolicy()
@@ -411,7 +411,7 @@ class FSDP2Engine:
 
 def meshes_of(device_mesh: DeviceMesh, config: EngineConfig) -> tuple[Meshes, ParallelDims]:
     """Split a caller's mesh: a dim named "tp" is tensor parallel, the others (one, or two for HSDP)
-    are FSDP's, as in seed 003's ("fsdp", "tp") mesh. A tp dim of size 1 still applies the plan."""
+    are FSDP's, as in transformers' ("fsdp", "tp") mesh. A tp dim of size 1 still applies the plan."""
     names = device_mesh.mesh_dim_names or ()
     for key in ("cp_size", "pp_size", "ep_size"):
         if getattr(config, key) > 1:
@@ -427,11 +427,14 @@ def meshes_of(device_mesh: DeviceMesh, config: EngineConfig) -> tuple[Meshes, Pa
         rest = tuple(n for n in names if n != "tp")
         meshes = Meshes(world=device_mesh, fsdp=device_mesh[rest] if len(rest) > 1 else device_mesh[rest[0]], tp=tp)
     shape = tuple(meshes.fsdp.shape)
-    dims = ParallelDims(dp_replicate=shape[0] if len(shape) > 1 else 1, dp_shard=shape[-1], world_size=device_mesh.size(),
-                        tp=meshes.tp.size() if meshes.tp is not None else 1)
+    dims = ParallelDims(dp_replicate=shape[0] if len(shape) > 1 else 1, dp_shard=shape[-1],
+                        world_size=device_mesh.size(), tp=meshes.tp.size() if meshes.tp is not None else 1)
     return meshes, dims
 
 
-def apply_fsdp2(model: nn.Module, device_mesh: DeviceMesh | None = None, fsdp_plan: dict | str | None = None, **config):
-    """Seed 003's entry point: shard `model` over `device_mesh` following `fsdp_plan`."""
-    return FSDP2Engine(dict(config, plan=fsdp_plan or "auto"), device_mesh=device_mesh).prepare_model(model)
+def __getattr__(name: str):
+    if name == "apply_fsdp2":  # transformers' entry point, now a face of its own (its old home was here)
+        import importlib
+
+        return importlib.import_module("fullshard.faces.transformers").apply_fsdp2
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -15,7 +15,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.utils.checkpoint import checkpoint
 
 from .errors import ConfigError
-from .plan import find_blocks
+from .plan.blocks import find_blocks
 
 
 def is_on_meta(model: nn.Module) -> bool:

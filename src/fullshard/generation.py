@@ -95,10 +95,10 @@ def model_directory(path: str):
     import tempfile
     from pathlib import Path
 
-    from .checkpoint import export_checkpoint
     from .checkpoint.layout import is_complete
     from .distributed import barrier, broadcast_from_rank0, get_rank, run_agreed
     from .errors import CheckpointError
+    from .hf.offline import export_checkpoint
 
     local = Path(path)
     checkpoint = local.is_dir() and (is_complete(local) or not (local / "config.json").is_file())
@@ -144,7 +144,9 @@ def generate_text(path: str, prompts: list[str], *, max_new_tokens: int = 64, do
         tokenizer.pad_token = tokenizer.eos_token
     mine = list(range(rank, len(prompts), world))
     texts = [prompt_text(tokenizer, prompts[i]) for i in mine]
-    encoded = tokenizer(texts or [""], return_tensors="pt", padding=True, add_special_tokens=not tokenizer.chat_template)
+    encoded = tokenizer(
+        texts or [""], return_tensors="pt", padding=True, add_special_tokens=not tokenizer.chat_template
+    )
     ids, mask = (encoded["input_ids"], encoded["attention_mask"]) if texts else (encoded["input_ids"][:0], None)
     sampling = dict(do_sample=True, temperature=temperature) if do_sample else dict(do_sample=False)
     output = generate(model, ids, mask, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, **sampling)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from .chat import IGNORE_INDEX, RecordError, as_messages, as_tools, chat_template_of, tokenize_chat
 
-FORMATS = ("text", "chat")
+FORMATS = ("text", "chat", "preference")
 OVERLONG = ("drop", "truncate")
 
 
@@ -13,12 +13,14 @@ def layouts(section) -> tuple[tuple[str, ...], ...]:
     """The alternative column sets a format reads, first match wins."""
     if section.format == "chat":
         return (section.messages_field,), (section.prompt_field, section.response_field)
+    if section.format == "preference":
+        return (section.prompt_field, "chosen", "rejected"), ("chosen", "rejected")
     return ((section.text_field,),)
 
 
 def optional_fields(section) -> tuple[str, ...]:
     """Fields read when a source has them: a chat record's `tools`, passed to the template."""
-    return (section.tools_field,) if section.format == "chat" else ()
+    return (section.tools_field,) if section.format in ("chat", "preference") else ()
 
 
 class Tokenize:
@@ -44,7 +46,10 @@ class Tokenize:
             docs = [doc + [eos] for doc in ids]
             if self.packing:
                 return {"input_ids": docs}
-            return {"input_ids": [self._fit(doc, doc)[0] for doc in docs], "truncated": list(map(self._truncates, docs))}
+            return {
+                "input_ids": [self._fit(doc, doc)[0] for doc in docs],
+                "truncated": list(map(self._truncates, docs)),
+            }
         out = {"input_ids": [], "labels": [], "truncated": []}
         messages, prompt, response = self.chat_fields
         for k, row in enumerate(indices):

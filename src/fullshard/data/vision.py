@@ -36,6 +36,7 @@ import torch
 from ..errors import ConfigError
 from .chat import IGNORE_INDEX, ROLES, RecordError, assistant_spans
 from .pack import IMAGES as IMAGE_KEY, ROPE_COLUMNS
+
 PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
 # what a processor returns that is no per-token column nor image tensor (a prefix LM's processor
 # returns its own labels too: ours come from the assistant turns)
@@ -63,7 +64,8 @@ def load_processor(name: str, trust_remote_code: bool = False):
 
     if Path(name).is_dir() and not any((Path(name) / f).is_file() for f in PROCESSOR_FILES):
         raise ConfigError(f"model.name_or_path={name!r} is a vision-language model without a processor (none of "
-                          f"{', '.join(PROCESSOR_FILES)}): save the model's processor beside it (processor.save_pretrained)")
+                          f"{', '.join(PROCESSOR_FILES)}): save the model's processor beside it "
+                          "(processor.save_pretrained)")
     try:
         processor = AutoProcessor.from_pretrained(name, trust_remote_code=trust_remote_code)
     except Exception as err:  # noqa: BLE001 - transformers raises many types here; each becomes one line
@@ -338,7 +340,8 @@ class VisionTokenize:
                                    f"{replaced} placeholder(s) expanded for {count} image(s)")
 
     def _labels(self, ids: np.ndarray, text: str, spans, encoded, is_image: np.ndarray) -> np.ndarray:
-        """Targets: tokens starting inside an assistant turn (moved past the expanded placeholders) that are no image tokens."""
+        """Targets: tokens starting inside an assistant turn (moved past the expanded placeholders)
+        that are no image tokens."""
         starts = np.asarray([start for start, _ in encoded["offset_mapping"][0]], np.int64)
         replacements = encoded.get("text_replacement_offsets", [[]])[0]
         ends = np.asarray([r["span"][1] for r in replacements], np.int64)
@@ -361,7 +364,8 @@ class VisionTokenize:
         return np.where(trained & answer & ~is_image, ids, IGNORE_INDEX)
 
     def _cut(self, is_image: np.ndarray) -> tuple[int, int]:
-        """Where an overlong document is cut (at most seq_len tokens, never inside an image) and how many images stay."""
+        """Where an overlong document is cut (at most seq_len tokens, never inside an image) and how
+        many images stay."""
         cut = self.seq_len
         while 0 < cut < len(is_image) and is_image[cut] and is_image[cut - 1]:
             cut -= 1

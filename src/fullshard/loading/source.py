@@ -25,9 +25,9 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from ..errors import LoadError
 from .bin_reader import BinReader
 from .convert import Converted, ignored_unexpected, plan_keys, transformers_conversions
-from ..errors import LoadError
 from .readers import TensorReader
 from .resolve import CheckpointFiles, find_checkpoint_files
 from .safetensors_reader import SafetensorsReader

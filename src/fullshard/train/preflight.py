@@ -35,8 +35,8 @@ def check_before_launch(config: TrainConfig, world_size: int):
         from ..lora import apply_lora
 
         model = apply_lora(model, config.lora.peft_fields())
-    from ..plan import build_plan
-    from ..towers import freeze
+    from ..plan.build import build_plan
+    from ..plan.towers import freeze
 
     freeze(model, config.freeze)  # a word or pattern naming nothing: one line, before launch
     try:
@@ -104,8 +104,8 @@ def check_resumed_checkpoint(config: TrainConfig, model) -> None:
     where = f"checkpoint.resume={resume}"
     missing, unexpected, reshaped = weights_apart(metadata, model.state_dict(), model)
     if missing or unexpected or reshaped:
-        counts = ", ".join(f"{len(keys)} {what}" for keys, what in ((missing, "missing from it"), (unexpected, "only in it"),
-                                                                  (reshaped, "of another shape")) if keys)
+        kinds = ((missing, "missing from it"), (unexpected, "only in it"), (reshaped, "of another shape"))
+        counts = ", ".join(f"{len(keys)} {what}" for keys, what in kinds if keys)
         keys = [*missing, *unexpected, *reshaped]
         raise CheckpointError(f"{where}: checkpoint {checkpoint} does not fit this model ({counts}: "
                               f"{', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''}): use the model it was trained "

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..distributed import get_rank
+from ..distributed import STOP_ASKED, get_rank
 from ..log import log_rank0
 
 STOP_FILE_ENV = "FULLSHARD_STOP_FILE"
@@ -60,6 +60,7 @@ class StopRequest:
             signal.raise_signal(signum)
             return
         self.signal = signum
+        STOP_ASKED.set()
 
     def local(self) -> bool:
         """Whether this process was asked to stop (no communication)."""

@@ -39,9 +39,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..objectives.logprobs import DEFAULT_LOSS_CHUNK_TOKENS, chunkable_head
 from ..parallel.tp import TP_STYLES
-from ..plan import ShardingPlan, shard_bytes
-from .chunked_loss import DEFAULT_LOSS_CHUNK_TOKENS, chunkable_head
+from .build import ShardingPlan, shard_bytes
 
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0}
 LOSS_TRANSIENT_BYTES_PER_LOGIT = 8  # the logits' fp32 copy and the log-softmax gradient, beyond the saved output
@@ -196,7 +196,7 @@ def frozen_inputs(model: nn.Module) -> int:
     base): a frozen Linear keeps no input for a weight gradient. Counted once per parent module and
     input width (a shared input, as gate and up projections have, is one tensor), and not where an
     adapter wraps the layer (its own input is saved)."""
-    from ..plan import find_blocks
+    from .blocks import find_blocks
 
     layer = next((model.get_submodule(name) for name in find_blocks(model)
                   if any(True for _ in model.get_submodule(name).parameters())), None)
@@ -250,21 +250,15 @@ def estimate_memory(model: nn.Module, plan: ShardingPlan, shard_size: int, micro
     # the layers' projections split over tp (the auto plan's are): their activations are split too
     layer_tp = tp_size if any(".layers." in f".{name}." for name in (tp_assignments or {})) else 1
     head = chunked_head(model, loss_chunk_tokens, tp_assignments or {}) if last else None
-    activations = in_flight * activation_bytes(config, micro_batch_size, seq_len, compute_bytes,
-                                               activation_checkpointing, chunked_loss=head is not None,
-                                               layers=layers, first=first, last=last, tp=layer_tp, cp=cp_size,
-                                               ac_every=ac_every)
+    activations = in_flight * activation_bytes(
+        config, micro_batch_size, seq_len, compute_bytes, activation_checkpointing, chunked_loss=head is not None,
+        layers=layers, first=first, last=last, tp=layer_tp, cp=cp_size, ac_every=ac_every)
     activations += in_flight * tokens * compute_bytes * layout_values(
         model, config, expert_units(model, ep_size, shard_size * cp_size), activation_checkpointing, layers,
         first, last, stage is not None, head is None)
     loss, saved_loss = loss_bytes(config, head, tokens, compute_bytes, loss_chunk_tokens, in_flight) if last else (0, 0)
-    # a checkpointed layer's backward recomputes its activations, freeing them as their gradients
-    # arrive: about one layer's worth at its highest, measured (bench_memory)
-    layer = (compute_bytes * layer_activation_values(config, layer_tp, cp_size)
-             + 2 * norm_upcast_bytes(config, compute_bytes))
-    recomputes = checkpointed_layers(layers or config.num_hidden_layers, activation_checkpointing,
-                                     ac_every) > 0
-    recompute = tokens * layer if recomputes else 0
+    recompute = recompute_bytes(config, tokens, compute_bytes, layer_tp, cp_size, layers, activation_checkpointing,
+                                ac_every)
     full = sorted(units["full"].values(), reverse=True)
     largest = max(units["full"], key=units["full"].get)
     reduce_copy = reduce_dtype.itemsize if reduce_dtype != compute_dtype else 0
@@ -282,6 +276,16 @@ def estimate_memory(model: nn.Module, plan: ShardingPlan, shard_size: int, micro
         pipeline_gradients=units["trainable_numel"] * compute_bytes if stage is not None else 0,
         gradients_between_forwards=stage is not None and not all_forwards_first,
     )
+
+
+def recompute_bytes(config, tokens: int, compute_bytes: int, tp: int, cp: int, layers: int | None,
+                    activation_checkpointing, ac_every: int) -> int:
+    """A checkpointed layer's backward recomputes its activations, freeing them as their gradients
+    arrive: about one layer's worth at its highest, measured (bench_memory); 0 when none is."""
+    if checkpointed_layers(layers or config.num_hidden_layers, activation_checkpointing, ac_every) == 0:
+        return 0
+    layer = compute_bytes * layer_activation_values(config, tp, cp) + 2 * norm_upcast_bytes(config, compute_bytes)
+    return tokens * layer
 
 
 def layout_values(model: nn.Module, config, experts: dict, activation_checkpointing, layers: int | None,
@@ -317,8 +321,8 @@ def loss_bytes(config, head: nn.Module | None, tokens: int, compute_bytes: int, 
     chunk_bytes = CHUNK_BYTES_PER_LOGIT + (compute_bytes if compute_bytes < 4 else 0)
     head_bytes = sum(p.numel() for p in head.parameters()) * compute_bytes
     trains_head = any(p.requires_grad for p in head.parameters())  # a frozen head (LoRA) gets no gradient
-    loss = (min(loss_chunk_tokens, tokens) * config.vocab_size * chunk_bytes + (1 + trains_head * in_flight) * head_bytes
-            + tokens * config.hidden_size * compute_bytes)
+    loss = (min(loss_chunk_tokens, tokens) * config.vocab_size * chunk_bytes
+            + (1 + trains_head * in_flight) * head_bytes + tokens * config.hidden_size * compute_bytes)
     return loss, tokens * config.hidden_size * compute_bytes
 
 
@@ -338,8 +342,9 @@ class TensorParallelSplit:
     """What a tp rank holds of each parameter: its shape after torch's TP style, as a meta tensor."""
 
     # (style kind, module type, parameter) -> the dim torch's style splits; absent: kept whole
-    DIMS = {("colwise", nn.Linear, "weight"): 0, ("colwise", nn.Linear, "bias"): 0, ("colwise", nn.Embedding, "weight"): 1,
-            ("rowwise", nn.Linear, "weight"): 1, ("rowwise", nn.Embedding, "weight"): 0}
+    DIMS = {("colwise", nn.Linear, "weight"): 0, ("colwise", nn.Linear, "bias"): 0,
+            ("colwise", nn.Embedding, "weight"): 1, ("rowwise", nn.Linear, "weight"): 1,
+            ("rowwise", nn.Embedding, "weight"): 0}
 
     def __init__(self, model: nn.Module, assignments: dict[str, str], tp_size: int):
         self.modules, self.assignments, self.tp_size = dict(model.named_modules()), assignments, tp_size
@@ -375,12 +380,15 @@ def expert_units(model: nn.Module, ep_size: int, shard_size: int) -> dict[str, t
     kept_whole = ep_size == shard_size
     units = {f"{e.name}.{p}": (e.name, ep_size, kept_whole) for e in find_experts(model) for p in e.params}
     for name in per_expert_module_lists(model):  # each rank gathers (or keeps) its experts of the list
-        units.update({f"{name}.{p}": (name, ep_size, kept_whole) for p, _ in model.get_submodule(name).named_parameters()})
+        units.update(
+            {f"{name}.{p}": (name, ep_size, kept_whole) for p, _ in model.get_submodule(name).named_parameters()}
+        )
     return units
 
 
 def _unit_bytes(model: nn.Module, plan: ShardingPlan, shard_size: int, compute_dtype: torch.dtype, optimizer: str,
-                block: int, split: TensorParallelSplit, experts: dict[str, tuple[str, int, bool]] | None = None) -> dict:
+                block: int, split: TensorParallelSplit,
+                experts: dict[str, tuple[str, int, bool]] | None = None) -> dict:
     """Per FSDP unit: its all-gathered bytes in the compute dtype (a tp rank gathers its 1/tp), its
     element count and this rank's gradient shard; over the model: this rank's parameter shard and
     the allocator's rounding."""
@@ -401,7 +409,8 @@ def _unit_bytes(model: nn.Module, plan: ShardingPlan, shard_size: int, compute_d
         if full_param.requires_grad:
             out["trainable_numel"] += param.numel()
             out["grad"][unit] = out["grad"].get(unit, 0) + per_rank
-        copies = 1 + (1 + OPTIMIZER_STATES[optimizer]) * full_param.requires_grad  # the weight, its gradient and moments
+        # the weight, its gradient and moments
+        copies = 1 + (1 + OPTIMIZER_STATES[optimizer]) * full_param.requires_grad
         out["rounding"] += copies * (-(-per_rank // block) * block - per_rank)
     return out
 
@@ -486,7 +495,7 @@ def estimate_run(model: nn.Module, engine, world_size: int, micro_batch_size: in
     per pipeline stage."""
     from ..distributed import ParallelDims
     from ..engine import EngineConfig
-    from ..plan import build_plan
+    from .build import build_plan
 
     engine = EngineConfig.from_any(engine)
     dims = ParallelDims(engine.dp_replicate, engine.dp_shard, world_size, cp=engine.cp_size, tp=engine.tp_size,

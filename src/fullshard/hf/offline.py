@@ -17,20 +17,32 @@ from typing import Iterator
 
 import torch
 
+from ..checkpoint import layout
+from ..checkpoint.read import CheckpointReader
 from ..dtypes import dtype_name, resolve_dtype
 from ..errors import CheckpointError
 from ..fsdp import model_class_name
-from . import layout
-from .export import (DEFAULT_SHARD_SIZE, Entry, SafetensorsStream, export_config, export_recipe, finish_directory,
-                     merge_lora, parse_size, plan_files, recipe_view, source_dtype, staging_dir, written_dtype)
-from .read import CheckpointReader
+from .export import (
+    DEFAULT_SHARD_SIZE,
+    Entry,
+    SafetensorsStream,
+    export_config,
+    export_recipe,
+    finish_directory,
+    merge_lora,
+    parse_size,
+    plan_files,
+    recipe_view,
+    source_dtype,
+    staging_dir,
+    written_dtype,
+)
+from .lora import ADAPTER_WEIGHTS, is_peft_model, merge_recipe
 
 
 def model_meta(model: torch.nn.Module, shapes: dict) -> dict:
     """What an offline export needs to know of the model: class, source dtype and the export recipe
     (`shapes`: every state key of the whole model -> its shape)."""
-    from ..lora import is_peft_model, merge_recipe  # lora imports checkpoint.export: not at import time
-
     base = model.get_base_model() if is_peft_model(model) else model
     try:
         recipe = merge_recipe(model, shapes) if base is not model else export_recipe(model, shapes)
@@ -59,7 +71,9 @@ def _read(reader: CheckpointReader, keys: list[str]) -> dict[str, torch.Tensor]:
     for key in keys:
         item = reader.metadata.state_dict_metadata.get(f"model.{key}")
         if item is None or not hasattr(item, "size"):
-            raise CheckpointError(f"{reader.checkpoint}: tensor {key!r} is in the export recipe but not in the DCP index")
+            raise CheckpointError(
+                f"{reader.checkpoint}: tensor {key!r} is in the export recipe but not in the DCP index"
+            )
         state[f"model.{key}"] = torch.empty(tuple(item.size), dtype=item.properties.dtype)
     reader.read(state)
     return {key: state[f"model.{key}"] for key in keys}
@@ -106,8 +120,6 @@ def _write_adapter(reader: CheckpointReader, recipe: dict, staging: Path) -> Non
     """The PEFT adapter beside the merged model (`adapter/`), as `save_adapter` writes it."""
     from safetensors.torch import save_file
 
-    from ..lora import ADAPTER_WEIGHTS
-
     files = recipe["adapter"]["files"]
     read = _read(reader, list(files.values()))
     target = staging / layout.ADAPTER_DIR
@@ -135,7 +147,9 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, output_dir: str | os.Pa
     for name, key in recipe["names"].items():
         item = index.get(f"model.{key}")
         if item is None or not hasattr(item, "size"):
-            raise CheckpointError(f"{checkpoint}: tensor {key!r} is listed in {layout.MODEL_META} but not in the DCP index")
+            raise CheckpointError(
+                f"{checkpoint}: tensor {key!r} is listed in {layout.MODEL_META} but not in the DCP index"
+            )
         view = recipe_view(recipe, name).view
         written = written_dtype(recipe, name, item.properties.dtype, out_dtype)
         entries.append(Entry(name, tuple(view[0] if view else item.size), written))

@@ -4,7 +4,7 @@ The files hold what transformers' `save_pretrained` writes: the Hub's names and 
 recipe (`export_recipe`; `fullshard.lora.merge_recipe` for LoRA merged) mapping each Hub tensor to
 the state tensor it is, or the region of it (one expert of a fused MoE tensor), by transformers'
 own conversion run backwards (`fullshard.loading.convert.hub_views`). The same recipe drives the
-offline export and the weight stream (`fullshard.weights`), so all three give the same tensors.
+offline export and the weight stream (`fullshard.hf.stream`), so all three give the same tensors.
 
 No rank ever holds the whole model. Live, every file is created at its final size first (a
 safetensors header follows from names, shapes and dtypes alone), then every rank writes its own
@@ -29,16 +29,16 @@ from typing import Callable
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import _StridedShard
 
+from ..checkpoint import layout
 from ..distributed import all_ranks_agree_ok, broadcast_from_rank0, get_rank, get_world_size, run_agreed
 from ..dtypes import SAFETENSORS_NAMES, dtype_name, resolve_dtype
 from ..errors import CheckpointError
 from ..fsdp import model_class_name, reshard_all
 from ..loading.convert import HubView, hub_views
 from ..tensors import holds_part, replicated, tensor_aliases
-from . import layout
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -278,12 +278,16 @@ class SafetensorsStream:
     def write(self, name: str, tensor: torch.Tensor) -> None:
         expected, nbytes = self.pending.pop(0)
         if name != expected or tensor.numel() * tensor.element_size() != nbytes:
-            raise CheckpointError(f"{self.path}: got {name!r} ({tuple(tensor.shape)}) where {expected!r} of {nbytes} bytes belongs")
+            raise CheckpointError(
+                f"{self.path}: got {name!r} ({tuple(tensor.shape)}) where {expected!r} of {nbytes} bytes belongs"
+            )
         self.handle.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data)
 
     def close(self) -> None:
         if self.pending:
-            raise CheckpointError(f"{self.path}: {len(self.pending)} tensors never arrived, first {self.pending[0][0]!r}")
+            raise CheckpointError(
+                f"{self.path}: {len(self.pending)} tensors never arrived, first {self.pending[0][0]!r}"
+            )
         self.handle.flush()
         os.fsync(self.handle.fileno())
         self.handle.close()
@@ -569,7 +573,9 @@ def write_export(model: torch.nn.Module, output_dir: str | os.PathLike, state: d
     output_dir = Path(output_dir)
     config = config_json(model)
     if config is None:
-        raise CheckpointError(f"{type(model).__name__} has no Hugging Face config: export_hf needs a transformers model")
+        raise CheckpointError(
+            f"{type(model).__name__} has no Hugging Face config: export_hf needs a transformers model"
+        )
     out_dtype = resolve_dtype(dtype) or source_dtype(model)
     max_bytes = parse_size(max_shard_size)
     entries = recipe_entries(recipe, state, out_dtype)
@@ -581,15 +587,18 @@ def write_export(model: torch.nn.Module, output_dir: str | os.PathLike, state: d
     staging = Path(broadcast_from_rank0(str(staging_dir(output_dir)) if get_rank() == 0 else None))
     layouts = [(staging / fname, group, *safetensors_header(group)) for fname, group in files]
     headers = {path: (lead, len(lead) + sum(e.nbytes for e in group)) for path, group, lead, _ in layouts}
-    places = {entry.name: (path, offset) for path, group, _, offsets in layouts for entry, offset in zip(group, offsets)}
+    places = {
+        entry.name: (path, offset) for path, group, _, offsets in layouts for entry, offset in zip(group, offsets)
+    }
     run_agreed(lambda: staging.mkdir(parents=True) or create_files(headers), on_rank=0, error_type=CheckpointError)
     writer = RegionWriter()
     try:
         write_units(writer, units, state, places, staged)
         error = writer.finish()
         all_ranks_agree_ok(not error, error, CheckpointError)
-        run_agreed(lambda: finish_directory(staging, output_dir, files, export_config(config, model_class_name(model), out_dtype),
-                                             generation_config_json(model), tokenizer), on_rank=0, error_type=CheckpointError)
+        hf_config = export_config(config, model_class_name(model), out_dtype)
+        run_agreed(lambda: finish_directory(staging, output_dir, files, hf_config, generation_config_json(model),
+                                            tokenizer), on_rank=0, error_type=CheckpointError)
     except BaseException:
         writer.finish(sync=False)
         if get_rank() == 0:

@@ -1,0 +1,16 @@
+"""The pieces of an RL update that a framework calls a training backend for.
+
+Advantages (`group_advantages`, `rloo_advantages`), the policy loss (`policy_loss`: PPO with dual
+clip, GSPO, CISPO, every aggregation mode of verl), KL estimators (`kl_penalty`), the counts that
+make aggregation global (`global_counts`) and token-budget micro-batches (`token_batches`), with
+verl's (`verl.trainer.ppo.core_algos`) semantics.
+"""
+
+from .advantages import group_advantages, rloo_advantages
+from .batches import token_batches
+from .counts import GlobalCounts, global_counts
+from .losses import AGG_MODES, KL_KINDS, LOSS_TYPES, aggregate, kl_penalty, masked_mean, policy_loss
+
+__all__ = ["AGG_MODES", "GlobalCounts", "KL_KINDS", "LOSS_TYPES", "aggregate", "global_counts",
+           "group_advantages", "kl_penalty", "masked_mean", "policy_loss", "rloo_advantages",
+           "token_batches"]
