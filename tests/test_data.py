@@ -214,6 +214,18 @@ def test_bad_data_is_named_by_file_and_line(tmp_path):
     odd = write_jsonl(tmp_path / "odd.jsonl", [{"text": "no conversation"}])
     fails(r"odd.jsonl:1 has no field 'messages' or 'prompt'\+'response'",
           section(tmp_path, path=str(odd), format="chat"), chat)
+    # a template failing on a record names file and line, and text parts handed to a string-only template
+    strings_only = ("{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] + '<|end|>' }}{% endfor %}"
+                    "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    hi, yo = {"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}
+    parts = write_jsonl(tmp_path / "parts.jsonl", [{"messages": [hi, yo]}, {"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "hi"}]}, yo]}])
+    fails(r"parts.jsonl:2 cannot be rendered by the chat template \(TypeError: .*\): its turns give content as "
+          r"text parts .*this template only takes strings",
+          section(tmp_path, path=str(parts), format="chat", chat_template=strings_only), chat)
+    fails(r"parts.jsonl:1 cannot be rendered by the chat template \(TemplateError: no system turn\)$",
+          section(tmp_path, path=str(parts), format="chat", chat_template="{{ raise_exception('no system turn') }}"),
+          chat)
     with pytest.raises(ConfigError, match="data.format=.chats.: input should be .text. or .chat."):
         load_config(None, ["--data.format=chats"])
 

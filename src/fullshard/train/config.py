@@ -77,7 +77,7 @@ class DataSection:
     """the split of a saved DatasetDict or a Hub dataset"""
     format: Literal["text", "chat", "preference"] = "text"
     """text: every token trains; chat: conversations rendered with the chat template, only assistant turns train;
-    preference: prompt / chosen / rejected records (TRL's formats; train.objective dpo or reward)"""
+    preference: prompt / chosen / rejected records (TRL's formats; train.objective=dpo)"""
     text_field: str = "text"
     """the field of a JSON / Parquet record holding the document (format text)"""
     messages_field: str = "messages"
@@ -261,8 +261,6 @@ class PreferenceSection:
     reference: Literal["auto", "model", "adapter", "none"] = "auto"
     """model: a frozen sharded copy of the starting weights; adapter: under LoRA the same model with its adapters
     disabled; none: reference-free losses; auto: adapter under LoRA, none for simpo, else model"""
-    offload_reference: bool = False
-    """reference model: keep its shards on the host between its forwards"""
 
     def resolved_reference(self, lora: bool) -> str:
         """The reference strategy `auto` stands for, or the one set, checked against the loss and LoRA."""
