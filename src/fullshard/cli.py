@@ -24,7 +24,8 @@ USAGE = """fullshard train [CONFIG.yaml] [--section.key=value ...] [--nproc N] [
        fullshard plan [MODEL_OR_CONFIG] [--section.key=value ...] [--nproc N] [--micro-batch-size B] [--seq-len S]
                       [--device h100|h200|a100-80g|a100-40g|cpu|cuda]
        fullshard export CHECKPOINT_DIR OUTPUT_DIR [--dtype bf16|fp16|fp32]
-       fullshard generate MODEL_DIR_OR_CHECKPOINT --prompt TEXT [--image PATH ...] [--prompt TEXT ...] [--nproc N] [--max-new-tokens N]
+       fullshard generate MODEL_DIR_OR_CHECKPOINT --prompt TEXT [--image PATH ...] [--prompt TEXT ...]
+                          [--nproc N] [--max-new-tokens N]
        fullshard --version"""
 
 TRAIN_HELP = """usage: fullshard train [CONFIG.yaml] [--section.key=value ...] [--nproc N] [--print-config] [--debug]

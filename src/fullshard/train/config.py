@@ -259,7 +259,10 @@ class PreferenceSection:
     simpo_gamma: float = 0.5
     """simpo: the target reward margin"""
     reference: Literal["auto", "model", "precompute", "adapter", "none"] = "auto"
-    """model: a frozen sharded copy of the starting weights; precompute: their log-probs of every pair computed once before training and cached beside the tokenized rows (no reference held while training); adapter: under LoRA the same model with its adapters disabled; none: reference-free losses; auto: adapter under LoRA, none for simpo, else model"""
+    """model: a frozen sharded copy of the starting weights; precompute: their log-probs of every pair computed once
+    before training and cached beside the tokenized rows (no reference held while training); adapter: under LoRA the
+    same model with its adapters disabled; none: reference-free losses; auto: adapter under LoRA, none for simpo,
+    else model"""
     offload_reference: bool = False
     """reference=model: keep its shards on the host, gathered to the device for its forwards (FSDP's CPU offload)"""
 
