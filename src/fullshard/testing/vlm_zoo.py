@@ -317,7 +317,7 @@ class VLMInputs:
             labels[r - rows.start, 2:2 + self.video_tokens] = -100
         batch = {"input_ids": input_ids, "labels": labels}
         if self.mm_token_type:  # text 0, image 1, video 2
-            video = (input_ids == self.video_id).long()
+            video = (input_ids == (-1 if self.video_id is None else self.video_id)).long()
             batch["mm_token_type_ids"] = (input_ids == self.image_id).long() + 2 * video
         if self.token_types == "image":
             batch["token_type_ids"] = (input_ids == self.image_id).long()
