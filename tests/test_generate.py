@@ -213,7 +213,7 @@ def test_fullshard_generate_with_images_equals_transformers(tmp_path):
     for (prompt, _), completion in zip(VLM_PROMPTS, expected):
         assert f"### {prompt}\n{completion}\n" in done.stdout, (prompt, completion, done.stdout[-2000:])
 
-    missing = subprocess.run([*args[:6], "--prompt", "x", "--image", "nowhere.png"], env=env, capture_output=True,
+    missing = subprocess.run([*args[:7], "--prompt", "x", "--image", "nowhere.png"], env=env, capture_output=True,
                              text=True, timeout=60, cwd=tmp_path)
     assert missing.returncode != 0 and "--image " in missing.stderr and "nowhere.png: no such file" in missing.stderr
     assert len(missing.stderr.strip().splitlines()) == 1, missing.stderr
