@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_leaves
 
 from fullshard import FSDP2Engine, FSDPStrategy
 from fullshard.testing import build_model, make_batch, run_distributed
-from fullshard.testing.compare import data_slice, full_tensor
+from harness.compare import data_slice, full_tensor
 from fullshard.train.chunked_loss import chunkable_head, linear_cross_entropy_sum
 from fullshard.train.loss import IGNORE_INDEX, causal_lm_loss_sum, normalized_loss, target_count
 from fullshard.train.step import train_step

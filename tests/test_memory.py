@@ -89,7 +89,7 @@ def test_plan_devices_and_model_forms(tmp_path, capsys):
 
 def test_estimate_is_at_most_10_percent_above_the_measured_peak_in_every_layout():
     """Every layout of `memory_matrix.CELLS` (per pipeline stage): estimate / measured peak in [1.00, 1.10]."""
-    from fullshard.testing.memory_matrix import run_cells
+    from harness.memory_matrix import run_cells
 
     ratios = {f"{name} / stage {row['stage']}": row["estimate"] / row["peak"]
               for name, rows in run_cells().items() for row in rows}

@@ -5,7 +5,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from fullshard import FSDP2Engine
 from fullshard.testing import run_distributed
-from fullshard.testing.compare import reference_gaps, train_against_reference
+from harness.compare import reference_gaps, train_against_reference
 
 TOL = 1e-5
 MOE = ("mixtral", "qwen3_moe")

@@ -4,7 +4,7 @@ import pytest
 
 from fullshard import FSDP2Engine
 from fullshard.testing import ZOO, run_distributed
-from fullshard.testing.compare import reference_gaps, train_against_reference
+from harness.compare import reference_gaps, train_against_reference
 from fullshard.testing.zoo import TIED
 
 TOL = 1e-5

@@ -6,6 +6,8 @@
 - `offline`: the recipe a checkpoint records (`model_meta.json`), `export_checkpoint` and
   `checkpoint_hf_weights`, the same files and tensors from a training checkpoint in one process
 - `stream`: `hf_weights` / `hf_weight_buckets`, the export's tensors a bucket at a time
+- `api`: the weights-out family under one rule (`export_hf(source, dir, lora=)`, `hf_weights(source,
+  lora=)`), the older names as aliases
 
 Names are resolved on first use, so a module of this package imports only what it needs.
 """
@@ -15,10 +17,10 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    **dict.fromkeys(["export_hf", "remember_source_dtype", "source_dtype"], ".export"),
-    **dict.fromkeys(["export_merged", "merge_recipe", "save_adapter"], ".lora"),
-    **dict.fromkeys(["checkpoint_hf_weights", "export_checkpoint"], ".offline"),
-    **dict.fromkeys(["hf_weight_buckets", "hf_weights"], ".stream"),
+    **dict.fromkeys(["checkpoint_hf_weights", "export_checkpoint", "export_hf", "export_merged", "hf_weight_buckets",
+                     "hf_weights", "save_adapter"], ".api"),
+    **dict.fromkeys(["remember_source_dtype", "source_dtype"], ".export"),
+    **dict.fromkeys(["merge_recipe"], ".lora"),
 }
 
 __all__ = sorted(_EXPORTS)

@@ -21,6 +21,7 @@ alone, built on this module's plan (`stream_plan`, `StreamUnit`).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -34,7 +35,7 @@ from ..dtypes import resolve_dtype
 from ..errors import CheckpointError
 from ..fsdp import reshard_all
 from ..tensors import local_tensor
-from .export import HubView, export_recipe, merge_lora, recipe_entries, recipe_view, source_dtype
+from .export import ExportRecipe, HubView, export_recipe, merge_lora, recipe_entries, recipe_view, source_dtype
 from .lora import adapter_file_names, is_peft_model, merge_recipe
 from .offline import checkpoint_hf_weights
 
@@ -107,7 +108,7 @@ def _held_box(tensor: torch.Tensor) -> Box | None:
     return tuple(offset) if tensor.dim() else (), tuple(shape)
 
 
-def _recipe(model, lora: str) -> tuple[torch.nn.Module, dict, dict]:
+def _recipe(model, lora: str) -> tuple[torch.nn.Module, dict, ExportRecipe]:
     """The model whose config names the output, this rank's state, and the export's recipe."""
     if lora not in ("merge", "adapter"):
         raise ValueError(f"lora must be 'merge' or 'adapter', got {lora!r}")
@@ -119,16 +120,16 @@ def _recipe(model, lora: str) -> tuple[torch.nn.Module, dict, dict]:
         return model, state, export_recipe(model, state)
     if lora == "adapter":  # the adapter file's names, as `save_adapter` writes them, uncast
         files = adapter_file_names(state, model.active_adapter)
-        return model.get_base_model(), state, {"names": files, "merges": {}, "views": {}}
+        return model.get_base_model(), state, ExportRecipe(names=files)
     return model.get_base_model(), state, merge_recipe(model, state)
 
 
-def _local_units(state: dict, recipe: dict, out_dtype: torch.dtype | None) -> list[StreamUnit]:
+def _local_units(state: dict, recipe: ExportRecipe, out_dtype: torch.dtype | None) -> list[StreamUnit]:
     """This rank's units, from the recipe over the state tensors it holds."""
     units: dict[str, StreamUnit] = {}
     for entry in recipe_entries(recipe, state, out_dtype):
         view = recipe_view(recipe, entry.name)
-        merge = recipe["merges"].get(entry.name)
+        merge = recipe.merges.get(entry.name)
         if view.source not in units:
             tensor = state[view.source]
             if merge is None:
@@ -141,7 +142,7 @@ def _local_units(state: dict, recipe: dict, out_dtype: torch.dtype | None) -> li
     return list(units.values())
 
 
-def plan_stream(state: dict, recipe: dict, out_dtype: torch.dtype | None) -> list[StreamUnit]:
+def plan_stream(state: dict, recipe: ExportRecipe, out_dtype: torch.dtype | None) -> list[StreamUnit]:
     """Every unit of the whole model, the same list on every rank, each input's regions dealt to the
     first rank holding them (one object all-gather)."""
     units = _local_units(state, recipe, out_dtype)
@@ -324,10 +325,16 @@ def hf_weight_buckets(model: torch.nn.Module, *, dtype: torch.dtype | str | None
         del items
 
 
-def hf_weights(model: torch.nn.Module, *, dtype: torch.dtype | str | None = None,
+def hf_weights(model: torch.nn.Module | str | os.PathLike, *, dtype: torch.dtype | str | None = None,
                bucket_bytes: int = DEFAULT_BUCKET_BYTES, lora: str = "merge") -> Iterator[tuple[str, torch.Tensor]]:
     """`hf_weight_buckets`, one `(hf_name, full tensor)` at a time (every rank in step); a tensor
-    handed out is no longer held here, so the caller holds at most the one in hand."""
+    handed out is no longer held here, so the caller holds at most the one in hand. Given a
+    training checkpoint's path instead of a model: `checkpoint_hf_weights` (one process, merged)."""
+    if isinstance(model, (str, os.PathLike)):
+        if lora != "merge":
+            raise CheckpointError(f"a checkpoint's weights come merged, not lora={lora!r}")
+        yield from checkpoint_hf_weights(model, dtype=dtype)
+        return
     buckets = hf_weight_buckets(model, dtype=dtype, bucket_bytes=bucket_bytes, lora=lora)
     while (bucket := next(buckets, None)) is not None:
         bucket.reverse()

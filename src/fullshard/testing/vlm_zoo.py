@@ -28,7 +28,8 @@ SIZES = (
           "text_hidden_size", "projector_hidden_size", "moe_intermediate_size", "shared_expert_intermediate_size",
           "out_hidden_size", "output_dim", "projection_dim", "mm_hidden_size", "output_channels",
           "codebook_dim", "downsample_hidden_size", "vision_output_dim", "projector_input_dim",
-          "projector_output_dim", "mm_embed_dim", "output_proj_dims")),
+          "projector_output_dim", "mm_embed_dim", "output_proj_dims", "latent_channels",
+          "image_token_embed_dim")),  # the last two: a VQ image generator's (Janus)
     (64, ("intermediate_size", "ffn_dim", "d_ff", "max_position_embeddings", "n_positions", "mlp_dim",
           "dense_intermediate_size", "shared_intermediate_size", "num_position_embeddings", "mm_posemb_size",
           "encoder_ffn_dim",
@@ -44,6 +45,9 @@ SIZES = (
          "linear_key_head_dim", "linear_value_head_dim", "index_head_dim", "linear_head_dim")),
     (16, ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "ssm_state_size")),  # qk: nope + rope head dims
     (IMAGE, ("image_size", "max_img_size")),
+    (64, ("num_embeddings",)),  # a VQ image generator's codebook, channels, blocks (Janus)
+    (32, ("base_channels",)),  # GroupNorm over 32 groups
+    (1, ("num_res_blocks", "channel_multiplier")),
     ((IMAGE // 8) ** 2, ("mm_tokens_per_image", "num_image_tokens", "image_seq_length")),  # one per patch
 )
 SIZE = {key: value for value, keys in SIZES for key in keys}

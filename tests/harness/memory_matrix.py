@@ -68,9 +68,9 @@ def _hf_config(cell: Cell):
 
 def _plan_model(cell: Cell, config):
     """The model as `fullshard plan` builds it: from the config on disk for the stored-dtype cells."""
-    from ..lora import apply_lora
-    from ..train.config import load_config
-    from ..train.preflight import build_meta_model
+    from fullshard.lora import apply_lora
+    from fullshard.train.config import load_config
+    from fullshard.train.preflight import build_meta_model
 
     if cell.stored_dtype is None:
         with torch.device("meta"):
@@ -95,13 +95,13 @@ def measure_cell(name: str) -> dict:
     """On every rank of the group: this rank's measured peak, and the estimate of the stage it holds."""
     import torch.distributed as dist
 
-    from ..faces.lightrft import FSDPStrategy
-    from ..lora import apply_lora
-    from ..parallel.cp import context_parallel_batch
-    from ..parallel.pp import pipeline_of
-    from ..plan.memory import estimate_run, measured_peak_bytes
-    from ..train.pp_step import pipeline_train_step
-    from ..train.step import train_step
+    from fullshard.faces.lightrft import FSDPStrategy
+    from fullshard.lora import apply_lora
+    from fullshard.parallel.cp import context_parallel_batch
+    from fullshard.parallel.pp import pipeline_of
+    from fullshard.plan.memory import estimate_run, measured_peak_bytes
+    from fullshard.train.pp_step import pipeline_train_step
+    from fullshard.train.step import train_step
 
     cell = CELLS[name]
     config, engine = _hf_config(cell), {"mixed_precision": "fp32", **cell.engine}  # the strategy's default is bf16
@@ -142,7 +142,7 @@ def measure_cell(name: str) -> dict:
 
 
 def _cells(names: list[str]) -> dict:
-    from ..distributed import barrier
+    from fullshard.distributed import barrier
 
     out = {}
     for name in names:
@@ -154,7 +154,7 @@ def _cells(names: list[str]) -> dict:
 def run_cells(names: list[str] | None = None, timeout: float = 900) -> dict[str, list[dict]]:
     """Cell name -> per-stage rows (stage, label, peak: the max over the ranks holding it, estimate),
     each world size's cells in one spawned group."""
-    from .spawn import run_distributed
+    from fullshard.testing.spawn import run_distributed
 
     names = list(CELLS) if names is None else names
     results: dict[str, list[dict]] = {}

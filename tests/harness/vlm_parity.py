@@ -11,11 +11,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..distributed import get_rank, get_world_size
-from ..optim import clip_grad_norm
-from ..plan.towers import find_towers
-from .compare import full_state
-from .vlm_zoo import VLMInputs, build_vlm
+from fullshard.distributed import get_rank, get_world_size
+from fullshard.optim import clip_grad_norm
+from fullshard.plan.towers import find_towers
+from harness.compare import full_state
+from fullshard.testing.vlm_zoo import VLMInputs, build_vlm
 
 # step 0: one rank has an image, the other none; step 1: no rank has one; step 2: accumulation of a
 # micro-batch with images on both ranks and one text-only
