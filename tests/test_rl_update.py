@@ -104,7 +104,7 @@ def _reference(config):
 
 def _sharded_cases(cases):
     from fullshard import FSDP2Engine
-    from fullshard.testing.compare import full_state
+    from harness.compare import full_state
     from fullshard.testing.zoo import build_model
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -183,7 +183,7 @@ def _phases():
     log-probs without gradients, the offloaded reference's, the adapter-off reference's."""
     from fullshard import FSDPStrategy
     from fullshard.rl.phases import offload, reference_logprobs, sequence_logprobs
-    from fullshard.testing.compare import full_state
+    from harness.compare import full_state
     from fullshard.testing.zoo import build_model
 
     rank, world = dist.get_rank(), dist.get_world_size()
