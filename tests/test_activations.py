@@ -7,7 +7,7 @@ import pytest
 from fullshard import FSDP2Engine
 from fullshard.errors import ConfigError
 from fullshard.testing import build_model, run_distributed
-from fullshard.testing.compare import largest_gap, train_on_padded_batches
+from harness.compare import largest_gap, train_on_padded_batches
 
 MODES = ("none", "full", "selective", "every_n")
 CELLS = {"none": "dp 2", "full": "activation checkpointing", "selective": "selective checkpointing",
@@ -16,7 +16,7 @@ CELLS = {"none": "dp 2", "full": "activation checkpointing", "selective": "selec
 
 def _runs() -> dict:
     from fullshard.fsdp import checkpointed_blocks
-    from fullshard.testing.memory_matrix import measure_cell
+    from harness.memory_matrix import measure_cell
 
     def make(mode, offload, name="llama"):
         engine = FSDP2Engine({"mixed_precision": "fp32", "activation_checkpointing": mode,

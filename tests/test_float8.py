@@ -32,7 +32,7 @@ def _train(config: dict, steps: int, mesh=None, halves: bool = False, lora: bool
 
     from fullshard import FSDP2Engine
     from fullshard.optim import create_optimizer
-    from fullshard.testing.compare import data_slice, full_state
+    from harness.compare import data_slice, full_state
     from fullshard.testing.zoo import make_batch
 
     from fullshard.lora import apply_lora
@@ -74,7 +74,7 @@ def _group(tmp: str) -> dict:
     from fullshard.checkpoint import CheckpointManager, export_hf
     from fullshard.float8 import float8_modules
     from fullshard.optim import create_optimizer
-    from fullshard.testing.compare import full_state
+    from harness.compare import full_state
 
     one_rank = init_device_mesh("cpu", (2, 1), mesh_dim_names=("ranks", "alone"))["alone"]
     out = {"world_gap": {}, "bf16_track": {}}
