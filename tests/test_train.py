@@ -14,7 +14,7 @@ from fullshard.train.metrics import read_metrics
 
 # a non-default value for every EngineConfig field: the trainer must hand each one to its engine
 FSDP_SET = {"mixed_precision": "bf16", "reduce_dtype": "bf16", "reshard_after_forward": False, "offload_params": True,
-            "pin_memory": False, "activation_checkpointing": True, "plan": {"mode": "auto"}, "dp_replicate": 2,
+            "pin_memory": False, "activation_checkpointing": "selective", "plan": {"mode": "auto"}, "dp_replicate": 2,
             "dp_shard": 1, "dcp_path": "/nowhere/dcp", "timeout_s": 77.0, "compile": True, "prefetch": 2,
             "tp_plan": {"model.layers.*.mlp.up_proj": "colwise"}, "tp_size": 2, "cp_size": 2, "ep_size": 2,
             "pp_size": 2, "pp_schedule": "Interleaved1F1B", "pp_microbatches": 2, "pp_virtual_stages": 2,
