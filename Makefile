@@ -10,6 +10,7 @@ export OMP_NUM_THREADS ?= 1
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps verl==0.9.1  # RL losses' reference; its imports: the dev extra
 	touch $@
 
 setup: .venv/.installed
@@ -17,8 +18,11 @@ setup: .venv/.installed
 demo: setup
 	.venv/bin/fullshard train
 
+# two pytest workers (pytest-xdist), each file on one worker (its module fixtures built once), the
+# slowest files first (tests/conftest.py's order, kept by --no-loadscope-reorder); the summary ends
+# with the slowest 25 tests and the suite's total wall and CPU time (tests/conftest.py)
 test: setup
-	$(PY) -m pytest -q --durations=25 tests
+	.venv/bin/ruff check src tests bench examples && $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25 tests
 
 clean:
 	rm -rf .venv runs out

@@ -1,7 +1,7 @@
 """The memory estimate (`fullshard plan`, `fullshard.train.memory.estimate_run`) against the measured
 peak, layout by layout.
 
-Each cell of `fullshard.testing.memory_matrix.CELLS` trains a tiny Llama (or Qwen3-MoE for expert
+Each cell of `harness.memory_matrix.CELLS` trains a tiny Llama (or Qwen3-MoE for expert
 parallelism) one step on CPU (gloo) after a warm-up step, and measures every rank's peak of live
 tensor bytes with torch's FSDPMemTracker; under pp each stage's ranks apart. The estimate must never
 be below the peak (the script exits non-zero if it is) and aims at no more than 10% above.
@@ -16,9 +16,10 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the test harnesses (harness/)
 
 from bench.report import markdown_table, write_section  # noqa: E402
-from fullshard.testing.memory_matrix import CELLS, LLAMA, QWEN3_MOE, SEQ, run_cells  # noqa: E402
+from harness.memory_matrix import CELLS, LLAMA, QWEN3_MOE, SEQ, run_cells  # noqa: E402
 
 
 def main() -> int:
@@ -38,7 +39,7 @@ def main() -> int:
     body = ("`fullshard plan`'s per-rank memory estimate (`fullshard.train.memory.estimate_run`) against the "
             "measured peak of live tensor bytes (torch's FSDPMemTracker over one training step after a warm-up "
             "step: forward, token-normalised loss, backward, clip, AdamW), every layout of "
-            "`fullshard.testing.memory_matrix` on CPU (gloo), fp32 master weights, fp32 compute unless the row "
+            "`harness.memory_matrix` on CPU (gloo), fp32 master weights, fp32 compute unless the row "
             f"says otherwise, micro batch 2 x {SEQ} tokens (pipelines: 4 rows in 4 pipeline micro-batches), "
             f"chunked loss at its default. Llama: hidden {LLAMA['hidden_size']}, {LLAMA['num_hidden_layers']} "
             f"layers, vocabulary {LLAMA['vocab_size']}; MoE rows: Qwen3-MoE with {QWEN3_MOE['num_experts']} experts. "

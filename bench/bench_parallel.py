@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the test harnesses (harness/)
 
 from bench.bench_train import MICRO, SEQ, _batch, _model  # noqa: E402  (bench_train's model and batch)
 from bench.report import markdown_table, speed_and_memory_cells, timed_run, write_section  # noqa: E402
@@ -39,7 +40,7 @@ def _run(config: dict) -> dict:
     from fullshard import FSDP2Engine
     from fullshard.optim import clip_grad_norm
     from fullshard.parallel.cp import context_parallel_batch
-    from fullshard.testing.compare import data_slice
+    from harness.compare import data_slice
 
     engine = FSDP2Engine(dict({"mixed_precision": "fp32"}, **config))
     coords, dims = engine.dims.coordinates(dist.get_rank()), engine.dims

@@ -11,9 +11,9 @@ import os
 import sys
 from pathlib import Path
 
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the test harnesses (harness/)
 
 from bench.bench_train import SEQ, _batch, _model  # noqa: E402  (bench_train's model and batch)
 from bench.report import markdown_table, speed_and_memory_cells, timed_run, write_section  # noqa: E402
@@ -39,7 +39,7 @@ def _run(config: dict) -> dict:
 
     from fullshard.parallel.pp import pipeline_of
     from fullshard.strategy import FSDPStrategy
-    from fullshard.testing.compare import data_slice
+    from harness.compare import data_slice
     from fullshard.train.pp_step import pipeline_train_step
     from fullshard.train.step import train_step
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the test harnesses (harness/)
 
 
 def main(device_type: str = "cuda") -> int:
@@ -61,7 +62,7 @@ def main(device_type: str = "cuda") -> int:
 
 def vlm_checks(device: torch.device) -> list[str]:
     from fullshard import FSDP2Engine
-    from fullshard.testing.vlm_parity import token_loss_sum
+    from harness.vlm_parity import token_loss_sum
     from fullshard.testing.vlm_zoo import VLMInputs, build_vlm
 
     reference = build_vlm("qwen2_vl")

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import warnings
 
-import pytest
 import torch
 import transformers
 from torch import nn
@@ -22,7 +21,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from fullshard import FSDP2Engine
 from fullshard.fsdp import fsdp_units
 from fullshard.testing import ZOO, make_batch, run_distributed
-from fullshard.testing.compare import train_against_reference
+from harness.compare import train_against_reference
 from fullshard.testing.zoo import VOCAB
 
 TOL = 1e-5

@@ -25,7 +25,7 @@ from fullshard.checkpoint import layout
 from fullshard.distributed import get_rank
 from fullshard.errors import CheckpointError
 from fullshard.testing import reported_by_every_rank, run_distributed
-from fullshard.testing.compare import full_state, full_tensor
+from harness.compare import full_state, full_tensor
 from fullshard.testing.spawn import DistributedTestError
 from fullshard.testing.zoo import VOCAB, build_model, make_batch
 

@@ -15,12 +15,13 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from fullshard.cli import main
+from fullshard.cli import main, parse_train_args
 from fullshard.errors import ConfigError
 from fullshard.train.config import BUILTIN_MODELS, SECTIONS, load_config
 from fullshard.train.data import byte_tokenizer, load_data
 from fullshard.train.loss import target_count
 from fullshard.train.metrics import read_metrics
+from fullshard.testing import run_distributed
 
 CONFIG = """
 model:
@@ -48,6 +49,93 @@ def clean_env() -> dict:
 def run_cli(*args, cwd):
     return subprocess.run([sys.executable, "-m", "fullshard.cli", *args], cwd=cwd, env=clean_env(),
                           capture_output=True, text=True, timeout=300)
+
+
+# ---------------------------------------------------------------------------------------------- in one group
+#
+# Checks that train several runs (activation checkpointing, export dtypes, stage two, the built-in VLM)
+# run them as `fullshard train` does on each rank, through `train()`, all in ONE spawned group: a launch
+# costs a launcher, torchrun's agent and the ranks' imports. What only the command does (self-launch,
+# signals, one-line errors from inside the ranks, the console) keeps its real launches below.
+
+
+def train_as_rank(*argv: str) -> dict:
+    """`fullshard train <argv>` on this rank: the command's parsing and checks, then `train()`.
+    Returns what rank 0 logged (every message, `once` ones too) and the command's error line if
+    the run failed (`fullshard: error: <message>`, as the launcher prints a rank's failure)."""
+    import logging
+
+    from fullshard import log
+    from fullshard.launch import describe, error_line
+    from fullshard.train import train
+
+    class Lines(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+
+    lines, handler = [], Lines()
+    log._ensure_handler()
+    log._seen.clear()  # a message logged once per process is logged once per run, as each launch does
+    log.logger.addHandler(handler)
+    try:
+        args = parse_train_args(list(argv))
+        config = load_config(args.config_path, args.overrides)
+        config.accumulation_steps(torch.distributed.get_world_size())
+        train(config)
+        error = None
+    except Exception as exc:  # noqa: BLE001 - the test asserts on the line
+        error = error_line(describe(exc))
+    finally:
+        log.logger.removeHandler(handler)
+    return {"log": "\n".join(lines), "error": error}
+
+
+def _cli_runs(root: str) -> dict:
+    """Every multi-run check's runs, each in its own directory (its cwd, as `run_cli` gives)."""
+    from pathlib import Path
+
+    root, out = Path(root), {}
+    quick = ["--train.steps=2", "--checkpoint.export=false", "--train.plot=false", "--nproc=2"]
+    os.chdir(root / "resume")  # the run that test_a_resume_that_cannot_work_is_refused_before_launch refuses to resume
+    out["resume/out"] = train_as_rank("tiny.yaml", "--train.output_dir=out", *quick)
+    os.chdir(root / "ac")
+    for model in ("micro-llama", "qwen3"):
+        for ac in ("false", "true"):
+            out[f"ac/{model}-{ac}"] = train_as_rank(
+                "tiny.yaml", f"--model.name_or_path={model}", f"--train.output_dir={model}-{ac}",
+                f"--fsdp.activation_checkpointing={ac}", *quick, "--data.packing=false")
+    os.chdir(root / "dtype")
+    common = ("tiny.yaml", "--nproc", "2", "--model.name_or_path=bf16-model", "--model.dtype=fp32",
+              "--train.steps=2", "--train.plot=false")
+    out["dtype/default"] = train_as_rank(*common, "--train.output_dir=default")
+    out["dtype/asked"] = train_as_rank(*common, "--train.output_dir=asked", "--train.export_dtype=fp32")
+    os.chdir(root / "stage2")
+    out["stage2/s1"] = train_as_rank("tiny.yaml", "--nproc", "2", "--train.output_dir=s1")
+    stage2 = ("tiny.yaml", "--nproc", "2", "--fsdp.dp_replicate=2", "--data.path=other.txt", "--train.steps=2",
+              "--checkpoint.every=1", "--checkpoint.init_from=s1", "--train.plot=false")
+    out["stage2/s2"] = train_as_rank(*stage2, "--train.output_dir=s2")
+    out["stage2/s2opt"] = train_as_rank(*stage2, "--train.output_dir=s2opt", "--checkpoint.init_optimizer=true")
+    os.chdir(root / "vlm")
+    out.update(_vlm_runs())
+    return out
+
+
+@pytest.fixture(scope="module")
+def in_one_group(tmp_path_factory):
+    """The runs of `_cli_runs`, their inputs written here first; (root, rank 0's results)."""
+    root = tmp_path_factory.mktemp("cli_runs")
+    for check in ("resume", "ac", "dtype", "stage2", "vlm"):
+        (root / check).mkdir()
+        (root / check / "tiny.yaml").write_text(CONFIG)
+    make_model_dir(root / "ac" / "qwen3", "qwen3")  # micro-llama's shapes, plus q_norm / k_norm in every layer
+    shutil.copytree(root / "ac" / "qwen3", root / "resume" / "qwen3")
+    write_bf16_model(root / "dtype" / "bf16-model")
+    (root / "stage2" / "other.txt").write_text("".join(f"the {i}th other document is not the built-in corpus.\n"
+                                                       for i in range(200)))
+    (root / "vlm" / "bad.jsonl").write_text(json.dumps({"messages": [
+        {"role": "user", "content": [{"type": "image", "image": "gone.png"}, {"type": "text", "text": "?"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "a shape"}]}]}) + "\n")
+    return root, run_distributed(_cli_runs, 2, str(root), timeout=1200)[0]
 
 
 def test_train_self_launches_then_export_and_plan(tmp_path, capsys):
@@ -180,14 +268,12 @@ def make_model_dir(directory, name: str):
     return directory
 
 
-def test_a_resume_that_cannot_work_is_refused_before_launch(tmp_path):
+def test_a_resume_that_cannot_work_is_refused_before_launch(in_one_group, monkeypatch, capsys):
     """A checkpoint that does not fit the model, or past train.steps, is one short line before torchrun starts."""
-    (tmp_path / "tiny.yaml").write_text(CONFIG)
-    make_model_dir(tmp_path / "qwen3", "qwen3")  # micro-llama's shapes, plus q_norm / k_norm in every layer
+    work, runs = in_one_group[0] / "resume", in_one_group[1]  # this test's run directory (`_cli_runs`)
     quick = ["--train.steps=2", "--checkpoint.export=false", "--train.plot=false", "--nproc=2"]
-    done = run_cli("train", "tiny.yaml", "--train.output_dir=out", *quick, cwd=tmp_path)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    logs = sorted((tmp_path / "out" / "logs").iterdir())
+    assert runs["resume/out"]["error"] is None, runs["resume/out"]
+    logs = sorted((work / "out" / "logs").glob("*"))  # whatever a rank would write there
     written = {path: path.stat().st_mtime_ns for path in logs}
     new_run = "start a new run: another train.output_dir, or checkpoint.resume=none with checkpoint.overwrite=true"
     for args, message in (
@@ -201,17 +287,18 @@ def test_a_resume_that_cannot_work_is_refused_before_launch(tmp_path):
             (["--train.output_dir=elsewhere/new", "--model.name_or_path=qwen3", "--checkpoint.resume=out/checkpoints"],
              "fullshard: error: checkpoint.resume=out/checkpoints: checkpoint out/checkpoints/step_2 does not fit this "
              "model (4 missing from it: ")):
-        done = run_cli("train", "tiny.yaml", *quick, *args, cwd=tmp_path)
-        assert done.returncode == 2 and "launching" not in done.stdout, done.stdout + done.stderr
-        assert done.stderr.splitlines() == [done.stderr.strip()] and done.stderr.startswith(message), done.stderr
-        assert len(done.stderr) < 400
-    assert sorted((tmp_path / "out" / "logs").iterdir()) == logs and all(
+        monkeypatch.chdir(work)  # the command's checks before launch, in this process (no rank to start)
+        code, done = main(["train", "tiny.yaml", *quick, *args]), capsys.readouterr()
+        assert code == 2 and "launching" not in done.out, done.out + done.err
+        assert done.err.splitlines() == [done.err.strip()] and done.err.startswith(message), done.err
+        assert len(done.err) < 400
+    assert sorted((work / "out" / "logs").glob("*")) == logs and all(
         path.stat().st_mtime_ns == mtime for path, mtime in written.items())  # no rank started
-    assert not (tmp_path / "elsewhere").exists()  # made for the refused run, removed with it
+    assert not (work / "elsewhere").exists()  # made for the refused run, removed with it
     # the fitting model, with enough steps, resumes; rank 1, whose RNG file is gone, says it re-derives its
     # RNG on the launcher's console (before: rank 0 alone spoke, and it had its file)
-    (tmp_path / "out" / "checkpoints" / "step_2" / "rng" / "rank_00001.pt").unlink()
-    done = run_cli("train", "tiny.yaml", "--train.output_dir=out", *quick, "--train.steps=3", cwd=tmp_path)
+    (work / "out" / "checkpoints" / "step_2" / "rng" / "rank_00001.pt").unlink()
+    done = run_cli("train", "tiny.yaml", "--train.output_dir=out", *quick, "--train.steps=3", cwd=work)
     assert done.returncode == 0 and "(resumed from step 2)" in done.stderr, done.stdout + done.stderr
     assert ("[fullshard] rank 1: out/checkpoints/step_2/rng/rank_00001.pt is missing, so this rank re-seeded "
             "python/numpy/torch RNGs with derived_seed(") in done.stderr, done.stderr
@@ -222,21 +309,18 @@ def train_losses(directory) -> list[float]:
     return [r["loss"] for r in read_metrics(directory / "metrics.jsonl") if r["kind"] == "train"]
 
 
-def test_activation_checkpointing_on_padded_rows_trains_as_without(tmp_path):
+def test_activation_checkpointing_on_padded_rows_trains_as_without(in_one_group):
     """One record per row (padded) through `fullshard train`: the same losses with and without activation
     checkpointing, for the built-in Llama and a Qwen3 directory whose config says use_cache."""
-    (tmp_path / "tiny.yaml").write_text(CONFIG)
-    make_model_dir(tmp_path / "qwen3", "qwen3")
-    quick = ["--train.steps=2", "--checkpoint.export=false", "--train.plot=false", "--nproc=2", "--data.packing=false"]
+    root, runs = in_one_group
     for model in ("micro-llama", "qwen3"):
         losses = []
         for ac in ("false", "true"):
             out = f"{model}-{ac}"
-            done = run_cli("train", "tiny.yaml", f"--model.name_or_path={model}", f"--train.output_dir={out}",
-                           f"--fsdp.activation_checkpointing={ac}", *quick, cwd=tmp_path)
-            assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-            assert "one record per row" in done.stdout + done.stderr
-            losses.append(train_losses(tmp_path / out))
+            done = runs[f"ac/{out}"]
+            assert done["error"] is None, done
+            assert "one record per row" in done["log"]
+            losses.append(train_losses(root / "ac" / out))
         assert len(losses[0]) == 2 and max(abs(a - b) for a, b in zip(*losses)) < 1e-6, (model, losses)
 
 
@@ -298,6 +382,21 @@ def test_remote_code_is_refused_by_name_unless_allowed(tmp_path, capsys):
     # the same files do run when the user says so: the check above could have failed
     assert main(["plan", str(model), "--trust-remote-code", "--nproc=2"]) == 0
     assert marker.read_text() == "executed"
+
+
+def test_a_classification_checkpoint_is_refused_for_sft_before_launch(tmp_path, monkeypatch, capsys):
+    """A reward model's checkpoint (score head) for SFT: one line before launch, naming the objective
+    that trains it (before: every pre-launch check passed and the ranks failed on the shapes)."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=257,
+                num_labels=1, architectures=["LlamaForSequenceClassification"]).save_pretrained(tmp_path / "rm")
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", f"--model.name_or_path={tmp_path / 'rm'}", "--nproc=2", "--train.output_dir=out"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fullshard: error: model.name_or_path=") and err.count("\n") == 1, err
+    assert "LlamaForSequenceClassification checkpoint" in err and "train.objective=reward" in err, err
+    assert not (tmp_path / "out").exists()
 
 
 HUB_SCRIPT = """
@@ -362,20 +461,29 @@ def test_an_error_inside_the_ranks_is_one_line_with_tracebacks_logged(tmp_path):
         "fullshard: error: bad.jsonl:2 is not valid JSON (Expecting value) (every rank's traceback: out/logs/rank*.log)"]
     for rank in (0, 1):
         assert "Traceback" in (tmp_path / "out" / "logs" / f"rank{rank}.log").read_text()
-    assert no_process_left("out")
+    assert no_process_left("out", cwd=tmp_path)
 
 
-def fullshard_processes(marker: str) -> list[str]:
-    """Every process on the machine whose command line names `marker` (the run's output dir)."""
+def fullshard_processes(marker: str, cwd=None) -> list[str]:
+    """Every process on the machine whose command line names `marker` (the run's output dir), and,
+    given `cwd`, that runs in that directory: other tests' and other users' runs are not this one."""
     listing = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines()
-    return [line for line in listing if "fullshard" in line and marker in line]
+    found = [line for line in listing if "fullshard" in line and marker in line]
+    return found if cwd is None else [line for line in found if _runs_in(line.split()[0], cwd)]
 
 
-def no_process_left(marker: str, within_s: float = 10) -> bool:
+def _runs_in(pid: str, cwd) -> bool:
+    try:
+        return os.path.samefile(f"/proc/{pid}/cwd", cwd)
+    except OSError:  # gone, or not ours to look at
+        return False
+
+
+def no_process_left(marker: str, within_s: float = 10, cwd=None) -> bool:
     deadline = time.monotonic() + within_s
-    while fullshard_processes(marker) and time.monotonic() < deadline:
+    while fullshard_processes(marker, cwd) and time.monotonic() < deadline:
         time.sleep(0.2)
-    return not fullshard_processes(marker)
+    return not fullshard_processes(marker, cwd)
 
 
 def start_and_signal(command: list[str], cwd, sig: int, after: str) -> tuple[int, str]:
@@ -397,7 +505,7 @@ def test_sigint_and_sigterm_stop_cleanly_and_the_same_command_resumes(tmp_path):
     command = ["train", "tiny.yaml", "--train.steps=100000", "--train.output_dir=stopped", "--nproc=2"]
     status, output = start_and_signal(command, tmp_path, signal.SIGINT, after="step     2 ")
     assert status == 128 + signal.SIGINT, output
-    assert no_process_left("stopped"), fullshard_processes("stopped")
+    assert no_process_left("stopped", cwd=tmp_path), fullshard_processes("stopped", tmp_path)
     stopped = re.search(r"stopped at step (\d+) of 100000; checkpoint (\S+); run the same command to resume", output)
     assert stopped, output
     step = int(stopped.group(1))
@@ -407,7 +515,7 @@ def test_sigint_and_sigterm_stop_cleanly_and_the_same_command_resumes(tmp_path):
     status, output = start_and_signal(command, tmp_path, signal.SIGTERM, after=f"step {step + 2:5d} ")
     assert status == 128 + signal.SIGTERM, output
     assert f"(resumed from step {step})" in output and f"step {step + 1:5d} " in output
-    assert no_process_left("stopped"), fullshard_processes("stopped")
+    assert no_process_left("stopped", cwd=tmp_path), fullshard_processes("stopped", tmp_path)
     again = int(re.search(r"stopped at step (\d+) of 100000", output).group(1))
     assert again >= step + 2 and (tmp_path / "stopped" / "checkpoints" / f"step_{again}" / "COMPLETE").exists()
     records = read_metrics(tmp_path / "stopped" / "metrics.jsonl")
@@ -417,65 +525,72 @@ def test_sigint_and_sigterm_stop_cleanly_and_the_same_command_resumes(tmp_path):
 # ---------------------------------------------------------------------------------------------- vision-language
 
 
-CAPTION = """
-import random, sys
-from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
-from fullshard.data.builtin import draw_shape
+def caption(directory) -> str:
+    """What the exported VLM says of a red circle, with transformers alone (greedy, 12 tokens)."""
+    import random
 
-directory = sys.argv[1]
-model = AutoModelForImageTextToText.from_pretrained(directory).eval()
-tokenizer, images = AutoTokenizer.from_pretrained(directory), AutoImageProcessor.from_pretrained(directory)
-pixels = images(draw_shape("circle", "red", random.Random(1)), return_tensors="pt")
-# what Qwen2VLProcessor does (it needs torchvision for its video half): one <|image_pad|> per merged patch
-count = int(pixels["image_grid_thw"].prod()) // images.merge_size ** 2
-prompt = tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is in the image?"}]}],
-                                       tokenize=False, add_generation_prompt=True).replace("<|image_pad|>", "<|image_pad|>" * count)
-ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)
-types = (ids["input_ids"] == model.config.image_token_id).int()
-out = model.generate(**ids, **pixels, mm_token_type_ids=types, max_new_tokens=12, do_sample=False)
-print("CAPTION " + tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True))
-"""
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+    from fullshard.data.builtin import draw_shape
+
+    model = AutoModelForImageTextToText.from_pretrained(directory).eval()
+    tokenizer, images = AutoTokenizer.from_pretrained(directory), AutoImageProcessor.from_pretrained(directory)
+    pixels = images(draw_shape("circle", "red", random.Random(1)), return_tensors="pt")
+    # what Qwen2VLProcessor does (it needs torchvision for its video half): one <|image_pad|> per merged patch
+    count = int(pixels["image_grid_thw"].prod()) // images.merge_size ** 2
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is in the image?"}]}],
+        tokenize=False, add_generation_prompt=True).replace("<|image_pad|>", "<|image_pad|>" * count)
+    ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)
+    types = (ids["input_ids"] == model.config.image_token_id).int()
+    with torch.no_grad():
+        out = model.generate(**ids, **pixels, mm_token_type_ids=types, max_new_tokens=12, do_sample=False)
+    return tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
 
 
-def test_builtin_vlm_trains_offline_exports_its_processor_and_captions(tmp_path):
+VLM_ARGS = ("--model.name_or_path=tiny-qwen2-vl", "--nproc", "2", "--train.output_dir=out", "--train.steps=24",
+            "--train.global_batch_size=8", "--train.micro_batch_size=2", "--train.log_every=1", "--data.seq_len=256",
+            "--data.cache_dir=cache", "--optim.lr=1e-2", "--optim.warmup_steps=2", "--train.eval_batches=1")
+
+
+def _vlm_runs() -> dict:
+    """The built-in VLM trained, its export captioning on rank 0; then two runs that fail inside the
+    ranks: a record naming a missing picture, and the export without its processor."""
+    out = {"vlm/train": train_as_rank(*VLM_ARGS)}
+    if torch.distributed.get_rank() == 0 and out["vlm/train"]["error"] is None:
+        out["vlm/caption"] = caption("out/hf")
+        shutil.copytree("out/hf", "bare")
+        os.unlink("bare/processor_config.json")
+    torch.distributed.barrier()
+    out["vlm/bad"] = train_as_rank(*VLM_ARGS[:3], "--train.output_dir=bad", "--data.path=bad.jsonl",
+                                   "--data.format=chat", "--data.cache_dir=cache")
+    out["vlm/bare"] = train_as_rank("--model.name_or_path=bare", "--nproc", "2", "--train.output_dir=bare_run",
+                                    "--data.cache_dir=cache")
+    return out
+
+
+def test_builtin_vlm_trains_offline_exports_its_processor_and_captions(in_one_group):
     """`fullshard train --model.name_or_path=tiny-qwen2-vl` on 2 processes: generated pictures, the loss
     falls, the export carries processor, tokenizer and chat template and captions a picture in transformers."""
-    args = ("train", "--model.name_or_path=tiny-qwen2-vl", "--nproc", "2", "--train.output_dir=out",
-            "--train.steps=24", "--train.global_batch_size=8", "--train.micro_batch_size=2", "--train.log_every=1",
-            "--data.seq_len=256", "--data.cache_dir=cache", "--optim.lr=1e-2", "--optim.warmup_steps=2",
-            "--train.eval_batches=1")
-    done = run_cli(*args, cwd=tmp_path)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    losses = [r["loss"] for r in read_metrics(tmp_path / "out" / "metrics.jsonl") if r["kind"] == "train"]
+    root, runs = in_one_group
+    root = root / "vlm"
+    assert runs["vlm/train"]["error"] is None, runs["vlm/train"]
+    losses = [r["loss"] for r in read_metrics(root / "out" / "metrics.jsonl") if r["kind"] == "train"]
     assert len(losses) == 24 and sum(losses[-4:]) / 4 < 0.6 * sum(losses[:4]) / 4, losses
-    exported = tmp_path / "out" / "hf"
+    exported = root / "out" / "hf"
     assert {"processor_config.json", "chat_template.jinja", "tokenizer.json", "model.safetensors"} <= {
         p.name for p in exported.iterdir()}
-    (tmp_path / "caption.py").write_text(CAPTION)
-    captioned = subprocess.run([sys.executable, "caption.py", str(exported)], cwd=tmp_path, env=clean_env(),
-                               capture_output=True, text=True, timeout=300)
-    assert captioned.returncode == 0, captioned.stderr[-3000:]
-    caption = captioned.stdout.split("CAPTION ")[-1].strip()
+    caption = runs["vlm/caption"].strip()
     assert caption.startswith("a "), caption  # the answers' form; 24 steps do not name shapes reliably yet
 
     # a record naming a missing picture: one line naming the record and the file
-    (tmp_path / "bad.jsonl").write_text(json.dumps({"messages": [
-        {"role": "user", "content": [{"type": "image", "image": "gone.png"}, {"type": "text", "text": "?"}]},
-        {"role": "assistant", "content": [{"type": "text", "text": "a shape"}]}]}) + "\n")
-    failed = run_cli(*args[:4], "--train.output_dir=bad", "--data.path=bad.jsonl", "--data.format=chat",
-                     "--data.cache_dir=cache", cwd=tmp_path)
-    assert failed.returncode == 1
-    lines = failed.stderr.strip().splitlines()
+    lines = runs["vlm/bad"]["error"].strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("fullshard: error: bad.jsonl:1 names image ") \
-        and "gone.png, which does not exist" in lines[0], failed.stderr
+        and "gone.png, which does not exist" in lines[0], runs["vlm/bad"]
 
     # the exported model without its processor: one line naming the directory
-    shutil.copytree(exported, tmp_path / "bare")
-    (tmp_path / "bare" / "processor_config.json").unlink()
-    failed = run_cli("train", "--model.name_or_path=bare", "--nproc", "2", "--train.output_dir=bare_run",
-                     "--data.cache_dir=cache", cwd=tmp_path)
-    lines = failed.stderr.strip().splitlines()
-    assert failed.returncode == 1 and len(lines) == 1, failed.stderr
+    lines = runs["vlm/bare"]["error"].strip().splitlines()
+    assert len(lines) == 1, runs["vlm/bare"]
     assert lines[0].startswith("fullshard: error: model.name_or_path='bare' is a vision-language model without a "
                                "processor"), lines[0]
 
@@ -496,29 +611,25 @@ def write_bf16_model(directory):
     return directory
 
 
-def test_exports_keep_the_dtype_fine_tuned_from(tmp_path, capsys):
+def test_exports_keep_the_dtype_fine_tuned_from(in_one_group, tmp_path, capsys):
     """A bf16 checkpoint fine-tuned with fp32 masters exports bf16 (hf/ and `fullshard export`), fp32 when asked."""
-    write_bf16_model(tmp_path / "bf16-model")
-    (tmp_path / "tiny.yaml").write_text(CONFIG)
-    common = ("train", "tiny.yaml", "--nproc", "2", "--model.name_or_path=bf16-model", "--model.dtype=fp32",
-              "--train.steps=2", "--train.plot=false")
-    default = run_cli(*common, "--train.output_dir=default", cwd=tmp_path)
-    assert default.returncode == 0, default.stdout[-3000:] + default.stderr[-3000:]
-    asked = run_cli(*common, "--train.output_dir=asked", "--train.export_dtype=fp32", cwd=tmp_path)
-    assert asked.returncode == 0, asked.stdout[-3000:] + asked.stderr[-3000:]
-    done = [line for line in (default.stdout + default.stderr).splitlines() if "done:" in line]
-    assert done and "model default/hf (bfloat16)" in done[0], default.stdout[-2000:] + default.stderr[-2000:]
-    assert "model asked/hf (float32)" in asked.stdout + asked.stderr
-    half, full = (load_file(tmp_path / run / "hf" / "model.safetensors") for run in ("default", "asked"))
+    root, runs = in_one_group
+    root = root / "dtype"
+    default, asked = runs["dtype/default"], runs["dtype/asked"]
+    assert default["error"] is None and asked["error"] is None, (default, asked)
+    done = [line for line in default["log"].splitlines() if "done:" in line]
+    assert done and "model default/hf (bfloat16)" in done[0], default["log"][-2000:]
+    assert "model asked/hf (float32)" in asked["log"]
+    half, full = (load_file(root / run / "hf" / "model.safetensors") for run in ("default", "asked"))
     assert {t.dtype for t in half.values()} == {torch.bfloat16} and {t.dtype for t in full.values()} == {torch.float32}
-    assert json.loads((tmp_path / "default" / "hf" / "config.json").read_text())["dtype"] == "bfloat16"
+    assert json.loads((root / "default" / "hf" / "config.json").read_text())["dtype"] == "bfloat16"
     # the fp32 masters did train (they are not the bf16 values), and the bf16 export is them rounded
-    source = load_file(tmp_path / "bf16-model" / "model.safetensors")
+    source = load_file(root / "bf16-model" / "model.safetensors")
     assert any(not torch.equal(full[k], source[k].float()) for k in source)
     assert all(torch.equal(half[k], full[k].to(torch.bfloat16)) for k in half)
     # `fullshard export` of the checkpoint: the source's dtype by default, --dtype to override
-    assert main(["export", str(tmp_path / "default" / "checkpoints"), str(tmp_path / "offline")]) == 0
-    assert main(["export", str(tmp_path / "default" / "checkpoints"), str(tmp_path / "offline32"), "--dtype", "fp32"]) == 0
+    assert main(["export", str(root / "default" / "checkpoints"), str(tmp_path / "offline")]) == 0
+    assert main(["export", str(root / "default" / "checkpoints"), str(tmp_path / "offline32"), "--dtype", "fp32"]) == 0
     printed = capsys.readouterr().out
     assert "offline (bfloat16)" in printed and "offline32 (float32)" in printed
     offline, offline32 = (load_file(tmp_path / d / "model.safetensors") for d in ("offline", "offline32"))
@@ -539,7 +650,7 @@ def optimizer_state(checkpoint) -> dict[str, torch.Tensor]:
     return state
 
 
-def test_stage_two_starts_a_new_run_from_another_runs_checkpoint(tmp_path, capsys):
+def test_stage_two_starts_a_new_run_from_another_runs_checkpoint(in_one_group, tmp_path, capsys):
     """`checkpoint.init_from`: a new run in another directory, on other data and another layout, starts
     from stage 1's weights (its first loss is stage 1's model's on that data), at step 0, with a fresh
     schedule; `checkpoint.init_optimizer` also brings stage 1's optimizer state."""
@@ -547,48 +658,44 @@ def test_stage_two_starts_a_new_run_from_another_runs_checkpoint(tmp_path, capsy
 
     from fullshard.train.loss import causal_lm_loss_sum
 
-    (tmp_path / "tiny.yaml").write_text(CONFIG)
-    (tmp_path / "other.txt").write_text("".join(f"the {i}th other document is not the built-in corpus.\n"
-                                                for i in range(200)))
-    one = run_cli("train", "tiny.yaml", "--nproc", "2", "--train.output_dir=s1", cwd=tmp_path)
-    assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
+    root, runs = in_one_group
+    root = root / "stage2"
+    one = runs["stage2/s1"]
+    assert one["error"] is None, one
     # a mistake is one line before launch: a checkpoint that does not fit the model, optimizer state without init_from
-    assert main(["train", str(tmp_path / "tiny.yaml"), "--model.name_or_path=tiny-llama",
-                 f"--checkpoint.init_from={tmp_path / 's1'}", f"--train.output_dir={tmp_path / 'never'}"]) == 2
+    assert main(["train", str(root / "tiny.yaml"), "--model.name_or_path=tiny-llama",
+                 f"--checkpoint.init_from={root / 's1'}", f"--train.output_dir={tmp_path / 'never'}"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"fullshard: error: checkpoint.init_from='{tmp_path / 's1'}': ") and "does not fit" in err
+    assert err.startswith(f"fullshard: error: checkpoint.init_from='{root / 's1'}': ") and "does not fit" in err
     assert err.count("\n") == 1, err
-    assert main(["train", str(tmp_path / "tiny.yaml"), "--checkpoint.init_optimizer=true"]) == 2
+    assert main(["train", str(root / "tiny.yaml"), "--checkpoint.init_optimizer=true"]) == 2
     assert "checkpoint.init_optimizer=True needs checkpoint.init_from" in capsys.readouterr().err
 
-    stage2 = ("train", "tiny.yaml", "--nproc", "2", "--fsdp.dp_replicate=2", "--data.path=other.txt",
-              "--train.steps=2", "--checkpoint.every=1", "--checkpoint.init_from=s1", "--train.plot=false")
-    fresh = run_cli(*stage2, "--train.output_dir=s2", cwd=tmp_path)
-    assert fresh.returncode == 0, fresh.stdout[-3000:] + fresh.stderr[-3000:]
-    moments = run_cli(*stage2, "--train.output_dir=s2opt", "--checkpoint.init_optimizer=true", cwd=tmp_path)
-    assert moments.returncode == 0, moments.stdout[-3000:] + moments.stderr[-3000:]
-    assert "initialised from" in fresh.stdout + fresh.stderr and "steps 0..2 of 2" in fresh.stdout + fresh.stderr
+    fresh, moments = runs["stage2/s2"], runs["stage2/s2opt"]
+    assert fresh["error"] is None, fresh
+    assert moments["error"] is None, moments
+    assert "initialised from" in fresh["log"] and "steps 0..2 of 2" in fresh["log"]
 
     # the reference: stage 1's exported model, in this process, on stage 2's first batch
-    config = load_config(str(tmp_path / "tiny.yaml"), [f"--data.path={tmp_path / 'other.txt'}",
-                                                         f"--data.cache_dir={tmp_path / 'cache'}"])
+    config = load_config(str(root / "tiny.yaml"), [f"--data.path={root / 'other.txt'}",
+                                                    f"--data.cache_dir={tmp_path / 'cache'}"])
     batch = load_data(config.data, byte_tokenizer()).step_batches(4, 4, 0, 1, seed=config.train.seed,
                                                                   shuffle=True).micro_batches(0)[0]
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "s1" / "hf", dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(root / "s1" / "hf", dtype=torch.float32)
     with torch.no_grad():
         expected = float(causal_lm_loss_sum(model, batch, 0)) / target_count(batch)
-    runs = {name: [r for r in read_metrics(tmp_path / name / "metrics.jsonl") if r["kind"] == "train"]
+    runs = {name: [r for r in read_metrics(root / name / "metrics.jsonl") if r["kind"] == "train"]
             for name in ("s2", "s2opt")}
     for records in runs.values():
         assert [r["step"] for r in records] == [1, 2]  # the step counter starts at 0
         assert abs(records[0]["loss"] - expected) < 1e-5, (records[0]["loss"], expected)
     assert runs["s2"][0]["lr"] == runs["s2opt"][0]["lr"]  # the schedule is this run's, whatever the optimizer held
-    assert (tmp_path / "s2" / "checkpoints" / "step_2" / "COMPLETE").exists()
+    assert (root / "s2" / "checkpoints" / "step_2" / "COMPLETE").exists()
 
     # optimizer state: after the same first gradient, m = b1 m0 + (1 - b1) g and v = b2 v0 + (1 - b2) g^2,
     # so the run that loaded it differs from the fresh one by exactly stage 1's moments times beta, and counts on
-    saved = optimizer_state(tmp_path / "s1" / "checkpoints" / "step_3")
-    after_fresh, after_loaded = (optimizer_state(tmp_path / name / "checkpoints" / "step_1") for name in ("s2", "s2opt"))
+    saved = optimizer_state(root / "s1" / "checkpoints" / "step_3")
+    after_fresh, after_loaded = (optimizer_state(root / name / "checkpoints" / "step_1") for name in ("s2", "s2opt"))
     betas = config.optim.betas
     assert saved.keys() == after_loaded.keys() and saved
     for key, value in saved.items():

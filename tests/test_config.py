@@ -2,7 +2,6 @@
 help generated from the same definitions. Pure unit tests: no process group, no model."""
 
 import dataclasses
-import os
 
 import pytest
 

@@ -9,7 +9,7 @@ from fullshard import FSDP2Engine
 from fullshard.parallel.cp import context_parallel_batch
 from fullshard.errors import PlanError
 from fullshard.testing import build_model, make_batch, reported_by_every_rank, run_distributed
-from fullshard.testing.compare import data_slice, reference_gaps, train_against_reference
+from harness.compare import data_slice, reference_gaps, train_against_reference
 from fullshard.testing.zoo import TIED
 
 TOL = 1e-5

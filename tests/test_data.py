@@ -214,6 +214,18 @@ def test_bad_data_is_named_by_file_and_line(tmp_path):
     odd = write_jsonl(tmp_path / "odd.jsonl", [{"text": "no conversation"}])
     fails(r"odd.jsonl:1 has no field 'messages' or 'prompt'\+'response'",
           section(tmp_path, path=str(odd), format="chat"), chat)
+    # a template failing on a record names file and line, and text parts handed to a string-only template
+    strings_only = ("{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] + '<|end|>' }}{% endfor %}"
+                    "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    hi, yo = {"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}
+    parts = write_jsonl(tmp_path / "parts.jsonl", [{"messages": [hi, yo]}, {"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "hi"}]}, yo]}])
+    fails(r"parts.jsonl:2 cannot be rendered by the chat template \(TypeError: .*\): its turns give content as "
+          r"text parts .*this template only takes strings",
+          section(tmp_path, path=str(parts), format="chat", chat_template=strings_only), chat)
+    fails(r"parts.jsonl:1 cannot be rendered by the chat template \(TemplateError: no system turn\)$",
+          section(tmp_path, path=str(parts), format="chat", chat_template="{{ raise_exception('no system turn') }}"),
+          chat)
     with pytest.raises(ConfigError, match="data.format=.chats.: input should be .text. or .chat."):
         load_config(None, ["--data.format=chats"])
 
@@ -261,6 +273,21 @@ def test_chat_labels_only_assistant_tokens(tmp_path):
     a, b = (load_data(section(tmp_path, path=str(p), format="chat", seq_len=64, eval_fraction=0), tokenizer)
             for p in (pairs, turns))
     assert all(torch.equal(x, y) for x, y in zip(a.train.take([0, 1]).values(), b.train.take([0, 1]).values()))
+    # both kinds in one file (as the README presents a chat file's records): read as the same conversations
+    mixed = write_jsonl(tmp_path / "mixed.jsonl", [{"prompt": "2+2?", "response": "4"},
+                                                   {"messages": [{"role": "user", "content": "2+2?"},
+                                                                 {"role": "assistant", "content": "4"}]}] * 2)
+    c = load_data(section(tmp_path, path=str(mixed), format="chat", seq_len=64, eval_fraction=0), tokenizer)
+    assert all(torch.equal(x, y) for x, y in zip(c.train.take([0, 1]).values(), b.train.take([0, 1]).values()))
+    streamed = load_data(section(tmp_path, path=str(mixed), format="chat", seq_len=64, eval_fraction=0,
+                                 streaming=True), tokenizer)
+    batch = streamed.step_batches(2, 2, 0, 1).micro_batches(0)[0]
+    assert torch.equal(batch["input_ids"], b.train.take([0, 1])["input_ids"])
+    half = write_jsonl(tmp_path / "half.jsonl", [{"prompt": "2+2?", "response": "4"}, {"prompt": "3+3?"},
+                                                 {"messages": [{"role": "user", "content": "2+2?"},
+                                                               {"role": "assistant", "content": "4"}]}])
+    with pytest.raises(ConfigError, match=r"half.jsonl:2 has no field 'messages' or 'prompt'\+'response'"):
+        load_data(section(tmp_path, path=str(half), format="chat", seq_len=64, eval_fraction=0), tokenizer)
 
 
 # A template in the transformers form for tools: `tools` shown up front, content as text or text parts,
@@ -377,7 +404,8 @@ def _chat_runs(root: str, world: int) -> dict:
     except ConfigError as err:
         bad = str(err)
     before = TOKENIZE_RUNS["count"]
-    out = {"bad": bad, "chat": train(load_config(None, [*chat, f"--train.output_dir={root}/chat{world}"]))}
+    exported = ["--checkpoint.export=true"] if world == 2 else []  # the template trained with goes along
+    out = {"bad": bad, "chat": train(load_config(None, [*chat, f"--train.output_dir={root}/chat{world}", *exported]))}
     out["tokenized"] = TOKENIZE_RUNS["count"] - before
     train(load_config(None, [*chat, f"--train.output_dir={root}/chat{world}b"]))
     out["tokenized_again"] = TOKENIZE_RUNS["count"] - before - out["tokenized"]
@@ -412,6 +440,13 @@ def test_chat_on_two_ranks_equals_one_process_and_streaming_resumes_exactly(tmp_
     assert losses2.keys() == losses1.keys() == {0, 1, 2, 3}
     assert max(abs(losses2[s] - losses1[s]) for s in losses1) < 1e-5
     assert two[0]["chat"]["batch_hashes"] == one["chat"]["batch_hashes"]
+    # data.chat_template is saved with the model: the export's and the checkpoint's tokenizer render as training
+    from transformers import AutoTokenizer
+
+    from fullshard.checkpoint.layout import TOKENIZER_DIR, resolve_run_checkpoint
+
+    for saved in (tmp_path / "chat2" / "hf", resolve_run_checkpoint(tmp_path / "chat2") / TOKENIZER_DIR):
+        assert AutoTokenizer.from_pretrained(saved).chat_template == TEMPLATE, saved
     assert abs(two[0]["chat"]["eval_loss"] - one["chat"]["eval_loss"]) < 1e-5
     assert two[0]["chat"]["eval_ppl"] == pytest.approx(__import__("math").exp(one["chat"]["eval_loss"]), rel=1e-5)
     # tokenized once per node: by local rank 0 only, and not again when cached

@@ -26,7 +26,7 @@ K = 3  # steps before and after the save
 
 def _held(model) -> dict[str, torch.Tensor]:
     """Every parameter and buffer gathered to a plain tensor (a collective)."""
-    from fullshard.testing.compare import full_state
+    from harness.compare import full_state
 
     return {**full_state(model), **{f"buffer/{k}": v.detach().clone() for k, v in model.named_buffers()}}
 
@@ -66,7 +66,7 @@ def _steps(model, optimizer, first: int, count: int, early: bool) -> list[float]
     import torch.distributed as dist
 
     from fullshard.distributed import get_rank, get_world_size
-    from fullshard.testing.compare import data_slice
+    from harness.compare import data_slice
 
     hooks = [m.register_forward_hook(_avoid_expert) for n, m in model.named_modules()
              if n.endswith("mlp.gate")] if early else []
@@ -92,7 +92,7 @@ def _steps(model, optimizer, first: int, count: int, early: bool) -> list[float]
 def _optimizer_state(model, optimizer) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    from fullshard.testing.compare import full_tensor
+    from harness.compare import full_tensor
 
     return {f"{fqn}/{key}": full_tensor(value).clone()
             for fqn, per_param in get_optimizer_state_dict(model, optimizer)["state"].items()
@@ -233,7 +233,7 @@ def _rank0_init() -> dict:
 
 def _transformers_plans_train() -> dict:
     from fullshard import apply_fsdp2
-    from fullshard.testing.compare import train_against_reference
+    from harness.compare import train_against_reference
 
     out = {}
     for name, plan in (("qwen3", PEER_PLANS["qwen3"]), ("llama", PEER_PLANS["llama"])):

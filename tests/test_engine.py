@@ -8,7 +8,7 @@ from fullshard import FSDP2Engine, PlanError, apply_fsdp2
 from fullshard.checkpoint import export_hf
 from fullshard.fsdp import fsdp_units
 from fullshard.testing import ZOO, build_model, run_distributed
-from fullshard.testing.compare import largest_gap, reference_gaps, train_against_reference, train_on_padded_batches
+from harness.compare import largest_gap, reference_gaps, train_against_reference, train_on_padded_batches
 from fullshard.testing.zoo import TIED
 
 from test_plan import BAD_PLANS, check_bad_plan
@@ -172,7 +172,7 @@ def test_mesh_that_does_not_divide_the_world_fails_on_every_rank(world_2):
 
 WORLD_1_SCRIPT = """
 from fullshard import FSDP2Engine
-from fullshard.testing.compare import train_against_reference
+from harness.compare import train_against_reference
 r = train_against_reference("gemma", FSDP2Engine().prepare_model, steps=2)
 assert max(abs(a - b) for a, b in zip(r["loss"], r["ref_loss"])) < 1e-6, r
 assert all(r["tied"]) and r["max_weight_diff"] < 1e-6, r

@@ -18,7 +18,7 @@ from fullshard.errors import PlanError
 from fullshard.parallel.ep import owned_experts
 from fullshard.tensors import replicated
 from fullshard.testing import build_model, make_batch, run_distributed
-from fullshard.testing.compare import parity_problems, train_against_reference
+from harness.compare import parity_problems, train_against_reference
 
 TOL = 1e-5
 MAX_NORM = 0.1  # below every first grad norm here (about 1.2), so clipping acts on every step
@@ -106,7 +106,7 @@ def _checkpoint_checks(root: str) -> dict:
     from fullshard import from_pretrained
     from fullshard.checkpoint import CheckpointManager, export_checkpoint, export_hf
     from fullshard.checkpoint.export import own_rows
-    from fullshard.testing.compare import full_state, step_on_slice
+    from harness.compare import full_state, step_on_slice
     from fullshard.testing.moe_lists import ListMoeForCausalLM
 
     root, rank, out = Path(root), dist.get_rank(), {}

@@ -168,7 +168,7 @@ def _compare_one(case: dict, engine) -> dict:
     from torch.distributed.tensor import DTensor
 
     from fullshard import reshard_all
-    from fullshard.testing.compare import full_state
+    from harness.compare import full_state
 
     ref_kwargs = {"dtype": case["ref_dtype"]} if case["ref_dtype"] is not None else {}
     reference = getattr(transformers, model_class(case["zoo"]).__name__).from_pretrained(case["reference"], **ref_kwargs)

@@ -7,7 +7,7 @@ from safetensors.torch import load_file
 
 from fullshard import FSDP2Engine
 from fullshard.testing import build_model, make_batch, run_distributed
-from fullshard.testing.compare import data_slice, full_state, train_against_reference
+from harness.compare import data_slice, full_state, train_against_reference
 from fullshard.errors import CheckpointError
 from fullshard.fsdp import fsdp_units
 

@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_leaves
 
 from fullshard import FSDP2Engine, FSDPStrategy
 from fullshard.testing import build_model, make_batch, run_distributed
-from fullshard.testing.compare import data_slice, full_tensor
+from harness.compare import data_slice, full_tensor
 from fullshard.train.chunked_loss import chunkable_head, linear_cross_entropy_sum
 from fullshard.train.loss import IGNORE_INDEX, causal_lm_loss_sum, normalized_loss, target_count
 from fullshard.train.step import train_step
@@ -175,7 +175,7 @@ def test_model_that_changes_its_logits_keeps_the_plain_loss(monkeypatch):
     import transformers
 
     warnings = []
-    monkeypatch.setattr("fullshard.train.chunked_loss.warn_rank0", warnings.append)
+    monkeypatch.setattr("fullshard.objectives.logprobs.warn_rank0", warnings.append)
     config = transformers.Gemma2Config(vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                        num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                                        final_logit_softcapping=3.0)

@@ -89,10 +89,48 @@ def test_plan_devices_and_model_forms(tmp_path, capsys):
 
 def test_estimate_is_at_most_10_percent_above_the_measured_peak_in_every_layout():
     """Every layout of `memory_matrix.CELLS` (per pipeline stage): estimate / measured peak in [1.00, 1.10]."""
-    from fullshard.testing.memory_matrix import run_cells
+    from harness.memory_matrix import run_cells
 
     ratios = {f"{name} / stage {row['stage']}": row["estimate"] / row["peak"]
               for name, rows in run_cells().items() for row in rows}
     assert len(ratios) >= 16
     off = {cell: round(ratio, 4) for cell, ratio in ratios.items() if not 1.0 <= ratio <= 1.10}
     assert not off, off
+
+
+def test_every_plan_path_prints_its_estimate_and_largest_micro_batch(tmp_path, capsys):
+    """`fullshard plan` in-process on every path: pp or not, --device or this machine's, LoRA, ep
+    and a VLM config; each prints its tables, whether it fits and the largest micro batch."""
+    from transformers import MixtralConfig, Qwen2VLConfig
+
+    eight_b = _config_dir(tmp_path, "llama8b", None, **LLAMA3_8B)
+    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=256)
+    MixtralConfig(**text, num_local_experts=4, architectures=["MixtralForCausalLM"]).save_pretrained(tmp_path / "moe")
+    Qwen2VLConfig(text_config=text, vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2),
+                  architectures=["Qwen2VLForConditionalGeneration"]).save_pretrained(tmp_path / "vlm")
+    eight = EIGHT_GPUS[:-2]  # without --device: this machine's
+    runs = {
+        "pp": [str(eight_b), *eight, "--fsdp.pp_size=2"],
+        "pp_h100": [str(eight_b), *EIGHT_GPUS, "--fsdp.pp_size=2"],
+        "dense": [str(eight_b), *eight],
+        "dense_h100": [str(eight_b), *EIGHT_GPUS],
+        "lora_pp": [str(eight_b), *EIGHT_GPUS, "--fsdp.pp_size=2", "--lora.r=8"],
+        "ep": [str(tmp_path / "moe"), "--nproc", "4", "--fsdp.ep_size=2"],
+        "ep_a100": [str(tmp_path / "moe"), "--nproc", "4", "--fsdp.ep_size=2", "--device", "a100-40g"],
+        "moe_pp": [str(tmp_path / "moe"), "--nproc", "4", "--fsdp.pp_size=2"],
+        "vlm": [str(tmp_path / "vlm"), "--nproc", "2"],
+        "vlm_lora": [str(tmp_path / "vlm"), "--nproc", "2", "--device", "h200", "--lora.r=8",
+                     "--lora.target_modules=[q_proj,v_proj]"],
+    }
+    for name, args in runs.items():
+        assert main(["plan", *args]) == 0, (name, capsys.readouterr().err)
+        printed = capsys.readouterr().out
+        assert re.search(r"(fits|does NOT fit): [\d.]+ of [\d.]+ GiB", printed), (name, printed)
+        assert re.search(r"(largest micro batch that fits at \d+ tokens: [1-9]|no micro batch fits)", printed), \
+            (name, printed)
+        assert ("stage 1" in printed) == ("pp" in name), (name, printed)
+        assert ("LoRA" in printed) == ("lora" in name), (name, printed)
+    # PEFT has no default modules for most VLMs: one line naming the key, not peft's ValueError
+    assert main(["plan", str(tmp_path / "vlm"), "--nproc", "2", "--lora.r=8"]) == 2
+    assert "lora.target_modules: PEFT has no default modules to adapt for 'qwen2_vl'" in capsys.readouterr().err

@@ -16,7 +16,7 @@ from fullshard.parallel.cp import context_parallel_batch
 from fullshard.strategy import FSDPStrategy
 from fullshard.tensors import parameter_counts
 from fullshard.testing import build_model, make_batch, reported_by_every_rank, run_distributed
-from fullshard.testing.compare import data_slice, full_tensor, reference_gaps
+from harness.compare import data_slice, full_tensor, reference_gaps
 from fullshard.train.loss import aligned_targets, causal_lm_loss_sum, target_count, token_loss_sum
 from fullshard.lora import apply_lora
 from fullshard.train.chunked_loss import _RETURNS_HEAD_OUTPUT

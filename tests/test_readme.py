@@ -1,4 +1,4 @@
-"""The README is tested: every shell command and every Python block in it runs here, in a scratch
+"""The README and docs/ are tested: every shell command and every Python block in them runs here, in a scratch
 directory, with tiny sizes substituted where the README's sizes would take minutes. A README that
 drifts from the code fails this test, not a user."""
 
@@ -16,6 +16,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
+# the README first, then docs/ by name: a page's commands may use what the README's left behind
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FULLSHARD = [sys.executable, "-m", "fullshard.cli"]
 
 # what the README writes -> what runs here (the same command, tiny)
@@ -32,8 +34,16 @@ PYTHON_SUBSTITUTIONS = [
 ]
 
 
-def code_blocks(language: str) -> list[str]:
-    return [m.group(1) for m in re.finditer(rf"^```{language}\n(.*?)^```", README, re.S | re.M)]
+def code_blocks(language: str, pages: list[Path] = DOCS) -> list[str]:
+    """The `language` blocks of the README and every docs/ page, in that order."""
+    return [m.group(1) for page in pages
+            for m in re.finditer(rf"^```{language}\n(.*?)^```", page.read_text(), re.S | re.M)]
+
+
+def test_readme_is_short_and_links_every_docs_page():
+    assert len(README.splitlines()) <= 200
+    for page in DOCS[1:]:
+        assert f"(docs/{page.name})" in README, f"the README links no {page.name}"
 
 
 def shell_commands() -> list[str]:
@@ -47,8 +57,26 @@ def shell_commands() -> list[str]:
     return commands
 
 
+def test_every_train_command_in_the_docs_has_its_own_run_directory():
+    """A `fullshard train` line in any block (bash or text) writes where no other one does: one into
+    `runs/demo` after `make demo` is refused (a directory holds one run)."""
+    owners: dict[str, list[str]] = {}
+    for block in code_blocks(r"\w*"):
+        for line in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(line.split("  #")[0].strip(), comments=True) if "fullshard train" in line else []
+            if words[:2] != ["fullshard", "train"] or {"--help", "--print-config"} & set(words):
+                continue
+            if any(w.endswith((".yaml", ".yml")) for w in words):
+                continue  # its config names where it writes
+            named = [w.split("=", 1)[1] for w in words if w.startswith("--train.output_dir=")]
+            owners.setdefault(named[0] if named else "runs/demo", []).append(" ".join(words))
+    assert "runs/demo" in owners and len(owners) >= 3, owners
+    shared = {d: lines for d, lines in owners.items() if len(lines) > 1}
+    assert not shared, shared
+
+
 def test_the_two_setup_commands_are_what_ci_and_make_run():
-    first = code_blocks("bash")[0]
+    first = code_blocks("bash", [ROOT / "README.md"])[0]
     assert "make demo" in first and "make test" in first
     assert "make test" in (ROOT / ".ci" / "run").read_text()
     makefile = (ROOT / "Makefile").read_text()
@@ -144,9 +172,9 @@ def test_every_python_block_in_the_readme_runs(scratch):
         for old, new in PYTHON_SUBSTITUTIONS:
             block = block.replace(old, new)
         runner.append(f"ns = {{'TINY_MODEL_DIR': TINY_MODEL_DIR}}; exec({PRELUDE!r}, ns)")
-        runner.append(f"print('--- README python block {i}', flush=True); exec({block!r}, ns)")
+        runner.append(f"print('--- python block {i}', flush=True); exec({block!r}, ns)")
     proc = subprocess.run([sys.executable, "-c", "\n".join(runner), str(scratch / "py")], capture_output=True, text=True,
                           timeout=600, env=_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert proc.stdout.count("--- README python block") == len(blocks)
+    assert proc.stdout.count("--- python block") == len(blocks)
     assert (scratch / "py/out/adapter").is_dir() and (scratch / "py/out/merged/config.json").is_file()

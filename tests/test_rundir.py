@@ -5,9 +5,7 @@ once; and what the console tells about a run."""
 import json
 import logging
 import os
-import signal
 import socket
-import shutil
 import subprocess
 import sys
 import time
@@ -49,7 +47,7 @@ def test_one_run_per_directory_through_the_launcher(tmp_path):
     finally:
         first.kill()  # SIGKILL: no handler runs in the launcher
         first.wait()
-    assert no_process_left("held"), fullshard_processes("held")
+    assert no_process_left("held", cwd=tmp_path), fullshard_processes("held", tmp_path)
 
     fresh = run_cli("train", "tiny.yaml", "--train.output_dir=held", "--checkpoint.resume=none", "--nproc=2",
                     cwd=tmp_path)
@@ -139,7 +137,7 @@ def test_the_lock_refuses_a_live_run_and_takes_over_a_dead_ones(tmp_path, caplog
         in caplog.text
     # another host's lock: its process cannot be checked from here
     (tmp_path / LOCK_FILE).write_text(json.dumps({"host": "elsewhere", "pid": 1}))
-    with pytest.raises(ConfigError, match=rf"\(host elsewhere, PID 1, .*if that run is gone, delete "):
+    with pytest.raises(ConfigError, match=r"\(host elsewhere, PID 1, .*if that run is gone, delete "):
         RunLock(tmp_path).acquire()
 
 

@@ -9,23 +9,33 @@ from __future__ import annotations
 
 import importlib
 
+from . import _moved
+
 __version__ = "0.1.0"
+_moved.install()  # old module paths (fullshard.weights, fullshard.checkpoint.export, ...) keep importing
 
 _EXPORTS = {
-    **dict.fromkeys(["CheckpointManager", "export_checkpoint", "export_hf", "load_ckpt", "save_ckpt", "save_model"], "checkpoint"),
-    **dict.fromkeys(["ParallelDims", "build_mesh", "get_rank", "get_world_size", "init_distributed", "is_main_process"], "distributed"),
-    **dict.fromkeys(["EngineConfig", "FSDP2Engine", "apply_fsdp2"], "engine"),
-    **dict.fromkeys(["CheckpointError", "ConfigError", "FullshardError", "LoadError", "PlanError", "WeightSyncError"], "errors"),
+    **dict.fromkeys(["CheckpointManager"], "checkpoint"),
+    **dict.fromkeys(["FSDPStrategy", "load_ckpt", "save_ckpt", "save_model"], "faces.lightrft"),
+    **dict.fromkeys(["checkpoint_hf_weights", "export_checkpoint", "export_hf", "export_merged", "hf_weight_buckets",
+                     "hf_weights", "save_adapter"], "hf"),
+    **dict.fromkeys(["ParallelDims", "build_mesh", "get_rank", "get_world_size", "init_distributed", "is_main_process"],
+                    "distributed"),
+    **dict.fromkeys(["EngineConfig", "FSDP2Engine"], "engine"),
+    **dict.fromkeys(["apply_fsdp2"], "faces.transformers"),
+    **dict.fromkeys(["CheckpointError", "ConfigError", "FullshardError", "LoadError", "PlanError", "WeightSyncError"],
+                    "errors"),
     **dict.fromkeys(["apply_activation_checkpointing", "reshard_all"], "fsdp"),
     **dict.fromkeys(["init_empty_model", "materialize_and_load", "meta_init"], "loading"),
-    **dict.fromkeys(["apply_lora", "export_merged", "save_adapter"], "lora"),
-    **dict.fromkeys(["ShardedGradScaler", "clip_grad_norm", "create_optimizer", "create_scheduler", "global_grad_norm"], "optim"),
-    **dict.fromkeys(["ShardingPlan", "UnitSpec", "auto_plan", "build_plan", "find_blocks", "get_transformer_layer_cls"], "plan"),
+    **dict.fromkeys(["apply_lora"], "lora"),
+    **dict.fromkeys(["token_logprobs"], "objectives"),
+    **dict.fromkeys(["ShardedGradScaler", "clip_grad_norm", "clip_grad_norm_", "create_optimizer", "create_scheduler",
+                     "global_grad_norm"], "optim"),
+    **dict.fromkeys(["ShardingPlan", "UnitSpec", "auto_plan", "build_plan", "find_blocks", "get_transformer_layer_cls"],
+                    "plan"),
     **dict.fromkeys(["from_pretrained"], "pretrained"),
-    **dict.fromkeys(["FSDPStrategy"], "strategy"),
     **dict.fromkeys(["generate"], "generation"),
     **dict.fromkeys(["SyncReport", "WeightSync", "weight_loader"], "weight_sync"),
-    **dict.fromkeys(["checkpoint_hf_weights", "hf_weight_buckets", "hf_weights"], "weights"),
 }
 
 __all__ = sorted(_EXPORTS)

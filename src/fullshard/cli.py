@@ -24,7 +24,8 @@ USAGE = """fullshard train [CONFIG.yaml] [--section.key=value ...] [--nproc N] [
        fullshard plan [MODEL_OR_CONFIG] [--section.key=value ...] [--nproc N] [--micro-batch-size B] [--seq-len S]
                       [--device h100|h200|a100-80g|a100-40g|cpu|cuda]
        fullshard export CHECKPOINT_DIR OUTPUT_DIR [--dtype bf16|fp16|fp32]
-       fullshard generate MODEL_DIR_OR_CHECKPOINT --prompt TEXT [--prompt TEXT ...] [--nproc N] [--max-new-tokens N]
+       fullshard generate MODEL_DIR_OR_CHECKPOINT --prompt TEXT [--image PATH ...] [--prompt TEXT ...]
+                          [--nproc N] [--max-new-tokens N]
        fullshard --version"""
 
 TRAIN_HELP = """usage: fullshard train [CONFIG.yaml] [--section.key=value ...] [--nproc N] [--print-config] [--debug]
@@ -158,9 +159,10 @@ def run_as_rank(config, args: TrainArgs) -> int:
 
 def cmd_plan(argv: list[str]) -> int:
     from .parallel.ep import describe_expert_parallel
-    from .plan import build_plan
-    from .strategy import batch_arithmetic, describe_mesh
-    from .train.memory import DEVICES, device_capacity, estimate_run, largest_micro_batch, tp_assignments
+    from .plan.build import build_plan
+    from .plan.memory import DEVICES, device_capacity, estimate_run, largest_micro_batch, tp_assignments
+    from .plan.report import describe_tp, print_estimate
+    from .train.session import batch_arithmetic, describe_mesh
 
     parser = argparse.ArgumentParser(prog="fullshard plan")
     parser.add_argument("source", nargs="?", default=None,
@@ -225,7 +227,7 @@ def plan_config_and_model(args):
         if args.source is not None:
             model.setdefault("name_or_path", args.source)
         config = load_config(None, overrides)
-    from .towers import freeze
+    from .plan.towers import freeze
 
     meta = build_meta_model(config)
     freeze(meta, config.freeze)  # the table shows frozen towers as the run will have them
@@ -234,17 +236,6 @@ def plan_config_and_model(args):
 
         meta = apply_lora(meta, config.lora.peft_fields())
     return config, meta
-
-
-def stored_dtype(config) -> str | None:
-    """The `torch_dtype` the model's config.json states (what its weights are stored in), if any."""
-    from .train.preflight import load_hf_config, resolve_model_dir
-
-    directory = resolve_model_dir(config.model.name_or_path)
-    if directory is None:
-        return None
-    dtype = getattr(load_hf_config(directory, config.model.trust_remote_code, config.model.name_or_path), "dtype", None)
-    return None if dtype is None else str(dtype).removeprefix("torch.")
 
 
 def joined_overrides(argv: list[str]) -> list[str]:
@@ -262,70 +253,19 @@ def joined_overrides(argv: list[str]) -> list[str]:
     return out
 
 
-def print_estimate(config, run, device: str, capacity: int | None, micro: int, seq_len: int,
-                   accumulation: int | None, largest) -> None:
-    """The estimate's header (what it assumed), each rank's (or stage's) rows, and whether it fits."""
-    fsdp = config.fsdp
-    stored = stored_dtype(config)
-    print(f"\nper-rank memory estimate (micro batch {micro} x {seq_len} tokens over cp {fsdp.cp_size}, "
-          f"activation checkpointing {fsdp.activation_checkpointing}, "
-          f"loss chunks of {config.train.loss_chunk_tokens or 'all the'} tokens, "
-          f"{accumulation or 'unknown'} micro-batch(es) per step, {device}):\n"
-          f"assumed: {run.assumptions} (model.dtype={config.model.dtype}, fsdp.mixed_precision={fsdp.mixed_precision}"
-          + (f"; config.json's torch_dtype {stored} is only what is read from disk" if stored else "") + ")"
-          + ("; LoRA: the frozen base has no gradients or optimizer state" if config.lora.enabled else "")
-          + ("; offload_params: parameters, gradients and optimizer state in host memory, not counted on the device"
-             if fsdp.offload_params and not device.startswith("cpu") else ""))
-    for stage in run.stages:
-        if len(run.stages) > 1:
-            print(f"\n{stage.label}:")
-        print(stage.estimate.describe())
-    if len(run.stages) > 1:
-        largest = max(run.stages, key=lambda s: s.estimate.total)
-        print(f"\nlargest per-rank total: {largest.label.split(':')[0]}, {largest.estimate.total / 2**20:,.2f} MiB")
-    if capacity is not None:
-        fits = run.per_rank <= capacity
-        print(f"\nfits: {run.per_rank / 2**30:.1f} of {capacity / 2**30:.1f} GiB ({device})" if fits else
-              f"\ndoes NOT fit: {run.per_rank / 2**30:.1f} of {capacity / 2**30:.1f} GiB ({device})")
-        best = largest()
-        print(f"largest micro batch that fits at {seq_len} tokens: {best}" if best else
-              f"no micro batch fits at {seq_len} tokens: shard over more ranks, checkpoint activations or offload")
-
-
-def describe_tp(model, assignments: dict[str, str], tp_size: int) -> str:
-    """One line per parameter kind the plan splits (layers folded): its style, whole shape and the
-    slice tp rank r holds."""
-    import re
-
-    from .train.memory import TensorParallelSplit
-
-    split, lines = TensorParallelSplit(model, assignments, tp_size), {}
-    for name, param in model.named_parameters():
-        module = name.rpartition(".")[0]
-        if module not in assignments:
-            continue
-        dim, shape = split.split_dim(name), list(param.shape)
-        if dim is None:
-            held = "whole on every tp rank"
-        else:
-            part = shape[dim] // tp_size
-            held = f"tp rank r holds dim {dim} [r*{part}:(r+1)*{part}] -> {list(split.local(name, param).shape)}"
-        lines.setdefault(re.sub(r"\.\d+\.", ".*.", name), f"{assignments[module]:<8} {str(shape):<10} {held}")
-    width = max(len(k) for k in lines)
-    return "\n".join(f"  {k:<{width}}  {v}" for k, v in lines.items())
-
-
 # ---------------------------------------------------------------------------------------------- export
 
 
 def cmd_export(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="fullshard export")
-    parser.add_argument("checkpoint", help="a checkpoint directory, or a save directory (its newest complete checkpoint)")
+    parser.add_argument(
+        "checkpoint", help="a checkpoint directory, or a save directory (its newest complete checkpoint)"
+    )
     parser.add_argument("output", help="the Hugging Face directory to write")
     parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
                         help="the dtype written (default: the dtype the fine-tuned source checkpoint is stored in)")
     args = parser.parse_args(argv)
-    from .checkpoint import export_checkpoint
+    from .hf.offline import export_checkpoint
 
     path = export_checkpoint(args.checkpoint, args.output, dtype=args.dtype)
     written = json.loads((Path(path) / "config.json").read_text()).get("dtype")
@@ -343,6 +283,9 @@ def generate_parser() -> argparse.ArgumentParser:
         "tokenizer's chat template, when it has one, wraps each prompt as a user turn."))
     parser.add_argument("path", help="a Hugging Face model directory or a training checkpoint")
     parser.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for several)")
+    parser.add_argument("--image", action=ImageOfPrompt, default=[], metavar="PATH", help=(
+        "an image file for the --prompt before it (repeat for several; a vision-language model: read "
+        "with its processor and chat template)"))
     parser.add_argument("--nproc", type=int, default=None, help="ranks the model is sharded over (default: one "
                         "per GPU, else 2)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
@@ -352,15 +295,29 @@ def generate_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class ImageOfPrompt(argparse.Action):
+    """`--image PATH` belongs to the `--prompt` before it: (prompt index, absolute path)."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        if not getattr(namespace, "prompt", None):
+            parser.error(f"--image {value}: give it after the --prompt it belongs to")
+        namespace.image = [*namespace.image, (len(namespace.prompt) - 1, os.path.abspath(value))]
+
+
 def cmd_generate(argv: list[str]) -> int:
     args = generate_parser().parse_args(argv)
     if args.nproc is not None and args.nproc < 1:
         return fail(f"--nproc must be a positive integer, got {args.nproc}")
+    missing = [path for _, path in args.image if not os.path.isfile(path)]
+    if missing:
+        return fail(f"--image {missing[0]}: no such file")
+    images = [[path for index, path in args.image if index == i] for i in range(len(args.prompt))]
     if under_launcher():
         from .generation import generate_text
 
         log_dir = os.environ.get(LOG_DIR_ENV, os.path.join(os.getcwd(), ".fullshard-generate-logs"))
-        status = run_rank(lambda: generate_text(args.path, args.prompt, max_new_tokens=args.max_new_tokens,
+        status = run_rank(lambda: generate_text(args.path, args.prompt, images=images,
+                                                max_new_tokens=args.max_new_tokens,
                                                 do_sample=args.sample, temperature=args.temperature,
                                                 seed=args.seed), log_dir)
         # a generating rank has nothing left to save: it leaves now. Its exit through static
@@ -373,8 +330,8 @@ def cmd_generate(argv: list[str]) -> int:
     # the ranks get the line without --nproc, which torchrun's own parser would take for its option
     rank_args = ["generate", args.path, "--max-new-tokens", str(args.max_new_tokens), "--temperature",
                  str(args.temperature), "--seed", str(args.seed), *(["--sample"] if args.sample else [])]
-    for prompt in args.prompt:
-        rank_args.append(f"--prompt={prompt}")
+    for prompt, files in zip(args.prompt, images):
+        rank_args += [f"--prompt={prompt}", *(f"--image={file}" for file in files)]
     with tempfile.TemporaryDirectory(prefix="fullshard-generate-") as log_dir:
         return launch(args.nproc or default_nproc(), rank_args, log_dir, stop_timeout_s=5.0)
 

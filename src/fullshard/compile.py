@@ -17,7 +17,7 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from .plan import find_blocks
+from .plan.blocks import find_blocks
 
 
 def compile_blocks(model: nn.Module, fullgraph: bool = False, backend: str = "inductor") -> list[str]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-# the short names of configs and CLIs (seed 000's dist_config uses these)
+# the short names of configs and CLIs (LLaMA-Factory's dist_config uses these)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 # safetensors' header names; the writer uses the reverse map

@@ -7,18 +7,17 @@ model built on the meta device lives in `fullshard.loading`; the engine only cal
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields, is_dataclass
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import Shard
 
+from .activation_offload import apply_activation_offload
 from .compile import compile_blocks, set_block_prefetch
-from .dtypes import DTYPES
 from .distributed import (
     Meshes,
     ParallelDims,
@@ -29,82 +28,97 @@ from .distributed import (
     init_distributed,
     shard_mesh,
 )
+from .dtypes import DTYPES
 from .errors import ConfigError, PlanError
-from .fsdp import apply_activation_checkpointing, keep_output_capturing, needs_weight_in_backward
+from .float8 import check_float8_config, check_float8_device, convert_to_float8
+from .fsdp import ac_mode, apply_activation_checkpointing, keep_output_capturing, needs_weight_in_backward
 from .loading import materialize_and_load
-from .log import warn_rank0
 from .loading.materialize import tie_declared_weights
 from .loading.rank0 import LOADED, RANK0, agree_on_layout, init_from_rank0
+from .log import warn_rank0
 from .parallel.cp import check_context_parallel, enable_context_parallel
 from .parallel.ep import apply_expert_parallel, check_expert_parallel, global_router_loss
 from .parallel.ep_lists import agree_on_expert_calls, apply_expert_lists
 from .parallel.images import agree_on_images
 from .parallel.pp import check_pipeline_config, prepare_pipeline
 from .parallel.tp import apply_tp_styles, plan_assignments, resolve_tp_plan
-from .plan import ShardingPlan, build_plan
-from .towers import freeze
+from .plan.build import ShardingPlan, build_plan
+from .plan.towers import freeze
 
 
 @dataclass
 class EngineConfig:
-    """Everything that decides how a model is sharded. The seed-000 `dist_config` dict maps onto it.
-
-    mixed_precision: compute dtype of the all-gathered weights (bf16 / fp16 / fp32); the sharded
-        master weights keep their own dtype and gradients are reduced in `reduce_dtype`.
-    reshard_after_forward: True frees the full weight after each unit's forward (least memory),
-        False keeps it until backward (no second all-gather), an int reshards to groups of that
-        many ranks (inside a node, say).
-    offload_params: keep sharded parameters, gradients and optimizer state on CPU.
-    pin_memory: pin the offloaded CPU memory; only honoured where an accelerator exists.
-    activation_checkpointing: recompute each block's activations in backward (non-reentrant).
-    plan: "auto", a seed-003 `fsdp_plan` dict, or a `ShardingPlan`.
-    dp_replicate / dp_shard: the mesh (HSDP when dp_replicate > 1).
-    compile: `torch.compile` each block in place before sharding (`fullshard.compile`); True uses
-        inductor, a string names another `torch.compile` backend (torchtitan's `compile.backend`).
-    prefetch: explicit all-gather prefetch depth across block units (0: FSDP's default order;
-        `fullshard.compile.set_block_prefetch`).
-    tp_size: tensor-parallel ranks per layer; the mesh is dp_replicate x dp_shard x cp x tp.
-    tp_plan: "auto" (the model's transformers TP plan) or a dict of module glob -> style name.
-    cp_size: context-parallel ranks per sequence; FSDP shards over dp_shard x cp.
-    ep_size: expert-parallel ranks per MoE layer: each holds num_experts / ep_size whole experts,
-        sharded further over the dp_shard x cp / ep_size ranks holding the same ones (`parallel/ep.py`).
-    timeout_s: how long a collective waits for a rank that stopped calling it before every rank
-        fails (the process group's timeout), so a stalled rank ends the run instead of hanging it.
-    pp_size: pipeline stages over ranks; the mesh is pp x dp_replicate x dp_shard x cp x tp, each
-        stage sharded over its own sub-mesh (`fullshard.parallel.pp`).
-    pp_schedule: GPipe, 1F1B, Interleaved1F1B or LoopedBFS (the last two need pp_virtual_stages >= 2)
-    pp_microbatches: pipeline micro-batches per trainer micro-batch, dividing it (unset: pp_size)
-    pp_virtual_stages: stages per pp rank (stage s runs on pp rank s mod pp_size).
-    pp_layers_per_stage: decoder layers of each stage, in order; unset: balanced by parameter count.
-    freeze: parts left untrained, set before sharding (no gradients, no optimizer state): the words
-        vision / audio / projector / language, or globs over module and parameter names; "auto" freezes a
-        VLM's vision (and an Omni model's audio) tower and nothing of other models; [] or "none" trains
-        everything (`fullshard.towers`).
-    """
+    """Everything that decides how a model is sharded, each setting documented under its field (what
+    `fullshard train --help` prints for `fsdp.*`). LLaMA-Factory's FSDP2 `dist_config` dict maps onto it."""
 
     mixed_precision: str = "fp32"
+    """compute dtype of the all-gathered weights (bf16 / fp16 / fp32); the sharded master weights keep their own dtype
+    and gradients are reduced in `reduce_dtype`"""
     reduce_dtype: str = "fp32"
+    """dtype gradients are reduced in"""
     reshard_after_forward: bool | int = True
+    """True frees the full weight after each unit's forward (least memory), False keeps it until backward (no second
+    all-gather), an int reshards to groups of that many ranks (inside a node, say)"""
     offload_params: bool = False
+    """keep sharded parameters, gradients and optimizer state on CPU"""
     pin_memory: bool = True
-    activation_checkpointing: bool = False
+    """pin the offloaded CPU memory; only honoured where an accelerator exists"""
+    activation_checkpointing: bool | str = False
+    """recompute activations in backward (non-reentrant): `full` (or true) every block whole, `selective` every block
+    with the outputs of attention and of every other matmul kept (torchtitan's per-op policy), `every_n` every
+    `ac_every`-th block whole, `none` (or false) nothing"""
+    ac_every: int = 2
+    """with `every_n`, checkpoint the ac_every-th, 2 x ac_every-th, ... block"""
+    activation_offload: bool = False
+    """move the tensors each block saves for backward to host memory during forward and back one block ahead in
+    backward (`fullshard.activation_offload`); with checkpointing only the checkpoints move"""
+    float8: str = "none"
+    """none, tensorwise or rowwise: the blocks' Linear layers compute in float8 through torchao (`fullshard.float8`;
+    needs `fullshard[float8]` and an SM 8.9+ GPU or the CPU); tensorwise also all-gathers their weights in float8.
+    Weights stay in the model's dtype"""
+    float8_skip: list[str] = field(default_factory=list)
+    """globs of further Linear layers to keep in high precision"""
     plan: Any = "auto"
+    """auto, a transformers `fsdp_plan` dict, or a `ShardingPlan`"""
     dp_replicate: int = 1
+    """replicas of the sharded model over the mesh (HSDP when > 1)"""
     dp_shard: int = -1
+    """ranks each replica is sharded over; -1: the rest of the world"""
     tp_size: int = 1
+    """tensor-parallel ranks per layer; the mesh is dp_replicate x dp_shard x cp x tp"""
     tp_plan: Any = "auto"
+    """auto (the model's transformers TP plan) or a dict of module glob -> style name"""
     cp_size: int = 1
+    """context-parallel ranks per sequence; FSDP shards over dp_shard x cp"""
     ep_size: int = 1
+    """expert-parallel ranks per MoE layer: each holds num_experts / ep_size whole experts, sharded further over the
+    dp_shard x cp / ep_size ranks holding the same ones (`parallel/ep.py`)"""
     dcp_path: str | None = None
+    """a DCP checkpoint to load the weights from instead of model.name_or_path"""
     compile: bool | str = False
+    """`torch.compile` each block in place before sharding (`fullshard.compile`); True uses inductor, a string names
+    another `torch.compile` backend (torchtitan's `compile.backend`)"""
     prefetch: int = 0
+    """explicit all-gather prefetch depth across block units (0: FSDP's default order;
+    `fullshard.compile.set_block_prefetch`)"""
     timeout_s: float = 1800.0
+    """how long a collective waits for a rank that stopped calling it before every rank fails (the process group's
+    timeout), so a stalled rank ends the run instead of hanging it"""
     pp_size: int = 1
+    """pipeline stages over ranks; the mesh is pp x dp_replicate x dp_shard x cp x tp, each stage sharded over its own
+    sub-mesh (`fullshard.parallel.pp`)"""
     pp_schedule: str = "1F1B"
+    """GPipe, 1F1B, Interleaved1F1B or LoopedBFS (the last two need pp_virtual_stages >= 2)"""
     pp_microbatches: int | None = None
+    """pipeline micro-batches per trainer micro-batch, dividing it (unset: pp_size)"""
     pp_virtual_stages: int = 1
+    """stages per pp rank (stage s runs on pp rank s mod pp_size)"""
     pp_layers_per_stage: list[int] | None = None
+    """decoder layers of each stage, in order; unset: balanced by parameter count"""
     freeze: Any = "auto"
+    """parts left untrained, set before sharding (no gradients, no optimizer state): the words vision / audio /
+    projector / language, or globs over module and parameter names; "auto" freezes a VLM's vision (and an Omni
+    model's audio) tower and nothing of other models; [] or "none" trains everything (`fullshard.plan.towers`)"""
 
     def __post_init__(self) -> None:
         for key in ("mixed_precision", "reduce_dtype"):
@@ -115,6 +129,11 @@ class EngineConfig:
             raise ValueError(f"reshard_after_forward must be a bool or an int >= 1, got {raf!r}")
         if not isinstance(self.compile, (bool, str)) or self.compile == "":
             raise ConfigError(f"compile must be a bool or a torch.compile backend name, got {self.compile!r}")
+        self.activation_checkpointing = ac_mode(self.activation_checkpointing)
+        every = self.ac_every
+        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+            raise ConfigError(f"ac_every must be an int >= 1, got {self.ac_every!r}")
+        check_float8_config(self.float8, self.float8_skip, self.tp_size)
         if not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise ConfigError(f"prefetch must be an int >= 0, got {self.prefetch!r}")
         for key in ("tp_size", "cp_size", "ep_size", "pp_size", "pp_virtual_stages"):
@@ -129,7 +148,7 @@ class EngineConfig:
     @classmethod
     def from_any(cls, config: "EngineConfig | dict | None", **overrides) -> "EngineConfig":
         """An `EngineConfig` from itself, a dict, or a config object (a dataclass such as
-        LLaMA-Factory's `FSDP2Params`, or a mapping such as its `PluginConfig`). Keys of seed 000's
+        LLaMA-Factory's `FSDP2Params`, or a mapping such as its `PluginConfig`). Keys of LLaMA-Factory's
         set that fullshard has no use for are named once in a warning and dropped, `bf16` is read
         as `mixed_precision`; any other unknown key is refused."""
         values = cls.values_of(config)
@@ -162,7 +181,7 @@ class EngineConfig:
         raise TypeError(f"dist_config must be a dict, a dataclass or an EngineConfig, got {type(config).__name__}")
 
 
-# seed 000's keys (LLaMA-Factory's `dist_config` / `FSDP2Params`) that fullshard accepts and ignores
+# the keys of LLaMA-Factory's FSDP2 plugin (its `dist_config` / `FSDP2Params`) that fullshard accepts and ignores
 SEED_ONLY_KEYS = {"name": "its distributed plugin's name"}
 
 
@@ -175,7 +194,9 @@ class FSDP2Engine:
     and FSDP the others). `self.mesh` is the mesh FSDP shards over.
     """
 
-    def __init__(self, dist_config: EngineConfig | dict | None = None, device_mesh: DeviceMesh | None = None, **overrides):
+    def __init__(
+        self, dist_config: EngineConfig | dict | None = None, device_mesh: DeviceMesh | None = None, **overrides
+    ):
         self.config = EngineConfig.from_any(dist_config, **overrides)
         self.device_type = device_mesh.device_type if device_mesh is not None else detect_device_type()
         self.device = init_distributed(self.device_type, timeout_s=self.config.timeout_s)
@@ -198,7 +219,7 @@ class FSDP2Engine:
         return shard_mesh(self.mesh).size()
 
     def get_mp_policy(self, enabled: bool | None = None) -> MixedPrecisionPolicy:
-        """The mixed-precision policy; `enabled=True` on an fp32 engine means bf16 (seed 003's flag)."""
+        """The mixed-precision policy; `enabled=True` on an fp32 engine means bf16 (transformers' flag)."""
         name = self.config.mixed_precision
         if enabled is False or (enabled is None and name == "fp32"):
             return MixedPrecisionPolicy()
@@ -229,13 +250,16 @@ class FSDP2Engine:
         freeze(model, self.config.freeze)  # before the plan: a frozen tower's units hold no gradients
         plan = build_plan(model, self.config.plan)
         self._ignored_params = set()
+        self.apply_float8(model)
         self.apply_tensor_parallel(model)
         self.apply_context_parallel(model)
         self.apply_expert_parallel(model)
-        if self.config.activation_checkpointing:
-            apply_activation_checkpointing(model)
+        apply_activation_checkpointing(model, self.config.activation_checkpointing,
+                                       self.config.ac_every)
         if self.config.compile:  # after checkpointing, before sharding: torchtitan's order
             compile_blocks(model, **({"backend": self.config.compile} if isinstance(self.config.compile, str) else {}))
+        if self.config.activation_offload:  # after compiling: hooks around a compiled block's graph
+            apply_activation_offload(model, self.device)
         modules = dict(model.named_modules())
         for unit in plan.sharding_order():
             targets = [modules[name] for name in unit.modules]
@@ -265,6 +289,16 @@ class FSDP2Engine:
         agree_on_images(model, self.mesh)  # a VLM: ranks without images run the vision path when others have them
         self.plan = plan
         return model
+
+    def apply_float8(self, model: nn.Module) -> None:
+        """The blocks' Linear layers to torchao's float8 ones, before any sharding (a no-op with
+        float8 none); tp is refused here too, for a caller's mesh with a tp dim."""
+        if self.config.float8 == "none":
+            return
+        with agreed(ConfigError, "float8"):
+            check_float8_config(self.config.float8, self.config.float8_skip, self.dims.tp)
+            check_float8_device(self.device)
+        convert_to_float8(model, self.config.float8, self.config.float8_skip)
 
     def apply_tensor_parallel(self, model: nn.Module) -> None:
         """Split the layers the TP plan names over the tp mesh (a no-op without one).
@@ -375,7 +409,7 @@ class FSDP2Engine:
 
 def meshes_of(device_mesh: DeviceMesh, config: EngineConfig) -> tuple[Meshes, ParallelDims]:
     """Split a caller's mesh: a dim named "tp" is tensor parallel, the others (one, or two for HSDP)
-    are FSDP's, as in seed 003's ("fsdp", "tp") mesh. A tp dim of size 1 still applies the plan."""
+    are FSDP's, as in transformers' ("fsdp", "tp") mesh. A tp dim of size 1 still applies the plan."""
     names = device_mesh.mesh_dim_names or ()
     for key in ("cp_size", "pp_size", "ep_size"):
         if getattr(config, key) > 1:
@@ -391,11 +425,14 @@ def meshes_of(device_mesh: DeviceMesh, config: EngineConfig) -> tuple[Meshes, Pa
         rest = tuple(n for n in names if n != "tp")
         meshes = Meshes(world=device_mesh, fsdp=device_mesh[rest] if len(rest) > 1 else device_mesh[rest[0]], tp=tp)
     shape = tuple(meshes.fsdp.shape)
-    dims = ParallelDims(dp_replicate=shape[0] if len(shape) > 1 else 1, dp_shard=shape[-1], world_size=device_mesh.size(),
-                        tp=meshes.tp.size() if meshes.tp is not None else 1)
+    dims = ParallelDims(dp_replicate=shape[0] if len(shape) > 1 else 1, dp_shard=shape[-1],
+                        world_size=device_mesh.size(), tp=meshes.tp.size() if meshes.tp is not None else 1)
     return meshes, dims
 
 
-def apply_fsdp2(model: nn.Module, device_mesh: DeviceMesh | None = None, fsdp_plan: dict | str | None = None, **config):
-    """Seed 003's entry point: shard `model` over `device_mesh` following `fsdp_plan`."""
-    return FSDP2Engine(dict(config, plan=fsdp_plan or "auto"), device_mesh=device_mesh).prepare_model(model)
+def __getattr__(name: str):
+    if name == "apply_fsdp2":  # transformers' entry point, now a face of its own (its old home was here)
+        import importlib
+
+        return importlib.import_module("fullshard.faces.transformers").apply_fsdp2
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -14,7 +14,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.utils.checkpoint import checkpoint
 
-from .plan import find_blocks
+from .errors import ConfigError
+from .plan.blocks import find_blocks
 
 
 def is_on_meta(model: nn.Module) -> bool:
@@ -50,42 +51,111 @@ def needs_weight_in_backward(module: nn.Module) -> bool:
 # the names a transformers block takes its KV (or state) cache by, old and new
 CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value", "layer_past", "cache_params")
 
+# `activation_checkpointing`'s values: `full` recomputes every block, `selective` keeps the outputs
+# of the costly ops (torchtitan's per-op policy), `every_n` recomputes every n-th block whole
+AC_MODES = ("none", "full", "selective", "every_n")
 
-def apply_activation_checkpointing(model: nn.Module) -> None:
-    """Recompute each outermost block in backward (non-reentrant checkpointing).
+
+def ac_mode(value) -> str:
+    """The checkpointing mode a config value names; the booleans are `full` and `none`."""
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        value = value.lower() == "true"
+    if isinstance(value, bool) or value is None:
+        return "full" if value else "none"
+    if value in AC_MODES:
+        return value
+    raise ConfigError(f"activation_checkpointing must be one of {', '.join(AC_MODES)} "
+                      "(or true / false), "
+                      f"got {value!r}")
+
+
+def checkpointed_blocks(model: nn.Module, mode, every: int = 2) -> list[str]:
+    """The blocks `mode` recomputes: all of them, none, or every `every`-th (the `every`-th, the
+    2 x `every`-th, ...: torchtitan's `ac_freq` counting)."""
+    mode = ac_mode(mode)
+    names = find_blocks(model) if mode != "none" else []
+    return names[every - 1::every] if mode == "every_n" else names
+
+
+def apply_activation_checkpointing(model: nn.Module, mode="full", every: int = 2) -> list[str]:
+    """Recompute the blocks `mode` names in backward (non-reentrant checkpointing); returns them.
 
     The block's `forward` is wrapped in place, not the module, so parameter names and state-dict
-    keys stay exactly those of the checkpoint on disk.
+    keys stay exactly those of the checkpoint on disk. `selective` keeps the outputs that are
+    dear to recompute (`selective_context`) and recomputes the rest.
     """
     modules = dict(model.named_modules())
-    for name in find_blocks(model):
+    names = checkpointed_blocks(model, mode, every)
+    context_fn = selective_context if ac_mode(mode) == "selective" else None
+    for name in names:
         block = modules[name]
         if getattr(block, "_fullshard_checkpointed", False):
             continue
-        block.forward = checkpointed(block.forward)
+        block.forward = checkpointed(block.forward, context_fn)
         block._fullshard_checkpointed = True
+    return names
 
 
-def checkpointed(forward):
+def _matmuls() -> set:
+    aten = torch.ops.aten
+    return {aten.mm.default, aten.addmm.default, aten._scaled_mm.default}
+
+
+def _kept_ops() -> set:
+    """Ops whose outputs selective checkpointing always keeps: attention (every SDPA kernel) and the
+    per-tensor max a float8 cast takes its scale from (torchtitan's list, less its collectives:
+    FSDP's reduce-scatter runs outside the blocks here)."""
+    aten = torch.ops.aten
+    return {aten._scaled_dot_product_flash_attention.default,
+            aten._scaled_dot_product_efficient_attention.default,
+            aten._scaled_dot_product_cudnn_attention.default,
+            aten._scaled_dot_product_flash_attention_for_cpu.default,
+            aten.max.default}
+
+
+def selective_context():
+    """torchtitan's per-op policy for one block call: keep the output of every other matmul (the
+    1st, 3rd, ...) and of attention, recompute everything else (norms, activations, the other
+    matmuls). The count starts afresh each call and runs apart in forward and recompute, so the
+    recompute makes the same choices."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    matmuls, kept = _matmuls(), _kept_ops()
+    counts = {False: 0, True: 0}
+
+    def policy(ctx, op, *args, **kwargs):
+        if op in matmuls:
+            counts[ctx.is_recompute] += 1
+            keep = counts[ctx.is_recompute] % 2 == 1
+        else:
+            keep = op in kept
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def checkpointed(forward, context_fn=None):
     """`forward` recomputed in backward, and run without a cache whenever a backward may follow.
 
     A model whose config says `use_cache` hands every block a cache even in training; the block
     writes its keys into it, and the recompute writes them a second time (keys twice the mask's
-    length: a crash on any padded batch). transformers' own checkpointing drops the cache the
-    same way. Without gradients nothing is recomputed, so generation keeps its cache. The cache is
-    found by name, passed by keyword or by position.
+    length: a crash on any padded batch; under a per-op policy, a recompute that issues other ops
+    than the forward did). transformers' own checkpointing drops the cache the same way. Without
+    gradients nothing is recomputed, so generation keeps its cache. The cache is found by name,
+    passed by keyword or by position. `context_fn`: torch's selective checkpointing contexts.
     """
     positional = [p.name for p in inspect.signature(forward).parameters.values()
                   if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
     off = {name: None for name in CACHE_ARGUMENTS} | {"use_cache": False}
     off_at = {index: off[name] for index, name in enumerate(positional) if name in off}
+    options = {"context_fn": context_fn} if context_fn is not None else {}
 
     @functools.wraps(forward)
     def run(*args, **kwargs):
         if torch.is_grad_enabled():
             args = tuple(off_at[index] if index in off_at else arg for index, arg in enumerate(args))
             kwargs = {key: off[key] if key in off else value for key, value in kwargs.items()}
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **options, **kwargs)
 
     return run
 

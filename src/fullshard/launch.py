@@ -149,8 +149,8 @@ def launch(nproc: int, rank_args: list[str], log_dir: str | os.PathLike, stop_ti
     agent, received = _supervise(command, env, stop_file, stop_timeout_s)
     if received:
         if agent.returncode != 0:  # killed before they could save: say so, in one line
-            print(f"[fullshard] stopped at once, without a new checkpoint; the same command resumes from the "
-                  f"last complete one", file=sys.stderr, flush=True)
+            print("[fullshard] stopped at once, without a new checkpoint; the same command resumes from the "
+                  "last complete one", file=sys.stderr, flush=True)
         return 128 + received
     if agent.returncode != 0:
         print(error_line(_failure_message(log_dir, agent.returncode, debug)), file=sys.stderr, flush=True)

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from .float8 import register_scale_precompute
 from .fsdp import reshard_all
 from .parallel.ep_lists import unique_parameters
 from .tensors import local_tensor
@@ -56,7 +57,9 @@ def param_groups(
             continue
         no_decay = is_no_decay(name, param, embeddings) or any(token in name for token in extra)
         key = (no_decay, *_placement_key(param))
-        group = groups.setdefault(key, {"params": [], "param_names": [], "weight_decay": 0.0 if no_decay else weight_decay})
+        group = groups.setdefault(
+            key, {"params": [], "param_names": [], "weight_decay": 0.0 if no_decay else weight_decay}
+        )
         group["params"].append(param)
         group["param_names"].append(name)
     if not groups:
@@ -88,8 +91,11 @@ def create_optimizer(
     groups = param_groups(model, weight_decay, decay_embeddings)
     if name == "sgd":
         kwargs.setdefault("momentum", 0.0)
-        return torch.optim.SGD(groups, lr=lr, **kwargs)
-    return OPTIMIZERS[name](groups, lr=lr, betas=tuple(betas), eps=eps, **kwargs)
+        optimizer = torch.optim.SGD(groups, lr=lr, **kwargs)
+    else:
+        optimizer = OPTIMIZERS[name](groups, lr=lr, betas=tuple(betas), eps=eps, **kwargs)
+    register_scale_precompute(optimizer, model)  # float8 tensorwise: scales after every step
+    return optimizer
 
 
 # ---------------------------------------------------------------------------------------------- schedules
@@ -268,8 +274,8 @@ def _local_norm_powers(grads: list[torch.Tensor], norm_type: float, world: int,
     return total if total is not None else torch.zeros((), dtype=torch.float64)
 
 
-def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0, across=None,
-                   uncounted: Iterable[torch.Tensor] = ()) -> float:
+def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0, across=None,
+                    uncounted: Iterable[torch.Tensor] = ()) -> float:
     """Clip to `max_norm` by the global norm and return that norm (before clipping).
 
     `max_norm <= 0` means no clipping: the norm is still measured (it is logged), gradients are
@@ -280,9 +286,12 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, norm_type: f
     return _clip(list(params), max_norm, norm_type, across=across, uncounted=uncounted)[0]
 
 
+clip_grad_norm = clip_grad_norm_  # the name without torch's trailing underscore (it clips in place), kept
+
+
 def _clip(params: list[torch.Tensor], max_norm: float, norm_type: float = 2.0, values: torch.Tensor | None = None,
           across=None, uncounted: Iterable[torch.Tensor] = ()) -> tuple[float, torch.Tensor | None]:
-    """`clip_grad_norm`, and `values` summed over every rank in the norm's collective."""
+    """`clip_grad_norm_`, and `values` summed over every rank in the norm's collective."""
     skip = {id(p) for p in uncounted}
     norm, sums = grad_norm_and_sum([p for p in params if id(p) not in skip], norm_type, values, across)
     norm = float(norm)

@@ -98,9 +98,17 @@ def image_block_masks(model: nn.Module, token_type_ids: torch.Tensor, positions:
     functions on row indices: (causal, or within one image block) and within one document, and for
     sliding layers within the window. None when the rows are not packed or the attention takes no
     dense mask (then transformers' own masks)."""
-    from transformers.masking_utils import (and_masks, blockwise_overlay, causal_mask_function, eager_mask,
-                                            find_packed_sequence_indices, or_masks, packed_sequence_mask_function,
-                                            sdpa_mask, sliding_window_overlay)
+    from transformers.masking_utils import (
+        and_masks,
+        blockwise_overlay,
+        causal_mask_function,
+        eager_mask,
+        find_packed_sequence_indices,
+        or_masks,
+        packed_sequence_mask_function,
+        sdpa_mask,
+        sliding_window_overlay,
+    )
 
     build = {"sdpa": sdpa_mask, "eager": eager_mask}.get(implementation_of(model))
     documents = find_packed_sequence_indices(positions)
@@ -109,7 +117,9 @@ def image_block_masks(model: nn.Module, token_type_ids: torch.Tensor, positions:
     is_image = token_type_ids == 1
     block_starts = is_image & ~torch.nn.functional.pad(is_image, (1, 0))[:, :-1]
     blocks = torch.where(is_image, block_starts.cumsum(-1) - 1, -1)
-    base = and_masks(or_masks(causal_mask_function, blockwise_overlay(blocks)), packed_sequence_mask_function(documents))
+    base = and_masks(
+        or_masks(causal_mask_function, blockwise_overlay(blocks)), packed_sequence_mask_function(documents)
+    )
     config = model.config.get_text_config()
     batch, length = positions.shape
     dtype = next(model.parameters()).dtype
@@ -147,8 +157,13 @@ def packed_inputs(model: nn.Module, inputs: dict) -> dict:
 def document_causal_mask(position_ids: torch.Tensor) -> torch.Tensor | None:
     """(batch, 1, seq, seq) booleans, True where a token may attend to another: an earlier (or the
     same) token of its own document. None when every row is one document (plain causal attention)."""
-    from transformers.masking_utils import (and_masks, causal_mask_function, find_packed_sequence_indices,
-                                            packed_sequence_mask_function, sdpa_mask)
+    from transformers.masking_utils import (
+        and_masks,
+        causal_mask_function,
+        find_packed_sequence_indices,
+        packed_sequence_mask_function,
+        sdpa_mask,
+    )
 
     documents = find_packed_sequence_indices(position_ids)
     if documents is None:

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from torch import nn
 
-from .checkpoint import remember_source_dtype
 from .distributed import agreed
 from .dtypes import resolve_dtype
 from .engine import FSDP2Engine
 from .errors import LoadError
+from .hf.export import remember_source_dtype
 from .loading import checkpoint_dtype, init_empty_model, resolve_checkpoint_dir
 from .lora import apply_lora, lora_checkpoint_view
 from .packed_attention import use_attention
@@ -24,13 +24,14 @@ def from_pretrained(name_or_path: str, engine=None, dtype=None, model_class=None
     """The short path: build the model on meta from its config, shard it with `engine`, load it sharded.
 
     `engine` defaults to `FSDP2Engine()` (fp32, auto plan, whole world). `dtype=None` keeps the
-    checkpoint's dtype; exports default to the checkpoint's stored dtype either way. Code a repository ships runs only with `trust_remote_code=True`. `lora` (a
+    checkpoint's dtype; exports default to the checkpoint's stored dtype either way. Code a
+    repository ships runs only with `trust_remote_code=True`. `lora` (a
     `peft.LoraConfig` or a dict of its fields) wraps the model on meta with PEFT LoRA before it is
     sharded (`fullshard.lora.apply_lora`): the result is a `PeftModel` whose base loads sharded from
     the checkpoint and whose adapters are initialised as `get_peft_model` would.
     `attn_implementation` names transformers' attention kernel (None: transformers' pick).
     `freeze` (None: the engine's `freeze`, by default "auto": a VLM's vision and audio towers) names the
-    parts left untrained: `vision`, `audio`, `projector`, `language` or module patterns (`fullshard.towers`).
+    parts left untrained: `vision`, `audio`, `projector`, `language` or module patterns (`fullshard.plan.towers`).
     The model class is the config's (`architectures`), else transformers' image-text-to-text class
     for a VLM config, else its causal-LM class.
     """

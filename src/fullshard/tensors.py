@@ -24,7 +24,9 @@ def replicated(tensor: torch.Tensor) -> torch.Tensor:
         return tensor
     for dim in range(tensor.device_mesh.ndim):
         if not tensor.placements[dim].is_replicate():
-            tensor = tensor.redistribute(placements=[*tensor.placements[:dim], Replicate(), *tensor.placements[dim + 1:]])
+            tensor = tensor.redistribute(
+                placements=[*tensor.placements[:dim], Replicate(), *tensor.placements[dim + 1 :]]
+            )
     return tensor.to_local()
 
 

@@ -31,10 +31,22 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .weights import buckets_to_first, kept_buffer
-from .distributed import all_ranks_agree_ok, current_device, get_rank
+from .distributed import all_ranks_agree_ok, current_device, gather_to_first, get_rank, get_world_size
 from .errors import WeightSyncError
-from .tensors import named_state_tensors
+from .hf.stream import (  # the stream's plan and its regions, which the first-rank sender shares
+    DEFAULT_BUCKET_BYTES,
+    Box,
+    StreamUnit,
+    _aligned,
+    _device,
+    _numel,
+    _output_size,
+    _outputs,
+    _region,
+    _stream_plan,
+    kept_buffer,
+)
+from .tensors import local_tensor, named_state_tensors
 
 BUCKET, END, ABORT = 1, 2, 3  # what a control message announces
 ALIGN = 16  # every tensor starts 16-byte aligned in a bucket's buffer, so it can be viewed in its dtype
@@ -116,7 +128,9 @@ def pack_bucket(pairs: list[tuple[str, torch.Tensor]], device: torch.device,
     for index, (name, tensor) in enumerate(pairs):
         nbytes = tensor.numel() * tensor.element_size()
         start = together[1][index] if together else offset
-        for key, value in zip(header, (name, list(tensor.shape), str(tensor.dtype).removeprefix("torch."), start, nbytes)):
+        for key, value in zip(
+            header, (name, list(tensor.shape), str(tensor.dtype).removeprefix("torch."), start, nbytes)
+        ):
             header[key].append(value)
         offset += _padded(nbytes)
     if together:
@@ -137,7 +151,9 @@ def unpack_bucket(header: dict, payload: torch.Tensor, sent: list[int]) -> list[
         if expected != found:
             raise WeightSyncError(f"checksum mismatch for {name!r}: sent {expected}, received {found}")
     pairs = []
-    for name, shape, dtype, offset, nbytes in zip(*(header[k] for k in ("names", "shapes", "dtypes", "offsets", "nbytes"))):
+    for name, shape, dtype, offset, nbytes in zip(
+        *(header[k] for k in ("names", "shapes", "dtypes", "offsets", "nbytes"))
+    ):
         pairs.append((name, payload[offset:offset + nbytes].view(_DTYPES[dtype]).view(shape)))
     return pairs
 
@@ -158,7 +174,9 @@ def feed(load_weights: Callable[[Iterable], object], pairs: list[tuple[str, torc
         at = f" at {seen[-1]!r}" if seen else ""
         raise WeightSyncError(f"load_weights failed{at}: {type(err).__name__}: {err}") from err
     if len(seen) < len(pairs):
-        raise WeightSyncError(f"load_weights did not take {pairs[len(seen)][0]!r} (it stopped reading the weights there)")
+        raise WeightSyncError(
+            f"load_weights did not take {pairs[len(seen)][0]!r} (it stopped reading the weights there)"
+        )
 
 
 def weight_loader(model: nn.Module) -> Callable[[Iterable[tuple[str, torch.Tensor]]], set[str]]:
@@ -186,6 +204,161 @@ def weight_loader(model: nn.Module) -> Callable[[Iterable[tuple[str, torch.Tenso
 
 
 # ------------------------------------------------------------------------------------- the connection
+
+
+# ------------------------------------------------------- the stream to the first trainer rank alone
+
+SEND_ALIGN = ALIGN  # each whole tensor of a bucket's buffer starts aligned, as the payload wants
+
+
+def _own_pieces(bucket: list[StreamUnit], rank: int) -> list[tuple[int, int, Box]]:
+    """The regions `rank` sends of the bucket, in order: (unit, input, box)."""
+    return [(u, index, box) for u, unit in enumerate(bucket) for index, box in unit.pieces.get(rank, [])]
+
+
+def _whole_rows(box: Box, shape: tuple[int, ...]) -> bool:
+    """Whether the region is whole rows of its tensor: one run of its bytes."""
+    return len(shape) > 0 and tuple(box[1][1:]) == tuple(shape[1:])
+
+
+def _messages(
+    bucket: list[StreamUnit], rank: int
+) -> tuple[list[tuple[int, int, Box]], list[tuple[int, int, Box, int]]]:
+    """What `rank` sends the first rank of a bucket: each region that is whole rows of its tensor
+    (FSDP's and EP's) a message of its own, which lands straight in its place; the others (TP's
+    columns) packed into one more message, each at its aligned byte position in it."""
+    direct, packed, position = [], [], 0
+    for u, index, box in _own_pieces(bucket, rank):
+        item = bucket[u].inputs[index]
+        if _whole_rows(box, item.shape):
+            direct.append((u, index, box))
+        else:
+            packed.append((u, index, box, position))
+            position += _aligned(_region_bytes(bucket, u, index, box))
+    return direct, packed
+
+
+def _region_bytes(bucket: list[StreamUnit], u: int, index: int, box: Box) -> int:
+    return _numel(box[1]) * bucket[u].inputs[index].dtype.itemsize
+
+
+def _packed_span(bucket: list[StreamUnit], packed: list[tuple[int, int, Box, int]]) -> int:
+    """The bytes of a rank's packed message (`_messages`): up to the end of its last region."""
+    if not packed:
+        return 0
+    u, index, box, at = packed[-1]
+    return at + _region_bytes(bucket, u, index, box)
+
+
+def _send_to_first(bucket: list[StreamUnit], state: dict, device: torch.device, buffers: dict) -> None:
+    """A rank other than the first: its regions of the bucket to the first rank (`_messages`), each
+    sent from the shard itself where its bytes already are the message, else cast or packed into a
+    buffer kept in `buffers`."""
+    direct, packed = _messages(bucket, get_rank())
+    local = lambda u, i: local_tensor(state[bucket[u].inputs[i].key]).detach()  # noqa: E731
+    as_is = lambda u, i: (local(u, i).dtype == bucket[u].inputs[i].dtype and local(u, i).is_contiguous()  # noqa: E731
+                          and local(u, i).device == device)
+    placed, position = [], 0  # where the direct regions that need a copy (a cast) go in `kept`
+    for u, index, box in direct:
+        if not as_is(u, index):
+            placed.append((u, index, box, position))
+            position += _aligned(_region_bytes(bucket, u, index, box))
+    placed += [(u, index, box, position + at) for u, index, box, at in packed]
+    need = position + _aligned(_packed_span(bucket, packed))
+    kept = kept_buffer(buffers, "send", need, device) if need else None
+    for u, index, box, at in placed:
+        size = _region_bytes(bucket, u, index, box)
+        kept[at:at + size].view(bucket[u].inputs[index].dtype).view(box[1]).copy_(local(u, index))
+    copied = {(u, index): at for u, index, _, at in placed}
+    parts = []
+    for u, index, box in direct:
+        at = copied.get((u, index))
+        parts.append(local(u, index).reshape(-1).view(torch.uint8) if at is None
+                     else kept[at:at + _region_bytes(bucket, u, index, box)])
+    if packed:
+        parts.append(kept[position:position + _packed_span(bucket, packed)])
+    for work in gather_to_first({get_rank(): parts}):
+        work.wait()
+
+
+def _gather_to_first(bucket: list[StreamUnit], state: dict, out: Callable[[int], torch.Tensor],
+                     buffers: dict) -> list[list[torch.Tensor]]:
+    """The first rank: the bucket's whole inputs laid out in one byte buffer from `out(nbytes)` (each
+    `SEND_ALIGN`-aligned, in order), made from its own shards and the other ranks' messages: runs
+    of rows received straight into their place, packed regions into a staging buffer kept in
+    `buffers` (only layouts with other regions than rows need it) and copied from there. Its own
+    regions are copied while the others arrive."""
+    starts, total = [], 0
+    for unit in bucket:
+        for item in unit.inputs:
+            starts.append(total)
+            total += item.nbytes + (-item.nbytes % SEND_ALIGN)
+    flat = out(total)
+    at = iter(starts)
+    wholes = [[flat[start:start + item.nbytes].view(item.dtype).view(item.shape)
+               for item, start in zip(unit.inputs, at)] for unit in bucket]
+    plans = {r: _messages(bucket, r) for r in range(1, get_world_size())}
+    need = {r: _aligned(_packed_span(bucket, packed)) for r, (_, packed) in plans.items()}
+    kept = kept_buffer(buffers, "staging", sum(need.values()), flat.device) if sum(need.values()) else None
+    targets, staged, position = {}, {}, 0
+    for r, (direct, packed) in plans.items():
+        targets[r] = []
+        for u, index, box in direct:
+            whole = wholes[u][index]
+            row = whole[0].numel() * whole.element_size()
+            start = box[0][0] * row
+            targets[r].append(whole.view(-1).view(torch.uint8)[start:start + _region_bytes(bucket, u, index, box)])
+        if packed:
+            staged[r] = kept[position:position + need[r]]
+            targets[r].append(staged[r][:_packed_span(bucket, packed)])
+            position += need[r]
+    works = gather_to_first(targets)
+    for u, index, box in _own_pieces(bucket, 0):
+        _region(wholes[u][index], box).copy_(local_tensor(state[bucket[u].inputs[index].key]).detach())
+    for work in works:
+        work.wait()
+    for r, message in staged.items():
+        for u, index, box, at in plans[r][1]:
+            item = bucket[u].inputs[index]
+            size = _region_bytes(bucket, u, index, box)
+            _region(wholes[u][index], box).copy_(message[at:at + size].view(item.dtype).view(box[1]))
+    return wholes
+
+
+@dataclass
+class SentBucket:
+    """A bucket of the stream to the first rank: its `(hf_name, tensor)` pairs there (none elsewhere),
+    how many tensors and bytes it has."""
+
+    pairs: list[tuple[str, torch.Tensor]]
+    tensors: int
+    nbytes: int
+
+
+def buckets_to_first(model: torch.nn.Module, out: Callable[[int], torch.Tensor], *,
+                     dtype: torch.dtype | str | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                     lora: str = "merge") -> Iterator[SentBucket]:
+    """`hf_weight_buckets` for a sender that is the first rank alone (`WeightSync`): the other ranks
+    send it their regions (one message each per bucket) and keep nothing; the first rank lays each
+    bucket's whole tensors out in the byte buffer `out(nbytes)` gives (the caller's, reused: it
+    must be done with a bucket's buffer before handing it out again), so a bucket of plain tensors
+    is one run of bytes, ready to send as it is. Every rank iterates it in step."""
+    state, buckets = _stream_plan(model, dtype, bucket_bytes, lora)
+    device, buffers, first = _device(), {}, get_rank() == 0
+    for bucket in buckets:
+        tensors = nbytes = 0
+        for unit in bucket:
+            count, size = _output_size(unit)
+            tensors, nbytes = tensors + count, nbytes + size
+        if not first:
+            _send_to_first(bucket, state, device, buffers)
+            yield SentBucket([], tensors, nbytes)
+            continue
+        wholes = _gather_to_first(bucket, state, out, buffers)
+        pairs = [pair for unit, inputs in zip(bucket, wholes) for pair in _outputs(unit, inputs)]
+        del wholes
+        yield SentBucket(pairs, tensors, nbytes)
+        del pairs
 
 
 def _backend(device: torch.device) -> str:
@@ -307,7 +480,9 @@ class WeightSync:
 
     def _verdicts(self, message: str) -> list[str]:
         """Every member's error message (empty when fine), gathered in one collective."""
-        outputs = [torch.empty(STATUS_BYTES, dtype=torch.uint8, device=self.device) for _ in range(self.num_engines + 1)]
+        outputs = [
+            torch.empty(STATUS_BYTES, dtype=torch.uint8, device=self.device) for _ in range(self.num_engines + 1)
+        ]
         self.group.allgather([outputs], [_status(message, self.device)]).wait()
         return [_message(status) for status in outputs]
 
@@ -486,12 +661,18 @@ class WeightSync:
             self._broadcast(control).wait()
             kind, header_len, payload_len, version = control.tolist()
             if version != self.version:
-                raise WeightSyncError(f"engine {self.rank - 1} expected push {self.version}, the trainer sent {version}")
+                raise WeightSyncError(
+                    f"engine {self.rank - 1} expected push {self.version}, the trainer sent {version}"
+                )
             if kind == ABORT:
-                raise WeightSyncError(f"engine {self.rank - 1}: the trainer aborted push {self.version} (its gather failed)")
+                raise WeightSyncError(
+                    f"engine {self.rank - 1}: the trainer aborted push {self.version} (its gather failed)"
+                )
             if kind == END:
                 if not failure and (header_len, payload_len) != (tensors, nbytes):
-                    failure = f"received {tensors} tensors / {nbytes} bytes, the trainer sent {header_len} / {payload_len}"
+                    failure = (
+                        f"received {tensors} tensors / {nbytes} bytes, the trainer sent {header_len} / {payload_len}"
+                    )
                 return tensors, nbytes, failure
             header = torch.empty(header_len, dtype=torch.uint8, device=self.device)
             payload = kept_buffer(self.buffers, "receiving", payload_len, self.device)

@@ -97,7 +97,9 @@ def _commit_without_group(manager, pending: PendingSave) -> None:
     try:
         metadata = pending.future.result(timeout=EXIT_WAIT_S)
     except BaseException as err:  # noqa: BLE001
-        raise CheckpointError(f"its background write failed once the process group was destroyed ({type(err).__name__})") from None
+        raise CheckpointError(
+            f"its background write failed once the process group was destroyed ({type(err).__name__})"
+        ) from None
     gaps = index_gaps(metadata)
     if gaps:
         raise CheckpointError(f"the process group was destroyed before every rank wrote its shards (missing {gaps[0]})")

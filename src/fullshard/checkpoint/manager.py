@@ -26,19 +26,24 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from ..distributed import agreed, broadcast_from_rank0, get_rank, get_world_size, run_agreed
 from ..errors import CheckpointError, ConfigError
 from ..fsdp import reshard_all
+from ..hf.export import config_json, every_rank_part, generation_config_json
+from ..hf.lora import is_peft_model, write_adapter_config
+from ..hf.offline import model_meta
 from ..log import log_rank0, logger, warn_rank0
 from ..tensors import holds_part
 from . import async_exit, layout
 from .checksums import SummingWriter, write_manifest
-from .export import config_json, every_rank_part, generation_config_json
 from .fit import few, fit_to_index
-from .offline import model_meta
 from .read import CheckpointReader, UnreadableCheckpoint, failure_summary, read_side_file
 from .rng import capture_rng_state, rederive_rng_state, restore_rng_state
 
@@ -194,7 +199,8 @@ class CheckpointManager:
         model_state, optim_state = get_state_dict(model, optimizer if optimizer is not None else [],
                                                   options=_options())
         shapes = [(k, tuple(v.shape)) for k, v in model_state.items()]
-        shapes = dict(every_rank_part(shapes, lambda item: item[0]) if holds_part(model) else shapes)  # the recipe names all
+        # the recipe names all
+        shapes = dict(every_rank_part(shapes, lambda item: item[0]) if holds_part(model) else shapes)
         meta = model_meta(model, shapes)  # on every rank: a LoRA recipe asks every pipeline stage for its layers
         if get_rank() == 0:
             trainer_state = {"format": layout.FORMAT_VERSION, "step": step, "world_size": get_world_size(),
@@ -251,7 +257,9 @@ class CheckpointManager:
         kept, total, dropping = 0, 0, False
         for index, checkpoint in enumerate(layout.complete_checkpoints(self.save_dir)):
             size = layout.dir_size(checkpoint)
-            fits = (self.max_num is None or kept < self.max_num) and (self.max_mem is None or total + size <= self.max_mem * MB)
+            fits = (self.max_num is None or kept < self.max_num) and (
+                self.max_mem is None or total + size <= self.max_mem * MB
+            )
             if index == 0 and not fits:
                 logger.warning("checkpoint %s alone is %.1f MB, over max_mem=%s MB; kept as the only one",
                                checkpoint, size / MB, self.max_mem)
@@ -317,9 +325,9 @@ class CheckpointManager:
 
         def prepare():
             trainer_state = layout.read_json(checkpoint / layout.TRAINER_STATE, UnreadableCheckpoint)
-            if trainer_state.get("format") != layout.FORMAT_VERSION:
-                raise CheckpointError(f"checkpoint {checkpoint} has format {trainer_state.get('format')}; this fullshard "
-                                      f"reads format {layout.FORMAT_VERSION} (export it with the fullshard that wrote it)")
+            if (found := trainer_state.get("format")) != layout.FORMAT_VERSION:
+                raise CheckpointError(f"checkpoint {checkpoint} has format {found}; this fullshard reads format "
+                                      f"{layout.FORMAT_VERSION} (export it with the fullshard that wrote it)")
             reader = CheckpointReader(checkpoint, share=(get_rank(), get_world_size()))
             options = _options(reader.metadata)
             if optimizer is not None and holds_part(model) and not options.flatten_optimizer_state_dict:
@@ -477,21 +485,23 @@ def _without_zip_crc():
 
 def _check_save_arguments(tag: str, extra_state: dict, states: dict | None) -> None:
     if not tag or "/" in tag or os.sep in tag or tag.startswith(".") or tag == layout.LATEST:
-        raise ConfigError(f"checkpoint tag {tag!r} must be a plain directory name (no '/', no leading '.', not 'latest')")
+        raise ConfigError(
+            f"checkpoint tag {tag!r} must be a plain directory name (no '/', no leading '.', not 'latest')"
+        )
     try:
         json.dumps(extra_state)
     except TypeError as err:
         raise ConfigError(f"extra_state must be JSON-serialisable: {err}") from None
     for name, obj in (states or {}).items():
         if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
-            raise ConfigError(f"states[{name!r}] is a {type(obj).__name__}, not Stateful (state_dict / load_state_dict)")
+            raise ConfigError(
+                f"states[{name!r}] is a {type(obj).__name__}, not Stateful (state_dict / load_state_dict)"
+            )
 
 
 def _write_model_files(tmp: Path, model, tokenizer) -> None:
     """Config, generation config, a LoRA run's adapter config and the tokenizer: what an offline
     export writes beside the weights."""
-    from ..lora import is_peft_model, write_adapter_config  # lora imports checkpoint.export: not at import time
-
     base = model.get_base_model() if is_peft_model(model) else model
     for name, text in ((layout.CONFIG, config_json(base)), (layout.GENERATION_CONFIG, generation_config_json(base))):
         if text is not None:

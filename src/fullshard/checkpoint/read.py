@@ -71,7 +71,9 @@ class CheckpointReader:
         except CheckpointError as err:
             raise type(err)(one_line(str(err))) from None
         except Exception as err:  # noqa: BLE001 - whatever DCP raised, name the checkpoint
-            raise UnreadableCheckpoint(one_line(f"reading checkpoint {self.checkpoint} failed: {type(err).__name__}: {err}")) from None
+            raise UnreadableCheckpoint(
+                one_line(f"reading checkpoint {self.checkpoint} failed: {type(err).__name__}: {err}")
+            ) from None
 
 
 def read_side_file(path: Path):

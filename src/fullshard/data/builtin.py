@@ -12,7 +12,7 @@ def builtin_tokenizer(name: str):
 
 
 def builtin_model_config(name: str, tokenizer, seq_len: int, sizes: dict):
-    """The transformers config and model class of a built-in model (`sizes`: train.config's BUILTIN_MODELS
+    """The transformers config and model class of a built-in model (`sizes`: its BUILTIN_MODELS
     entry), its vocabulary and special tokens its tokenizer's (so generate() stops at its end of text)."""
     if name in BUILTIN_VLMS:
         from transformers import Qwen2VLForConditionalGeneration
@@ -24,7 +24,33 @@ def builtin_model_config(name: str, tokenizer, seq_len: int, sizes: dict):
                        **sizes), LlamaForCausalLM
 
 
+BUILTIN_MODELS = {
+    # name -> LlamaConfig kwargs; vocab size comes from the tokenizer, max positions from data.seq_len
+    "tiny-llama": dict(hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=4,
+                       num_key_value_heads=2, tie_word_embeddings=False),
+    "micro-llama": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, tie_word_embeddings=False),
+    # a Qwen2-VL (data/builtin.py): its language model's sizes; without data.path it trains on generated pictures
+    "tiny-qwen2-vl": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2),
+}
 BUILTIN_VLMS = ("tiny-qwen2-vl",)
+
+
+def save_builtin_model(name: str, directory, seq_len: int = 256, seed: int = 0) -> None:
+    """A built-in model as a local Hugging Face directory: its config, random weights (seeded) and
+    tokenizer (or processor) beside them, which `from_pretrained` and `fullshard train` then read
+    like any other directory."""
+    import torch
+
+    from ..errors import ConfigError
+
+    if name not in BUILTIN_MODELS:
+        raise ConfigError(f"{name!r} is no built-in model; the built-in models are {', '.join(BUILTIN_MODELS)}")
+    tokenizer = builtin_tokenizer(name)
+    config, model_class = builtin_model_config(name, tokenizer, seq_len, BUILTIN_MODELS[name])
+    torch.manual_seed(seed)
+    model_class(config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
 
 
 def builtin_corpus(num_docs: int = 5000, seed: int = 0) -> list[str]:
@@ -89,6 +115,7 @@ QWEN2_VL_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
     "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}"
     "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
     "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 SHAPES = ("circle", "square", "triangle")

@@ -51,6 +51,18 @@ def chat_template_of(tokenizer, override: str | None) -> str:
     return template
 
 
+def adopt_chat_template(tokenizer, section):
+    """`tokenizer` (and a processor's own tokenizer) given the template `data.chat_template` names,
+    when chat data is rendered with it: the tokenizer saved with checkpoints and exports then
+    renders as training did (`apply_chat_template`, `fullshard generate`, a server)."""
+    if section.format == "chat" and section.chat_template:
+        template = chat_template_of(tokenizer, section.chat_template)
+        tokenizer.chat_template = template
+        if getattr(tokenizer, "tokenizer", None) is not None:
+            tokenizer.tokenizer.chat_template = template
+    return tokenizer
+
+
 def as_messages(row: int, messages=None, prompt=None, response=None, system=None) -> list[dict]:
     """A record's conversation as chat-format turns, checked; prompt/response records become two turns.
     Keys a record does not set (Arrow fills them with null when other records have them) are left out."""
@@ -115,8 +127,11 @@ def assistant_spans(tokenizer, template: str, messages: list[dict], row: int,
                     tools: list[dict] | None = None) -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the character spans of its assistant turns (tool calls included)."""
     def render(turns, generation_prompt=False) -> str:
-        return tokenizer.apply_chat_template(turns, tools=tools, chat_template=template, tokenize=False,
-                                             add_generation_prompt=generation_prompt)
+        try:
+            return tokenizer.apply_chat_template(turns, tools=tools, chat_template=template, tokenize=False,
+                                                 add_generation_prompt=generation_prompt)
+        except Exception as err:  # noqa: BLE001 - the template is the user's program: name the record
+            raise RecordError(row, template_failure(tokenizer, template, turns, tools, err)) from None
 
     full = render(messages)
     spans = []
@@ -129,6 +144,22 @@ def assistant_spans(tokenizer, template: str, messages: list[dict], row: int,
                                    "assistant turns cannot be located; use a prefix-consistent template")
         spans.append((len(before), len(through)))
     return full, spans
+
+
+def template_failure(tokenizer, template: str, turns: list[dict], tools, err: Exception) -> str:
+    """Why the chat template failed on a record; when its turns give text parts (a list of content
+    parts) and the same turns as strings render, the template only takes strings: say so."""
+    reason = f"cannot be rendered by the chat template ({type(err).__name__}: {err})"
+    if not any(isinstance(t.get("content"), list) for t in turns):
+        return reason
+    flat = [{**t, "content": "".join(p.get("text", "") for p in t["content"])}
+            if isinstance(t.get("content"), list) else t for t in turns]
+    try:
+        tokenizer.apply_chat_template(flat, tools=tools, chat_template=template, tokenize=False)
+    except Exception:  # noqa: BLE001 - fails on strings too: the first error stands
+        return reason
+    return (f"{reason}: its turns give content as text parts (a list of {{type: text, text}} parts), and this "
+            "template only takes strings; give content as a string, or use a template that reads parts")
 
 
 def tokenize_chat(tokenizer, template: str, messages: list[dict], row: int,

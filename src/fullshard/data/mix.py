@@ -99,5 +99,7 @@ class MixedRows(Rows):
         return out
 
     def describe(self, paths: list[str]) -> str:
-        shares = ", ".join(f"{path} {count} (from its {len(part)})" for path, count, part in zip(paths, self.counts, self.parts))
+        shares = ", ".join(
+            f"{path} {count} (from its {len(part)})" for path, count, part in zip(paths, self.counts, self.parts)
+        )
         return f"each epoch's {len(self)} rows: {shares}"

@@ -25,6 +25,9 @@ from .chat import IGNORE_INDEX
 COLUMNS = ("input_ids", "labels", "position_ids")
 ROPE_COLUMNS = ("rope_t", "rope_h", "rope_w")  # an mRoPE document's temporal, height and width positions
 IMAGES = "images"
+# a per-token column at whose changes a new sequence starts inside one document: the two completions
+# of a preference pair, packed as one document so that a pair is never split (`data.preference`)
+SPLIT_COLUMN = "pair_role"
 
 
 def positions(starts: np.ndarray) -> np.ndarray:
@@ -57,7 +60,8 @@ class Packer:
         return self.add_flat(flat, lengths, tags)
 
     def add_flat(self, ids: np.ndarray, lengths: np.ndarray, labels: np.ndarray | None = None,
-                 extras: dict[str, np.ndarray] | None = None, images: list[bytes] | None = None) -> dict[str, np.ndarray]:
+                 extras: dict[str, np.ndarray] | None = None,
+                 images: list[bytes] | None = None) -> dict[str, np.ndarray]:
         """`add` for documents given as one array of tokens and their lengths (an Arrow list column's
         layout); `extras`: flat per-token columns laid out like `ids`, `images`: one blob per document."""
         ids = ids.astype(np.int64, copy=False)
@@ -70,6 +74,8 @@ class Packer:
         self.documents += len(lengths)
         starts = np.zeros(len(ids), bool)
         starts[np.cumsum(lengths) - lengths] = True
+        if SPLIT_COLUMN in extras:
+            starts[1:] |= extras[SPLIT_COLUMN][1:] != extras[SPLIT_COLUMN][:-1]
         labels = np.where(starts, IGNORE_INDEX, labels)
         if not self.whole:
             if extras or images:
@@ -99,7 +105,9 @@ class Packer:
             self.labels = np.concatenate([self.labels, np.full(pad, IGNORE_INDEX)])
             self.starts = np.concatenate([self.starts, np.eye(1, pad, dtype=bool)[0]])
             for column in self.extras:  # rope rows of the padding are filled in by `_take`
-                self.extras[column] = np.concatenate([self.extras[column], np.full(pad, -1 if column in ROPE_COLUMNS else 0)])
+                self.extras[column] = np.concatenate(
+                    [self.extras[column], np.full(pad, -1 if column in ROPE_COLUMNS else 0)]
+                )
         return self._take(self.seq_len)
 
     def _take(self, n: int) -> dict[str, np.ndarray]:

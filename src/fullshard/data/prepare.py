@@ -27,6 +27,7 @@ from ..errors import ConfigError
 from ..log import warn_rank0
 from .chat import chat_template_of
 from .pack import COLUMNS, IMAGES, Packer
+from .preference import PreferenceTokenize
 from .sources import Source, load_records, locate, resolve_source
 from .tokenize import RecordError, Tokenize, layouts, optional_fields
 from .vision import VisionTokenize, is_multimodal, processor_id
@@ -65,9 +66,11 @@ def cache_key(source: Source, tokenizer, section, exact: bool = True, rope=None)
     """Tokenizer + data + packing; `exact=False` identifies the data by file names and sizes only.
     Images are named by the records, so the data's files stand for them too."""
     recipe = {"version": CACHE_VERSION, "data": source.stamp(exact), "tokenizer": tokenizer_id(tokenizer),
-              "format": section.format, "fields": [layouts(section), optional_fields(section)], "seq_len": section.seq_len,
-              "overlong": section.overlong, "packing": section.packing,
+              "format": section.format, "fields": [layouts(section), optional_fields(section)],
+              "seq_len": section.seq_len, "overlong": section.overlong, "packing": section.packing,
               "chat_template": chat_template_of(tokenizer, section.chat_template) if section.format == "chat" else None}
+    if section.format == "preference":
+        recipe["chat_template"] = section.chat_template
     if vision_records(tokenizer, section):
         recipe["images"] = {"bad_images": getattr(section, "bad_images", "error"),
                             "rope": None if rope is None else rope.config.to_json_string()}
@@ -118,7 +121,7 @@ def report_overlong(info: dict, section, path: str) -> None:
     refuse data of which nothing would be left."""
     dropped, truncated = info["dropped"], info.get("truncated", 0)
     total = info["documents"] + dropped
-    records = "conversations" if section.format == "chat" else "documents"
+    records = {"chat": "conversations", "preference": "pairs"}.get(section.format, "documents")
     rule = f"longer than data.seq_len={section.seq_len}"
     if dropped and not info["documents"]:
         raise ConfigError(f"{path}: all {dropped} {records} are {rule} and data.overlong=drop drops them; "
@@ -171,6 +174,8 @@ def _build(source: Source, tokenizer, section, cache_dir: Path, target: Path, ro
     if vision_records(tokenizer, section):
         base = Path(source.path) if Path(source.path).is_dir() else Path(source.path).parent
         tokenize = VisionTokenize(tokenizer, section, base, rope)
+    elif section.format == "preference":
+        tokenize = PreferenceTokenize(getattr(tokenizer, "tokenizer", tokenizer), section)
     else:
         tokenize = Tokenize(getattr(tokenizer, "tokenizer", tokenizer), section)
     work = cache_dir / f"{target.name}.tmp-{uuid.uuid4().hex[:8]}"
@@ -203,7 +208,8 @@ def _write_rows(tokens, section, tokenizer, path: Path, extra_columns: tuple[str
     from datasets.arrow_writer import ArrowWriter
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    packer = Packer(section.seq_len, pad, whole_documents=section.format == "chat", packing=section.packing,
+    packer = Packer(section.seq_len, pad, whole_documents=section.format in ("chat", "preference"),
+                    packing=section.packing,
                     extra_columns=extra_columns, with_images=IMAGES in tokens.column_names)
     images = IMAGES in tokens.column_names
     features = Features({c: Sequence(Value("int32"), length=section.seq_len) for c in (*COLUMNS, *extra_columns)}

@@ -5,20 +5,22 @@ from __future__ import annotations
 
 from .chat import IGNORE_INDEX, RecordError, as_messages, as_tools, chat_template_of, tokenize_chat
 
-FORMATS = ("text", "chat")
+FORMATS = ("text", "chat", "preference")
 OVERLONG = ("drop", "truncate")
 
 
 def layouts(section) -> tuple[tuple[str, ...], ...]:
-    """The alternative column sets a format reads, first match wins."""
+    """The alternative column sets a format reads: each record has one (a chat file may mix them)."""
     if section.format == "chat":
         return (section.messages_field,), (section.prompt_field, section.response_field)
+    if section.format == "preference":
+        return (section.prompt_field, "chosen", "rejected"), ("chosen", "rejected")
     return ((section.text_field,),)
 
 
 def optional_fields(section) -> tuple[str, ...]:
     """Fields read when a source has them: a chat record's `tools`, passed to the template."""
-    return (section.tools_field,) if section.format == "chat" else ()
+    return (section.tools_field,) if section.format in ("chat", "preference") else ()
 
 
 class Tokenize:
@@ -44,14 +46,18 @@ class Tokenize:
             docs = [doc + [eos] for doc in ids]
             if self.packing:
                 return {"input_ids": docs}
-            return {"input_ids": [self._fit(doc, doc)[0] for doc in docs], "truncated": list(map(self._truncates, docs))}
+            return {
+                "input_ids": [self._fit(doc, doc)[0] for doc in docs],
+                "truncated": list(map(self._truncates, docs)),
+            }
         out = {"input_ids": [], "labels": [], "truncated": []}
         messages, prompt, response = self.chat_fields
         for k, row in enumerate(indices):
-            if messages in batch:
+            if messages in batch and batch[messages][k] is not None:  # else a prompt/response record
                 turns = as_messages(row, messages=batch[messages][k])
             else:
-                turns = as_messages(row, prompt=batch[prompt][k], response=batch[response][k])
+                turns = as_messages(row, prompt=batch.get(prompt, [None] * len(indices))[k],
+                                    response=batch.get(response, [None] * len(indices))[k])
             tools = as_tools(row, batch[self.tools_field][k]) if self.tools_field in batch else None
             ids, labels = tokenize_chat(self.tokenizer, self.template, turns, row, tools)
             out["truncated"].append(self._truncates(ids))

@@ -16,9 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-from ..tensors import local_tensor, tied_groups
+from ..tensors import local_tensor
 
 
 @contextlib.contextmanager

@@ -12,8 +12,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..distributed import get_local_rank
-from ..distributed import all_ranks_agree_ok
+from ..distributed import all_ranks_agree_ok, get_local_rank
 from ..errors import HubUnreachableError, LoadError
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"

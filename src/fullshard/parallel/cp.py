@@ -23,15 +23,14 @@ normalises is always the whole sequence's.
 from __future__ import annotations
 
 import torch
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-import torch.distributed._functional_collectives as funcol
 
 from ..distributed import all_gather_single
 from ..errors import ConfigError, PlanError
-from ..packed_attention import CONTEXT_PARALLEL as ATTENTION_NAME
-from ..packed_attention import document_causal_mask
+from ..packed_attention import CONTEXT_PARALLEL as ATTENTION_NAME, document_causal_mask
 
 IGNORE_INDEX = -100
 

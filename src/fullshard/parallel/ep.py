@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from ..distributed import all_gather_single, all_gather_single_autograd
 from ..errors import PlanError
-from ..towers import glob_regex
+from ..plan.towers import glob_regex
 
 UP_NAMES = ("gate_up_proj", "up_proj")
 DOWN_NAME = "down_proj"

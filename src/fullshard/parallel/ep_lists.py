@@ -15,12 +15,13 @@ Dispatch without rewriting the block: the block's forward runs twice. In the fir
 at all), the recorded rows go to their experts' owners with one all-to-all, the owners run them
 through `LocalExperts` (one module call, so FSDP's hooks on it fire once), and a second all-to-all
 brings the outputs home. In the second pass `self.experts[e](x)` returns the output computed for
-that call, and the block combines them with its own router weights, differentiably. The second pass starts from the random state the
-first did (router jitter routes the same), and the first works on copies of the block's inputs (a
-block that scales its input in place, as Mixtral's jitter does, sees it once). The cost: what the
-block computes besides its experts (router, shared expert) runs twice, and forward hooks inside the
-block fire twice; the rows cross the network once each way, as with fused experts. It assumes what
-every per-token MLP expert is: rows computed independently, output shaped like the input.
+that call, and the block combines them with its own router weights, differentiably. The second
+pass starts from the random state the first did (router jitter routes the same), and the first
+works on copies of the block's inputs (a block that scales its input in place, as Mixtral's jitter
+does, sees it once). The cost: what the block computes besides its experts (router, shared expert)
+runs twice, and forward hooks inside the block fire twice; the rows cross the network once each
+way, as with fused experts. It assumes what every per-token MLP expert is: rows computed
+independently, output shaped like the input.
 
 Gradients: an expert's gradient on its owner sums every rank's tokens (the all-to-all's backward
 brings them), so it is divided by the whole data-parallel size, as fused experts' are: by FSDP over
@@ -98,7 +99,9 @@ class LocalExperts(nn.Module):
         chunks = [(e, chunk) for e, chunk, runs in zip(self.owned, rows.split(counts), called) if runs]
         if not chunks:
             return rows.clone()  # no rows either
-        with contextlib.nullcontext() if self.grad_divisor == 1.0 else _outside_fsdp(self, rows.dtype, self.grad_divisor):
+        with (
+            contextlib.nullcontext() if self.grad_divisor == 1.0 else _outside_fsdp(self, rows.dtype, self.grad_divisor)
+        ):
             return torch.cat([self._modules[str(e)](chunk) for e, chunk in chunks])
 
 

@@ -32,7 +32,7 @@ from torch import nn
 
 from ..distributed import agreed
 from ..errors import ConfigError, FullshardError, PlanError
-from ..plan import find_blocks, find_final_norm
+from ..plan.blocks import find_blocks, find_final_norm
 from ..tensors import mark_held_elsewhere, parameter_counts, state_names
 
 # schedules with one stage per rank, and those that loop over several (stage s on pp rank s % pp)

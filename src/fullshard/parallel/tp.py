@@ -23,7 +23,7 @@ from torch.distributed.tensor.parallel import (
 
 from ..errors import PlanError
 from ..log import log_rank0
-from ..towers import find_towers, glob_regex
+from ..plan.towers import find_towers, glob_regex
 from ..tensors import tensor_aliases
 
 
@@ -92,7 +92,9 @@ def resolve_tp_plan(model: nn.Module, tp_plan: str | dict | None) -> dict[str, s
         raise PlanError(f"tp_plan auto: no entry of {type(model).__name__}'s TP plan matches a module "
                         f"(patterns {sorted(plan)}); pass tp_plan as a dict of module glob -> style")
     if dropped:
-        log_rank0(f"tp_plan auto: {dropped} stay replicated over tp (no torch style for {sorted({plan[d] for d in dropped})})")
+        log_rank0(
+            f"tp_plan auto: {dropped} stay replicated over tp (no torch style for {sorted({plan[d] for d in dropped})})"
+        )
     return kept
 
 
@@ -163,7 +165,9 @@ def plan_assignments(model: nn.Module, plan: dict[str, str], tp_size: int) -> di
         for name in matches:
             for part, part_style in _through_lora(pattern, style, name, modules[name]).items():
                 if part in assignments:
-                    raise PlanError(f"tp_plan entry {pattern!r}: module {part!r} already has style {assignments[part]!r}")
+                    raise PlanError(
+                        f"tp_plan entry {pattern!r}: module {part!r} already has style {assignments[part]!r}"
+                    )
                 _check_split(pattern, part_style, part, modules[part], tp_size)
                 assignments[part] = part_style
     if assignments:

@@ -3,4 +3,5 @@
 from .spawn import DistributedTestError, reported_by_every_rank, run_distributed
 from .zoo import ZOO, build_model, make_batch, tiny_config
 
-__all__ = ["DistributedTestError", "reported_by_every_rank", "run_distributed", "ZOO", "build_model", "make_batch", "tiny_config"]
+__all__ = ["DistributedTestError", "reported_by_every_rank", "run_distributed", "ZOO", "build_model", "make_batch",
+           "tiny_config"]

@@ -28,9 +28,11 @@ SIZES = (
           "text_hidden_size", "projector_hidden_size", "moe_intermediate_size", "shared_expert_intermediate_size",
           "out_hidden_size", "output_dim", "projection_dim", "mm_hidden_size", "output_channels",
           "codebook_dim", "downsample_hidden_size", "vision_output_dim", "projector_input_dim",
-          "projector_output_dim", "mm_embed_dim", "output_proj_dims")),
+          "projector_output_dim", "mm_embed_dim", "output_proj_dims", "latent_channels",
+          "image_token_embed_dim")),  # the last two: a VQ image generator's (Janus)
     (64, ("intermediate_size", "ffn_dim", "d_ff", "max_position_embeddings", "n_positions", "mlp_dim",
-          "dense_intermediate_size", "shared_intermediate_size", "num_position_embeddings", "mm_posemb_size", "encoder_ffn_dim",
+          "dense_intermediate_size", "shared_intermediate_size", "num_position_embeddings", "mm_posemb_size",
+          "encoder_ffn_dim",
           "decoder_ffn_dim", "alignment_intermediate_size", "intermediate_size_mlp",
           "moe_shared_expert_intermediate_size", "projection_intermediate_size")),
     (LAYERS, LAYER_KEYS),
@@ -43,10 +45,14 @@ SIZES = (
          "linear_key_head_dim", "linear_value_head_dim", "index_head_dim", "linear_head_dim")),
     (16, ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "ssm_state_size")),  # qk: nope + rope head dims
     (IMAGE, ("image_size", "max_img_size")),
+    (64, ("num_embeddings",)),  # a VQ image generator's codebook, channels, blocks (Janus)
+    (32, ("base_channels",)),  # GroupNorm over 32 groups
+    (1, ("num_res_blocks", "channel_multiplier")),
     ((IMAGE // 8) ** 2, ("mm_tokens_per_image", "num_image_tokens", "image_seq_length")),  # one per patch
 )
 SIZE = {key: value for value, keys in SIZES for key in keys}
 IMAGE_TOKEN_KEYS = ("image_token_id", "image_token_index", "image_token", "image_patch_id")
+VIDEO_TOKEN_KEYS = ("video_token_id", "video_token_index")
 
 
 def vlm_types() -> dict[str, str]:
@@ -70,7 +76,8 @@ def shrink(defaults: dict, layers: int | None = None) -> dict:
         elif key in SIZE and isinstance(value, (list, tuple)) and value and all(type(v) is int for v in value):
             per_layer = layers and len(value) == layers > LAYERS  # one size per layer (Gemma 3n)
             out[key] = [min(v, SIZE[key]) for v in (value[:LAYERS] if per_layer else value)]
-        elif "feature_layer" in key and (type(value) is int or isinstance(value, list) and all(type(v) is int for v in value)):
+        elif "feature_layer" in key and (
+                type(value) is int or isinstance(value, list) and all(type(v) is int for v in value)):
             # hidden states of the vision tower that feed the projector: inside the shrunk tower
             clamp = lambda v: max(-LAYERS, min(v, LAYERS - 1))  # noqa: E731
             out[key] = clamp(value) if type(value) is int else [clamp(v) for v in value]
@@ -142,12 +149,13 @@ def model_class(model_type: str) -> type[nn.Module]:
     return getattr(transformers, vlm_types()[model_type])
 
 
-def image_token_id(config) -> int:
-    for key in IMAGE_TOKEN_KEYS:
+def image_token_id(config, keys=IMAGE_TOKEN_KEYS) -> int:
+    for key in keys:
         value = getattr(config, key, None)
         if type(value) is int:
             return value
-    raise ValueError(f"{type(config).__name__} names no image token")
+    kind = "image" if keys == IMAGE_TOKEN_KEYS else "video"
+    raise ValueError(f"{type(config).__name__} names no {kind} token")
 
 
 def vision_config(config):
@@ -165,26 +173,58 @@ def _first(config, keys, default):
     return default
 
 
-def candidate_image_inputs(model: nn.Module, images: int, generator: torch.Generator) -> list[dict]:
-    """The image layouts `get_image_features` may take, for `images` random images, most likely first."""
+def features_holder(model: nn.Module, function: str = "get_image_features") -> tuple[nn.Module, list[str]]:
+    """The module whose `function` the model's forward calls and every input it takes (what
+    `parallel/images.py` runs): DeepSeek-VL defines it on its inner model only."""
+    from ..parallel.images import feature_function
+
+    holder, keys = feature_function(model, function)
+    if holder is None:
+        raise ValueError(f"{type(model).__name__} has no {function}")
+    return holder, keys
+
+
+def feature_params(model: nn.Module, function: str) -> set[str]:
+    """The inputs a layout is made for: the model's own function's (its optional extras as the outer
+    class takes them: LLaVA's inner `image_sizes` is Pixtral's), and those the one the forward calls
+    requires (VideoLLaMA3's `image_merge_sizes`)."""
+    holder = features_holder(model, function)[0]
+    params = set(inspect.signature(getattr(model, function)).parameters) \
+        if callable(getattr(type(model), function, None)) else set()
+    inner = inspect.signature(getattr(holder, function)).parameters.items()
+    return params | {k for k, p in inner if p.default is p.empty and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+
+
+def candidate_image_inputs(model: nn.Module, images: int, generator: torch.Generator,
+                           video: bool = False) -> list[dict]:
+    """The image layouts `get_image_features` may take, for `images` random images, most likely first;
+    `video`: the video layouts `get_video_features` may take (two frames each)."""
     vision = vision_config(model.config)
-    params = set(inspect.signature(model.get_image_features).parameters)
+    params = feature_params(model, "get_video_features" if video else "get_image_features")
     channels = _first(vision, ("num_channels", "in_channels", "in_chans"), 3)
     size = _first(vision, ("image_size",), IMAGE)
     patch = _first(vision, ("patch_size",), 8)
     dtype = next(model.parameters()).dtype
+    pixels_key, kind = ("pixel_values_videos", "video") if video else ("pixel_values", "image")
     out = []
-    if "image_grid_thw" in params:
+    if f"{kind}_grid_thw" in params:
         merge = _first(vision, ("spatial_merge_size",), 2)
         temporal = _first(vision, ("temporal_patch_size",), 1)
+        # a video: one temporal patch (Qwen's two frames; Qwen3-VL splits longer ones by timestamps)
         side = 2 * merge
         grid = torch.tensor([[1, side, side]] * images)
+        merges = f"{kind}_merge_sizes"  # VideoLLaMA3
+        extras = {merges: torch.tensor([merge] * images)} if merges in params else {}
         patches = images * side * side
         for shape in ((patches, channels * temporal * patch * patch), (patches, channels * 2 * patch * patch),
-                      (patches, channels, patch, patch), (1, patches, channels, patch, patch)):
+                      (patches, channels, patch, patch),
+                      (1, patches, channels, patch, patch)):
             # flattened patches (Qwen, two frames where the config does not say), or each patch an image
             pixels = torch.randn(*shape, generator=generator)
-            out.append({"pixel_values": pixels.to(dtype), "image_grid_thw": grid})
+            out.append({pixels_key: pixels.to(dtype), f"{kind}_grid_thw": grid, **extras})
+    if video:  # a batch of clips, each a few frames (LLaVA's video models)
+        clips = torch.randn(images, 2, channels, size, size, generator=generator)
+        return out + [{pixels_key: clips.to(dtype)}]
     pixels = torch.randn(images, channels, size, size, generator=generator).to(dtype)
     extras = {}
     if "image_sizes" in params:
@@ -221,17 +261,21 @@ def feature_rows(features) -> int:
     return pooled.reshape(-1, pooled.shape[-1]).shape[0]
 
 
-def find_image_inputs(model: nn.Module, images: int = 1, seed: int = 0) -> tuple[dict, int]:
-    """A valid image input for `model` (`images` images) and how many image tokens it fills."""
+def find_image_inputs(model: nn.Module, images: int = 1, seed: int = 0,
+                      video: bool = False) -> tuple[dict, int]:
+    """A valid image input for `model` (`images` images) and how many image tokens it fills;
+    `video`: a video input (clips of two frames) and its video tokens."""
     errors = []
-    for inputs in candidate_image_inputs(model, images, torch.Generator().manual_seed(seed)):
+    holder = features_holder(model, "get_video_features" if video else "get_image_features")[0]
+    function = getattr(holder, "get_video_features" if video else "get_image_features")
+    for inputs in candidate_image_inputs(model, images, torch.Generator().manual_seed(seed), video=video):
         try:
             with torch.no_grad():
-                features = model.get_image_features(**inputs, return_dict=True)
+                features = function(**inputs, return_dict=True)
             return inputs, feature_rows(features)
         except Exception as error:  # noqa: BLE001 - the next layout is tried, all reasons reported
             errors.append(f"{type(error).__name__}: {str(error).splitlines()[0][:100] if str(error) else ''}")
-    raise ValueError("no image layout fits: " + " | ".join(errors))
+    raise ValueError(f"no {'video' if video else 'image'} layout fits: " + " | ".join(errors))
 
 
 def build_vlm(model_type: str, seed: int = 0, config=None) -> nn.Module:
@@ -241,38 +285,51 @@ def build_vlm(model_type: str, seed: int = 0, config=None) -> nn.Module:
 
 
 class VLMInputs:
-    """Rows for one tiny model: text-only rows and rows holding one image, as a model's processor
-    would give them (image tokens where the features go, labels on the text only)."""
+    """Rows for one tiny model: text-only rows and rows holding one image (or, with `video`, one
+    video), as a model's processor would give them (image tokens where the features go, labels on
+    the text only)."""
 
-    def __init__(self, model: nn.Module, seq_len: int = 24):
+    def __init__(self, model: nn.Module, seq_len: int = 24, video: bool = False):
         self.image_inputs, self.tokens = find_image_inputs(model)
         self.image_id = image_token_id(model.config)
-        self.seq_len = max(seq_len, self.tokens + 8)
+        self.video_inputs, self.video_tokens, self.video_id = {}, 0, None
+        if video:
+            self.video_inputs, self.video_tokens = find_image_inputs(model, video=True)
+            self.video_id = image_token_id(model.config, VIDEO_TOKEN_KEYS)
+        self.seq_len = max(seq_len, self.tokens + 8, self.video_tokens + 8)
         special = {v for k, v in model.config.to_dict().items() if k.endswith(("token_id", "token_index"))
                    and type(v) is int}
         text_vocab = getattr(getattr(model.config, "text_config", model.config), "vocab_size", VOCAB)
         self.text_ids = torch.tensor([t for t in range(3, min(VOCAB, text_vocab)) if t not in special][:100])
         params = inspect.signature(model.forward).parameters
+        # the name the model's processor gives the pixels (Video-LLaVA's `pixel_values_images`)
+        self.pixels_key = "pixel_values_images" if "pixel_values_images" in params else "pixel_values"
         self.mm_token_type = "mm_token_type_ids" in params
         # `token_type_ids` as the model's processor gives them: Gemma 3's kind marks image tokens (1),
         # PaliGemma's the answer after a prefix attended both ways (0: image and prompt, 1: answer)
         self.token_types = None if "token_type_ids" not in params else "image" if has_image_blocks(model) else "prefix"
 
-    def batch(self, with_image: list[bool], rows: range | None = None, seed: int = 1) -> dict[str, torch.Tensor]:
-        """Rows `rows` (default: all) of the batch with one row per flag; a row with an image holds
-        its tokens after two text tokens, and row r's image is the same whichever rows are taken."""
+    def batch(self, with_image: list, rows: range | None = None, seed: int = 1) -> dict[str, torch.Tensor]:
+        """Rows `rows` (default: all) of the batch with one row per flag (True: an image, "video": a
+        video, False: text only); a row with an image (video) holds its tokens after two text tokens,
+        and row r's image is the same whichever rows are taken."""
         rows = range(len(with_image)) if rows is None else rows
         generator = torch.Generator().manual_seed(seed)
         picks = torch.randint(0, len(self.text_ids), (len(with_image), self.seq_len), generator=generator)
         input_ids = self.text_ids[picks][rows.start:rows.stop]
         labels = input_ids.clone()
-        image_rows = [r for r in rows if with_image[r]]
+        image_rows = [r for r in rows if with_image[r] and with_image[r] != "video"]
+        video_rows = [r for r in rows if with_image[r] == "video"]
         for r in image_rows:
             input_ids[r - rows.start, 2:2 + self.tokens] = self.image_id
             labels[r - rows.start, 2:2 + self.tokens] = -100
+        for r in video_rows:
+            input_ids[r - rows.start, 2:2 + self.video_tokens] = self.video_id
+            labels[r - rows.start, 2:2 + self.video_tokens] = -100
         batch = {"input_ids": input_ids, "labels": labels}
-        if self.mm_token_type:
-            batch["mm_token_type_ids"] = (input_ids == self.image_id).long()
+        if self.mm_token_type:  # text 0, image 1, video 2
+            video = (input_ids == (-1 if self.video_id is None else self.video_id)).long()
+            batch["mm_token_type_ids"] = (input_ids == self.image_id).long() + 2 * video
         if self.token_types == "image":
             batch["token_type_ids"] = (input_ids == self.image_id).long()
         elif self.token_types == "prefix":  # the prompt is the image and four text tokens; labels on the answer
@@ -281,14 +338,17 @@ class VLMInputs:
             labels[:, :prefix] = -100
         if image_rows:
             batch.update(self.images(image_rows))
+        if video_rows:
+            batch.update(self.images(video_rows, self.video_inputs))
         return batch
 
-    def images(self, rows: list[int]) -> dict[str, torch.Tensor]:
-        """One image per row in `rows`, in the layout found: the found image shifted by 0.1 x row."""
+    def images(self, rows: list[int], found: dict | None = None) -> dict[str, torch.Tensor]:
+        """One image (video) per row in `rows`, in the layout found: the found one shifted by 0.1 x row."""
         out = {}
-        for key, value in self.image_inputs.items():
-            if key == "pixel_values":
-                out[key] = torch.cat([value + 0.1 * r for r in rows])
+        for key, value in (self.image_inputs if found is None else found).items():
+            if key.startswith("pixel_values"):
+                name = self.pixels_key if key == "pixel_values" else key
+                out[name] = torch.cat([value + 0.1 * r for r in rows])
             else:
                 out[key] = torch.cat([value] * len(rows))
         return out

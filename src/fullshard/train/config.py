@@ -31,10 +31,11 @@ from typing import Annotated, Any, Literal, Optional, Union
 import yaml
 from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
 
+from ..data.builtin import BUILTIN_MODELS  # noqa: F401  (defined with the built-in models; imported from here too)
 from ..distributed import ParallelDims
 from ..engine import EngineConfig
 from ..errors import ConfigError
-from .chunked_loss import DEFAULT_LOSS_CHUNK_TOKENS
+from ..objectives.logprobs import DEFAULT_LOSS_CHUNK_TOKENS
 
 PositiveInt = Annotated[int, Field(ge=1)]
 NonNegativeInt = Annotated[int, Field(ge=0)]
@@ -43,23 +44,13 @@ NonNegativeFloat = Annotated[float, Field(ge=0)]
 Ratio = Annotated[float, Field(ge=0, le=1)]
 Beta = Annotated[float, Field(ge=0, lt=1)]
 
-BUILTIN_MODELS = {
-    # name -> LlamaConfig kwargs; vocab size comes from the tokenizer, max positions from data.seq_len
-    "tiny-llama": dict(hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=4,
-                       num_key_value_heads=2, tie_word_embeddings=False),
-    "micro-llama": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                        num_key_value_heads=2, tie_word_embeddings=False),
-    # a Qwen2-VL (data/builtin.py): its language model's sizes; without data.path it trains on generated pictures
-    "tiny-qwen2-vl": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2),
-}
-
-
 @dataclass
 class ModelSection:
     """The model to train."""
 
     name_or_path: str = "tiny-llama"
-    """a built-in config (tiny-llama, micro-llama: random weights, byte tokenizer; tiny-qwen2-vl: a vision-language model), a local HF directory or a Hub id"""
+    """a built-in config (tiny-llama, micro-llama: random weights, byte tokenizer; tiny-qwen2-vl: a vision-language
+    model), a local HF directory or a Hub id"""
     dtype: str = "fp32"
     """dtype of the sharded master weights (fp32, bf16, fp16)"""
     trust_remote_code: bool = False
@@ -67,7 +58,8 @@ class ModelSection:
     attn_implementation: Optional[str] = None
     """attention kernel (sdpa, eager, flex_attention, flash_attention_2/3); unset: transformers' pick"""
     freeze: Union[str, list[str]] = "auto"
-    """parts left untrained: vision, audio, projector, language or module globs (a list); auto: a VLM's vision and audio towers, nothing else; none: train everything"""
+    """parts left untrained: vision, audio, projector, language or module globs (a list); auto: a VLM's vision and
+    audio towers, nothing else; none: train everything"""
 
 
 @dataclass
@@ -75,19 +67,22 @@ class DataSection:
     """What to train on (path unset: the built-in generated corpus), as text or as chat."""
 
     path: Optional[Union[str, list[str]]] = None
-    """a data file (.txt .md .jsonl .json .parquet .arrow), a directory of them, a saved or cached Hub dataset; a list of them: mixed"""
+    """a data file (.txt .md .jsonl .json .parquet .arrow), a directory of them, a saved or cached Hub dataset; a list
+    of them: mixed"""
     weights: Optional[list[PositiveFloat]] = None
     """with a list data.path: each source's share of the rows (unset: each row once)"""
     eval_path: Optional[str] = None
     """held-out data, read like path; unset: the last eval_fraction of path's rows (streaming: no eval)"""
     split: str = "train"
     """the split of a saved DatasetDict or a Hub dataset"""
-    format: Literal["text", "chat"] = "text"
-    """text: every token trains; chat: conversations rendered with the chat template, only assistant turns train"""
+    format: Literal["text", "chat", "preference"] = "text"
+    """text: every token trains; chat: conversations rendered with the chat template, only assistant turns train;
+    preference: prompt / chosen / rejected records (TRL's formats; train.objective=dpo)"""
     text_field: str = "text"
     """the field of a JSON / Parquet record holding the document (format text)"""
     messages_field: str = "messages"
-    """the field holding a conversation: OpenAI / transformers chat turns (text or text parts, tool calls, tool turns)"""
+    """the field holding a conversation: OpenAI / transformers chat turns (text or text parts, tool calls, tool
+    turns)"""
     tools_field: str = "tools"
     """the field, where a chat record has it, of the tool schemas passed to the chat template"""
     prompt_field: str = "prompt"
@@ -97,9 +92,11 @@ class DataSection:
     chat_template: Optional[str] = None
     """a Jinja chat template, or a file holding one; unset: the tokenizer's"""
     overlong: Literal["drop", "truncate"] = "drop"
-    """a conversation (or, unpacked, a document) longer than seq_len: drop it, or keep its first seq_len tokens (with images: up to the first image it would split)"""
+    """a conversation (or, unpacked, a document) longer than seq_len: drop it, or keep its first seq_len tokens (with
+    images: up to the first image it would split)"""
     bad_images: Literal["error", "drop"] = "error"
-    """an image-text record with a missing or unreadable image, or image tokens that do not match its images: stop naming it, or drop and count it"""
+    """an image-text record with a missing or unreadable image, or image tokens that do not match its images: stop
+    naming it, or drop and count it"""
     seq_len: int = 128
     """tokens per packed row"""
     packing: bool = True
@@ -128,18 +125,23 @@ class TrainSection:
     """sequences per optimizer step over all ranks (a multiple of micro_batch_size x data-parallel size)"""
     seed: int = 42
     """seed of the random weights, the data order and every rank's RNG"""
+    objective: Literal["sft", "dpo"] = "sft"
+    """what the run optimises: sft (next-token loss), dpo (the preference section's loss on data.format=preference
+    pairs; batch sizes then count pairs, packed: rows)"""
     accumulation_policy: str = "reduce_scatter_every"
-    """when gradients of accumulated micro-batches are reduced (see FSDPStrategy)"""
+    """when gradients of accumulated micro-batches are reduced (see TrainingSession)"""
     max_norm: NonNegativeFloat = 1.0
     """global gradient-norm clip; 0 disables clipping"""
     loss_chunk_tokens: NonNegativeInt = DEFAULT_LOSS_CHUNK_TOKENS
-    """tokens whose logits exist at once: the loss goes through the output head this many tokens at a time (same loss and gradients, far less memory for large vocabularies); 0 computes all logits at once"""
+    """tokens whose logits exist at once: the loss goes through the output head this many tokens at a time (same loss
+    and gradients, far less memory for large vocabularies); 0 computes all logits at once"""
     log_every: PositiveInt = 10
     """steps between metric lines"""
     eval_every: NonNegativeInt = 0
     """steps between evaluations; 0 evaluates at the end only"""
     eval_batches: NonNegativeInt = 4
-    """one evaluation's size in global batches: the first eval_batches x global_batch_size held-out rows, whatever the micro-batch and world size"""
+    """one evaluation's size in global batches: the first eval_batches x global_batch_size held-out rows, whatever the
+    micro-batch and world size"""
     output_dir: str = "runs/demo"
     """where metrics, checkpoints, the exported model, the loss plot and logs/ go"""
     nproc: Optional[PositiveInt] = None
@@ -151,7 +153,8 @@ class TrainSection:
     plot: bool = True
     """write loss.png at the end"""
     export_dtype: Optional[Literal["bf16", "fp16", "fp32"]] = None
-    """dtype of the exported hf/ model; unset: the dtype the source checkpoint is stored in (the masters' for a built-in model)"""
+    """dtype of the exported hf/ model; unset: the dtype the source checkpoint is stored in (the masters' for a
+    built-in model)"""
     report_to: list[str] = field(default_factory=list)
     """trackers to send metrics to besides metrics.jsonl: any of tensorboard, wandb, trackio"""
 
@@ -195,9 +198,11 @@ class CheckpointSection:
     overwrite: bool = False
     """a run that does not continue the checkpoints already in dir deletes them first (else it is refused)"""
     init_from: Optional[str] = None
-    """stage-2 training: a training checkpoint (or save / run directory: its newest) whose weights start this new run; its step, data position and schedule start anew"""
+    """stage-2 training: a training checkpoint (or save / run directory: its newest) whose weights start this new run;
+    its step, data position and schedule start anew"""
     init_optimizer: bool = False
-    """with init_from: also load its optimizer state (moments, step counts); lr and the other optim settings stay this run's"""
+    """with init_from: also load its optimizer state (moments, step counts); lr and the other optim settings stay this
+    run's"""
     export: bool = True
     """write a plain Hugging Face directory to <train.output_dir>/hf at the end"""
     async_save: bool = False
@@ -208,11 +213,7 @@ class CheckpointSection:
 
 @dataclass
 class FsdpSection(EngineConfig):
-    """How the model is sharded (the engine's settings).
-
-    reduce_dtype: dtype gradients are reduced in
-    dcp_path: a DCP checkpoint to load the weights from instead of model.name_or_path
-    """
+    """How the model is sharded (the engine's settings, each documented under its field in `EngineConfig`)."""
 
 
 @dataclass
@@ -244,12 +245,54 @@ class LoraSection:
         return fields_
 
 
+@dataclass
+class PreferenceSection:
+    """The preference loss of train.objective=dpo (TRL's DPOTrainer names and defaults)."""
+
+    loss_type: Literal["sigmoid", "ipo", "hinge", "robust", "simpo"] = "sigmoid"
+    """sigmoid (DPO), ipo (length-normalised, as TRL), hinge, robust (label_smoothing), simpo (reference-free, length-
+    normalised, simpo_gamma)"""
+    beta: PositiveFloat = 0.1
+    """the strength of the implicit KL to the reference (IPO's tau)"""
+    label_smoothing: Annotated[float, Field(ge=0, lt=0.5)] = 0.0
+    """robust: the assumed share of flipped labels"""
+    simpo_gamma: float = 0.5
+    """simpo: the target reward margin"""
+    reference: Literal["auto", "model", "precompute", "adapter", "none"] = "auto"
+    """model: a frozen sharded copy of the starting weights; precompute: their log-probs of every pair computed once
+    before training and cached beside the tokenized rows (no reference held while training); adapter: under LoRA the
+    same model with its adapters disabled; none: reference-free losses; auto: adapter under LoRA, none for simpo,
+    else model"""
+    offload_reference: bool = False
+    """reference=model: keep its shards on the host, gathered to the device for its forwards (FSDP's CPU offload)"""
+
+    def resolved_reference(self, lora: bool) -> str:
+        """The reference strategy `auto` stands for, or the one set, checked against the loss and LoRA."""
+        free = self.loss_type == "simpo"
+        if self.reference == "auto":
+            return "none" if free else "adapter" if lora else "model"
+        if free and self.reference != "none":
+            raise ConfigError(f"preference.loss_type={self.loss_type} is reference-free: set preference.reference=none "
+                              f"(or auto), not {self.reference}")
+        if not free and self.reference == "none":
+            raise ConfigError(f"preference.loss_type={self.loss_type} needs a reference: set preference.reference to "
+                              "model, adapter (LoRA) or auto")
+        if self.offload_reference and self.reference not in ("model", "auto"):
+            raise ConfigError(f"preference.offload_reference offloads a reference model, and preference.reference="
+                              f"{self.reference} holds none")
+        if self.reference == "adapter" and not lora:
+            raise ConfigError("preference.reference=adapter disables the LoRA adapters, and lora.r is unset: "
+                              "use preference.reference=model or set lora.r")
+        return self.reference
+
+
 SECTIONS = {"model": ModelSection, "data": DataSection, "train": TrainSection, "optim": OptimSection,
-            "fsdp": FsdpSection, "checkpoint": CheckpointSection, "lora": LoraSection}
+            "fsdp": FsdpSection, "checkpoint": CheckpointSection, "lora": LoraSection,
+            "preference": PreferenceSection}
 ALIASES = {"engine": "fsdp"}  # old name -> canonical name; a file may not use both
 PATH_KEYS = ("model.name_or_path", "data.path", "data.eval_path", "data.cache_dir", "train.output_dir",
              "checkpoint.dir", "checkpoint.resume", "fsdp.dcp_path")
-for _section in SECTIONS.values():  # key descriptions for --help come from the docstring under each key
+for _section in (*SECTIONS.values(), EngineConfig):  # --help: the docstring under each key, read by pydantic
     _section.__pydantic_config__ = ConfigDict(use_attribute_docstrings=True)
 
 
@@ -262,6 +305,7 @@ class TrainConfig:
     fsdp: FsdpSection = field(default_factory=FsdpSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     lora: LoraSection = field(default_factory=LoraSection)
+    preference: PreferenceSection = field(default_factory=PreferenceSection)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -309,7 +353,7 @@ class TrainConfig:
     def accumulation_steps(self, world_size: int) -> int:
         """Micro-batches per rank per step, over the data-parallel ranks of the mesh (cp and tp ranks
         share a batch); the mesh and batch arithmetic is checked here, naming the keys."""
-        from ..strategy import batch_arithmetic
+        from .session import batch_arithmetic
 
         dims = self.parallel_dims(world_size)
         steps = batch_arithmetic(self.train.global_batch_size, self.train.micro_batch_size, dims.dp_size,
@@ -457,7 +501,7 @@ def _check_values(config: TrainConfig) -> None:
     fields of sections defined elsewhere)."""
     from ..dtypes import DTYPES
     from ..optim import OPTIMIZERS, SCHEDULES
-    from ..strategy import ACCUMULATION_POLICIES
+    from .session import ACCUMULATION_POLICIES
 
     checks = [
         ("train.accumulation_policy", config.train.accumulation_policy,
@@ -487,6 +531,28 @@ def _check_values(config: TrainConfig) -> None:
     from ..data.mix import check_mixture
 
     check_mixture(config.data)
+    _check_objective(config)
+
+
+def _check_objective(config: TrainConfig) -> None:
+    """Objective, data format and layout that do not fit together: one line before launch."""
+    objective, data, fsdp = config.train.objective, config.data, config.fsdp
+    if objective == "sft":
+        if data.format == "preference":
+            raise ConfigError("data.format=preference holds pairs for train.objective=dpo, not sft")
+        return
+    if data.format != "preference":
+        raise ConfigError(f"train.objective={objective} trains on pairs: set data.format=preference "
+                          "(prompt / chosen / rejected records)")
+    for key, value, why in (("data.streaming", data.streaming, "pairs are prepared once per node"),
+                            ("fsdp.cp_size", fsdp.cp_size > 1, "a pair's sequences are not split over cp ranks yet"),
+                            ("fsdp.pp_size", fsdp.pp_size > 1,
+                             "the pipeline's last stage computes the SFT loss only yet"),
+                            ("data.overlong", data.overlong == "truncate",
+                             "pairs longer than data.seq_len are dropped")):
+        if value:
+            raise ConfigError(f"train.objective={objective}: {key} is not supported ({why})")
+    config.preference.resolved_reference(config.lora.enabled)
 
 
 # ---------------------------------------------------------------------------------------------- help
@@ -495,15 +561,24 @@ def _check_values(config: TrainConfig) -> None:
 def key_rows(name: str) -> list[tuple[str, str, str, str]]:
     """(flag, type, default, one line) for every key of section `name`, from its definition."""
     cls = SECTIONS[name]
-    schema = TypeAdapter(cls).json_schema(mode="serialization")["properties"]
-    fallback = _docstring_keys(cls)
+    descriptions = key_descriptions(cls)
     hints = typing.get_type_hints(cls, include_extras=True)
     rows = []
     for f in dataclasses.fields(cls):
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        about = schema.get(f.name, {}).get("description") or fallback.get(f.name, "")
+        about = " ".join(descriptions.get(f.name, "").split())
         rows.append((f"--{name}.{f.name}", _type_label(hints[f.name]), _yaml_value(default), about))
     return rows
+
+
+def key_descriptions(cls) -> dict[str, str]:
+    """Each key's description: the docstring under it, in the section's class or a class it extends
+    (the fsdp section's keys are `EngineConfig`'s), as pydantic reads them."""
+    found = {}
+    for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):
+        properties = TypeAdapter(klass).json_schema(mode="serialization")["properties"]
+        found.update({key: value["description"] for key, value in properties.items() if "description" in value})
+    return found
 
 
 def describe_keys() -> str:
@@ -582,9 +657,3 @@ def docstring_entries(cls) -> dict[str, str]:
                 for key in match.group(2).replace("`", "").split("/"):
                     found[key.strip()] = entry
     return {key: " ".join(parts) for key, parts in found.items()}
-
-
-def _docstring_keys(cls) -> dict[str, str]:
-    """The first sentence of each docstring entry (`docstring_entries`): the help of keys defined
-    in a class whose source we do not own."""
-    return {key: first_sentence(text) for key, text in docstring_entries(cls).items()}

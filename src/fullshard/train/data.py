@@ -15,11 +15,11 @@ from pathlib import Path
 from ..data.builtin import builtin_corpus, byte_tokenizer, write_caption_set
 from ..data.mix import MixedRows, mixture_paths
 from ..data.prepare import default_cache_dir, on_node_first_rank, prepare
-from ..data.vision import is_multimodal
-from ..errors import ConfigError
 from ..data.rows import Rows, StepBatches, eval_batches
 from ..data.sources import load_records, resolve_source
 from ..data.tokenize import layouts
+from ..data.vision import is_multimodal
+from ..errors import ConfigError
 from ..log import log_rank0
 from .config import DataSection
 
@@ -79,7 +79,9 @@ def load_data(section: DataSection, tokenizer, rope=None):
     if section.eval_path:
         trains, held_out = parts, Rows(prepare(section, tokenizer, section.eval_path, cache_dir, rope).dataset)
     else:  # each source's own last eval_fraction
-        trains, evals = zip(*(rows.split(len(rows) - held_out_count(len(rows), section.eval_fraction)) for rows in parts))
+        trains, evals = zip(
+            *(rows.split(len(rows) - held_out_count(len(rows), section.eval_fraction)) for rows in parts)
+        )
         held_out = evals[0] if paths is None else MixedRows(list(evals))
     if paths is None:
         return PackedData(trains[0], held_out)

@@ -20,14 +20,16 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from ..data.rows import model_inputs
-from ..packed_attention import packed_inputs
-from .chunked_loss import DEFAULT_LOSS_CHUNK_TOKENS, IGNORE_INDEX, chunked_loss_sum
-
-
-NOT_MODEL_INPUTS = ("labels", "shift_labels", "num_items_in_batch")
+from ..objectives.logprobs import (  # noqa: F401
+    DEFAULT_LOSS_CHUNK_TOKENS,
+    IGNORE_INDEX,
+    NOT_MODEL_INPUTS,
+    aligned_targets,
+    chunked_loss_sum,
+    forward_inputs,
+)
+from ..objectives.sft import causal_lm_loss_sum, token_loss_sum  # noqa: F401
 
 
 def _targets(batch: dict) -> torch.Tensor:
@@ -59,8 +61,9 @@ class PendingTargetCount:
     all_reduce started at once and waited for only when the count is needed (before the first
     backward), so it travels while the first forward runs."""
 
-    def __init__(self, micro_batches: list[dict], repeats: int = 1):
-        self.value = torch.tensor(sum(target_count(b) for b in micro_batches), dtype=torch.int64)
+    def __init__(self, micro_batches: list[dict], repeats: int = 1, count=None):
+        count = count or target_count  # the objective's units: target tokens, or pairs
+        self.value = torch.tensor(sum(count(b) for b in micro_batches), dtype=torch.int64)
         self.repeats = repeats
         distributed = dist.is_initialized() and dist.get_world_size() > 1
         self.work = dist.all_reduce(self.value, async_op=True) if distributed else None
@@ -70,34 +73,6 @@ class PendingTargetCount:
             self.work.wait()
             self.work = None
         return int(self.value) // self.repeats
-
-
-def causal_lm_loss_sum(model: torch.nn.Module, batch: dict, chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS) -> torch.Tensor:
-    """Sum of the next-token cross-entropy over the batch's target tokens, in fp32; the logits of
-    `chunk_tokens` tokens at a time where the model allows (0: all at once)."""
-    inputs = packed_inputs(model, model_inputs({k: v for k, v in batch.items() if k not in NOT_MODEL_INPUTS}))
-    targets = aligned_targets(batch)
-    if chunk_tokens > 0:
-        loss = chunked_loss_sum(model, inputs, targets, chunk_tokens)
-        if loss is not None:
-            return loss
-    return token_loss_sum(model(**inputs).logits, targets)  # whole: unsliced logits, no copy
-
-
-def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Sum of the cross-entropy of each position's logits against its target (already aligned), in fp32."""
-    logits = logits.float()
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.to(logits.device).reshape(-1),
-                           ignore_index=IGNORE_INDEX, reduction="sum")
-
-
-def aligned_targets(batch: dict) -> torch.Tensor:
-    """The next-token target of every position, as long as the inputs (the last position of unshifted
-    labels gets none): what a pipeline's last stage and the loss compare logits with, unshifted, so
-    logits are never sliced and copied."""
-    if "shift_labels" in batch:
-        return batch["shift_labels"]
-    return F.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE_INDEX)
 
 
 def normalized_loss(loss_sum: torch.Tensor, global_tokens: int, dp_size: int) -> torch.Tensor:

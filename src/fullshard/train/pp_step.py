@@ -14,10 +14,9 @@ import torch
 import torch.distributed as dist
 
 from ..fsdp import reshard_all
-from ..parallel.pp import Pipeline, pipeline_of
+from ..objectives.logprobs import DEFAULT_LOSS_CHUNK_TOKENS, chunked_loss_sum
+from ..parallel.pp import TARGETS, Pipeline, pipeline_of
 from ..tensors import local_tensor
-from ..parallel.pp import TARGETS
-from .chunked_loss import DEFAULT_LOSS_CHUNK_TOKENS, chunked_loss_sum
 from .loss import NOT_MODEL_INPUTS, aligned_targets, global_target_count, sum_over_ranks, target_count, token_loss_sum
 from .step import StepOutput
 

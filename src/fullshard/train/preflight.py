@@ -29,14 +29,15 @@ def check_before_launch(config: TrainConfig, world_size: int):
     _check_resume(config.checkpoint.resume)
     _check_data(config)
     model = use_attention(build_meta_model(config), config.model.attn_implementation)
+    _check_head(config, model)
     if config.fsdp.cp_size == 1:  # under cp the all-to-all attention replaces it
         attention_path(model, config.data.packing)
     if config.lora.enabled:
         from ..lora import apply_lora
 
         model = apply_lora(model, config.lora.peft_fields())
-    from ..plan import build_plan
-    from ..towers import freeze
+    from ..plan.build import build_plan
+    from ..plan.towers import freeze
 
     freeze(model, config.freeze)  # a word or pattern naming nothing: one line, before launch
     try:
@@ -46,6 +47,20 @@ def check_before_launch(config: TrainConfig, world_size: int):
     _check_parallel(model, config.fsdp)
     _check_init_from(config, model)
     return model
+
+
+HEADS_WITHOUT_TOKENS = ("ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering")
+
+
+def _check_head(config: TrainConfig, model) -> None:
+    """The next-token objectives need a language-model head: a classification checkpoint (a reward
+    model's `score` head) would fail inside the ranks on mismatched batch and target shapes."""
+    kind = type(model).__name__
+    if config.train.objective in ("sft", "dpo") and kind.endswith(HEADS_WITHOUT_TOKENS):
+        raise ConfigError(f"model.name_or_path={config.model.name_or_path!r} is a {kind} checkpoint (a score head, "
+                          f"no language-model head), which train.objective={config.train.objective} cannot train: "
+                          "it trains with the reward objective (train.objective=reward); for "
+                          f"{config.train.objective} use a causal-LM checkpoint (architectures: *ForCausalLM)")
 
 
 def _check_init_from(config: TrainConfig, model) -> None:
@@ -104,8 +119,8 @@ def check_resumed_checkpoint(config: TrainConfig, model) -> None:
     where = f"checkpoint.resume={resume}"
     missing, unexpected, reshaped = weights_apart(metadata, model.state_dict(), model)
     if missing or unexpected or reshaped:
-        counts = ", ".join(f"{len(keys)} {what}" for keys, what in ((missing, "missing from it"), (unexpected, "only in it"),
-                                                                  (reshaped, "of another shape")) if keys)
+        kinds = ((missing, "missing from it"), (unexpected, "only in it"), (reshaped, "of another shape"))
+        counts = ", ".join(f"{len(keys)} {what}" for keys, what in kinds if keys)
         keys = [*missing, *unexpected, *reshaped]
         raise CheckpointError(f"{where}: checkpoint {checkpoint} does not fit this model ({counts}: "
                               f"{', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''}): use the model it was trained "

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-from contextlib import contextmanager
 import json
 import os
 import shutil
@@ -36,6 +35,7 @@ import socket
 import tempfile
 import time
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
 
 from ..checkpoint import layout

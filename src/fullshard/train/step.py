@@ -9,44 +9,53 @@ the step's loss sum for the log (`optim.grad_norm_and_sum`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from ..objectives.base import Objective
+from ..objectives.logprobs import DEFAULT_LOSS_CHUNK_TOKENS
+from ..objectives.sft import SFT
 from ..optim import StepResult
-from .chunked_loss import DEFAULT_LOSS_CHUNK_TOKENS
-from .loss import PendingTargetCount, causal_lm_loss_sum, normalized_loss, sum_over_ranks
+from .loss import PendingTargetCount, normalized_loss, sum_over_ranks
 
 
 @dataclass
 class StepOutput:
-    loss: float  # mean over every target token of the step, all ranks
-    tokens: int  # target tokens in the step, all ranks
+    loss: float  # mean over every unit (target token, pair) of the step, all ranks
+    tokens: int  # units in the step, all ranks
     result: StepResult
+    metrics: dict = field(default_factory=dict)  # the objective's means over the step's units
 
 
 def train_step(strategy, model: torch.nn.Module, optimizer, scheduler, micro_batches: list[dict],
-               loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS) -> StepOutput:
+               loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS, objective: Objective | None = None) -> StepOutput:
     """Forward and backward every micro-batch of this rank, then clip and step once.
 
     The number of micro-batches must be the strategy's accumulation window, so that its
     `optimizer_step` steps exactly at the last one. Under context parallelism they are this cp
     rank's parts (`fullshard.parallel.cp.context_parallel_batch`); FSDP then averages gradients
     over dp x cp, and tp ranks, which repeat their data rank's batch, are counted once.
-    `loss_chunk_tokens` is `train.loss_chunk_tokens` (`causal_lm_loss_sum`).
+    `loss_chunk_tokens` is `train.loss_chunk_tokens` (`causal_lm_loss_sum`). `objective` (default:
+    the next-token loss) gives each micro-batch's loss and metric sums and the units they are means over.
     """
+    objective = objective or SFT(loss_chunk_tokens)
     if len(micro_batches) != strategy.accumulated_gradient:
         raise ValueError(f"got {len(micro_batches)} micro-batches, the accumulation window is "
                          f"{strategy.accumulated_gradient}")
     dims = strategy.parallel_dims
-    count = PendingTargetCount(micro_batches, repeats=dims.tp)
+    count = PendingTargetCount(micro_batches, repeats=dims.tp, count=objective.count)
     total, tokens, result = None, None, None
     for index, batch in enumerate(micro_batches):
-        loss_sum = causal_lm_loss_sum(model, batch, loss_chunk_tokens)
+        loss_sum, metric_sums = objective.loss_sum(model, batch)
         tokens = count.wait() if tokens is None else tokens
         strategy.backward(normalized_loss(loss_sum, tokens, dims.dp_size * dims.cp), model, optimizer, normalized=True)
-        total = loss_sum.detach().double() + (0 if total is None else total)
+        sums = loss_sum.detach().to("cpu", torch.float64).reshape(1)
+        if metric_sums is not None:
+            sums = torch.cat([sums, metric_sums])
+        total = sums if total is None else total + sums
         last = index == len(micro_batches) - 1
-        result = strategy.optimizer_step(optimizer, model, scheduler, values=total.reshape(1) if last else None)
+        result = strategy.optimizer_step(optimizer, model, scheduler, values=total if last else None)
     summed = result.sums if result is not None and result.sums is not None else sum_over_ranks(total.cpu())
-    return StepOutput(float(summed.sum()) / dims.tp / max(tokens, 1), tokens, result)
+    means = (summed.double() / dims.tp / max(tokens, 1)).tolist()
+    return StepOutput(means[0], tokens, result, dict(zip(objective.metrics, means[1:])))

@@ -1,50 +1,64 @@
 """The training loop behind `fullshard train`: config in, trained checkpoint and HF directory out.
 
-It is the strategy API used the way seed 001 intends, plus what a run needs around it: data
-positions and the config in every checkpoint (so a resume continues with the next unseen batch
-and refuses other data), evaluation, metrics and the loss plot.
+It runs on a `TrainingSession` (`train.session`, the core LightRFT's strategy API is a face of),
+plus what a run needs around it: data positions and the config in every checkpoint (so a resume
+continues with the next unseen batch and refuses other data), evaluation, metrics and the loss plot.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 
-from ..checkpoint import CheckpointManager, export_hf, source_dtype
+from ..checkpoint.manager import CheckpointManager
 from ..data.builtin import builtin_model_config, builtin_tokenizer
+from ..data.chat import adopt_chat_template
 from ..data.vision import is_multimodal
 from ..distributed import ParallelDims, barrier, broadcast_from_rank0, get_rank, get_world_size, run_agreed
 from ..dtypes import DTYPES, dtype_name
 from ..fsdp import reshard_all
+from ..hf.export import export_hf, source_dtype
+from ..hf.lora import export_merged, save_adapter
 from ..log import log_rank0, warn_rank0
-from ..lora import apply_lora, export_merged, save_adapter
+from ..lora import apply_lora
+from ..objectives import Objective, build_objective
+from ..objectives.logprobs import DEFAULT_LOSS_CHUNK_TOKENS
+from ..objectives.sft import SFT
 from ..optim import create_scheduler
 from ..packed_attention import attention_path, use_attention
-from ..strategy import FSDPStrategy, describe_mesh
 from ..tensors import parameter_counts
 from .config import BUILTIN_MODELS, ConfigError, TrainConfig
 from .data import load_data
-from .chunked_loss import DEFAULT_LOSS_CHUNK_TOKENS
-from .loss import causal_lm_loss_sum, target_count
-from .metrics import (NO_PLOT, MetricsLogger, Throughput, check_report_to, model_flops_per_token, peak_device_flops,
-                      peak_memory_gb, plot_loss)
+from .metrics import (
+    NO_PLOT,
+    MetricsLogger,
+    Throughput,
+    check_report_to,
+    model_flops_per_token,
+    peak_device_flops,
+    peak_memory_gb,
+    plot_loss,
+)
 from .pp_step import pipeline_evaluate, pipeline_of, pipeline_train_step
 from .rundir import claim_run_directory, lock_for_this_process, run_identity
+from .session import TrainingSession, describe_mesh
 from .step import train_step
 from .stop import StopRequest
 
 
-def strategy_of(config: TrainConfig) -> FSDPStrategy:
-    """The strategy for a run, not yet set up: `config.fsdp` whole (every engine setting reaches
-    the engines it builds) plus the train section's batch sizes, seed, clipping and accumulation policy."""
+def strategy_of(config: TrainConfig) -> TrainingSession:
+    """The training session for a run, not yet set up: `config.fsdp` whole (every engine setting
+    reaches the engines it builds) plus the train section's batch sizes, seed, clipping and
+    accumulation policy."""
     train = config.train
-    return FSDPStrategy(seed=train.seed, max_norm=train.max_norm, micro_train_batch_size=train.micro_batch_size,
-                        train_batch_size=train.global_batch_size, config=engine_settings(config),
-                        accumulation_policy=train.accumulation_policy)
+    return TrainingSession(seed=train.seed, max_norm=train.max_norm, micro_batch_size=train.micro_batch_size,
+                           global_batch_size=train.global_batch_size, config=engine_settings(config),
+                           accumulation_policy=train.accumulation_policy)
 
 
 def engine_settings(config: TrainConfig):
@@ -54,7 +68,7 @@ def engine_settings(config: TrainConfig):
     return replace(config.fsdp, freeze=config.freeze)
 
 
-def build_strategy(config: TrainConfig) -> FSDPStrategy:
+def build_strategy(config: TrainConfig) -> TrainingSession:
     """`strategy_of(config)` with its process group started and its mesh and batch arithmetic checked."""
     strategy = strategy_of(config)
     strategy.setup_distributed()
@@ -77,7 +91,13 @@ class ContextSplit:
 
 
 def load_tokenizer(config: TrainConfig):
-    """The run's tokenizer, or for a vision-language model its processor (images, tokenizer, chat template)."""
+    """The run's tokenizer, or for a vision-language model its processor (images, tokenizer, chat
+    template), holding the chat template the run trains with (saved with checkpoints and exports)."""
+    return adopt_chat_template(read_tokenizer(config), config.data)
+
+
+def read_tokenizer(config: TrainConfig):
+    """The model's tokenizer or processor as stored."""
     if config.model.name_or_path in BUILTIN_MODELS:
         return builtin_tokenizer(config.model.name_or_path)
     from transformers import AutoTokenizer
@@ -131,7 +151,7 @@ def text_tokenizer(tokenizer):
     return getattr(tokenizer, "tokenizer", tokenizer)
 
 
-def build_model(config: TrainConfig, strategy: FSDPStrategy, tokenizer) -> torch.nn.Module:
+def build_model(config: TrainConfig, strategy: TrainingSession, tokenizer) -> torch.nn.Module:
     """A sharded model: a built-in config with seeded random weights, or a local HF directory
     loaded slice by slice into the shards."""
     dtype = DTYPES[config.model.dtype]
@@ -160,26 +180,40 @@ def parameters_line(model: torch.nn.Module) -> str:
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, batches: list[dict], loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS) -> float | None:
-    """Mean loss per target token over this rank's eval batches and every other rank's."""
+def evaluate(model: torch.nn.Module, batches: list[dict], loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS,
+             objective: Objective | None = None) -> float | None:
+    """Mean loss per unit (target token, pair) over this rank's eval batches and every other rank's;
+    with `objective.metrics`, `(loss, {metric: mean})`."""
     if not batches:
         return None
     if pipeline_of(model) is not None:
         return pipeline_evaluate(model, batches, loss_chunk_tokens)
+    objective = objective or SFT(loss_chunk_tokens)
     model.eval()
-    totals = torch.zeros(2, dtype=torch.float64)  # tp ranks repeat their data rank's sums: they cancel in the ratio
+    # tp ranks repeat their data rank's sums: they cancel in the ratio
+    totals = torch.zeros(2 + len(objective.metrics), dtype=torch.float64)
     for batch in batches:
-        totals[0] += causal_lm_loss_sum(model, batch, loss_chunk_tokens).to("cpu", torch.float64)
-        totals[1] += target_count(batch)
+        loss_sum, metric_sums = objective.loss_sum(model, batch)
+        totals[0] += loss_sum.to("cpu", torch.float64)
+        totals[1] += objective.count(batch)
+        if metric_sums is not None:
+            totals[2:] += metric_sums
     model.train()
     reshard_all(model)
     if dist.is_initialized() and get_world_size() > 1:
         dist.all_reduce(totals)
-    return float(totals[0] / totals[1])
+    loss = float(totals[0] / totals[1])
+    if not objective.metrics:
+        return loss
+    return loss, dict(zip(objective.metrics, (totals[2:] / totals[1]).tolist()))
 
 
-def eval_metrics(loss: float | None) -> dict:
-    """Eval loss (mean per target token) and its perplexity, exp(loss)."""
+def eval_metrics(loss) -> dict:
+    """Eval loss (mean per unit) and its perplexity, exp(loss) (next-token loss only); an objective's
+    metrics under `eval_` names."""
+    if isinstance(loss, tuple):
+        loss, metrics = loss
+        return {"eval_loss": loss, **{f"eval_{k}": v for k, v in metrics.items()}}
     return {"eval_loss": loss, "eval_ppl": None if loss is None else math.exp(min(loss, 700.0))}
 
 
@@ -271,6 +305,8 @@ class Trainer:
                               "set fsdp.cp_size=1 and fsdp.pp_size=1")
         data = load_data(config.data, tokenizer, rope_index(config, tokenizer))
         model = build_model(config, strategy, tokenizer)
+        objective = build_objective(config.train.objective, config.train.loss_chunk_tokens, config.preference,
+                                    config.lora.enabled, lambda: build_reference(config, strategy, tokenizer))
         optimizer = strategy.create_optimizer(
             model, lr=config.optim.lr, weight_decay=config.optim.weight_decay, name=config.optim.name,
             betas=tuple(config.optim.betas), eps=config.optim.eps, decay_embeddings=config.optim.decay_embeddings)
@@ -284,6 +320,8 @@ class Trainer:
         batches = data.step_batches(config.train.global_batch_size, config.train.micro_batch_size, dp_rank, dp_size,
                                     seed=config.train.seed, shuffle=config.data.shuffle)
         start = self._resume(manager, model, optimizer, scheduler, strategy, data, batches)
+        if getattr(objective, "reference_strategy", None) == "precompute":
+            objective.reference = self._precomputed_reference(model, objective, data, dp_rank, dp_size, start)
         end = config.train.steps
         if config.train.stop_after is not None:
             end = min(end, start + config.train.stop_after)
@@ -298,7 +336,21 @@ class Trainer:
         evals = split(data.eval_batches(config.train.micro_batch_size, dp_rank, dp_size, eval_rows))
         checkpoint = manager.last_load_info["path"] if start else None
         return Run(strategy, tokenizer, data, model, optimizer, scheduler, manager, logger, start, end, batches,
-                   evals, split, last_saved=start, checkpoint=checkpoint, stop=stop)
+                   evals, split, last_saved=start, checkpoint=checkpoint, stop=stop, objective=objective)
+
+    def _precomputed_reference(self, model, objective, data, dp_rank: int, dp_size: int, start: int):
+        """`preference.reference=precompute`: the reference log-probs of every pair, from the starting
+        weights (the model as built, or `checkpoint.init_from`'s), cached beside the tokenized rows."""
+        from ..objectives.precompute import cache_file, compute_table, precomputed_reference
+        from .data import cache_dir_of
+
+        config = self.config
+        model_id = json.dumps([config.model.name_or_path, config.model.dtype, config.checkpoint.init_from,
+                               config.train.seed, config.lora.peft_fields() if config.lora.enabled else None])
+        path = cache_file(cache_dir_of(config.data), data.fingerprint(), model_id)
+        return precomputed_reference(path, lambda: compute_table(model, objective, [data.train, data.eval],
+                                                                 config.train.micro_batch_size, dp_rank, dp_size),
+                                     resumed=start > 0)
 
     def _extra_state(self, run: "Run", step: int) -> dict:
         return {"data": {"position": step, "fingerprint": run.data.fingerprint(), **run.batches.state_dict()},
@@ -306,7 +358,8 @@ class Trainer:
 
     def _train(self, run: "Run") -> dict:
         """The steps of this run: train, log, evaluate and checkpoint on the configured intervals."""
-        config, strategy, model, optimizer, scheduler = self.config, run.strategy, run.model, run.optimizer, run.scheduler
+        config, strategy, model = self.config, run.strategy, run.model
+        optimizer, scheduler = run.optimizer, run.scheduler
         manager, logger, batches = run.manager, run.logger, run.batches
         throughput = Throughput(model_flops_per_token(model, config.data.seq_len), get_world_size(),
                                 peak_device_flops(config.train.peak_tflops))
@@ -318,7 +371,8 @@ class Trainer:
                 out = pipeline_train_step(strategy, model, optimizer, scheduler, micro_batches,
                                           config.train.loss_chunk_tokens)
             else:
-                out = train_step(strategy, model, optimizer, scheduler, micro_batches, config.train.loss_chunk_tokens)
+                out = train_step(strategy, model, optimizer, scheduler, micro_batches, config.train.loss_chunk_tokens,
+                                 run.objective)
             throughput.add(out.tokens)
             losses[step], hashes[step] = out.loss, batches.step_hash(step)
             done = step + 1
@@ -326,11 +380,11 @@ class Trainer:
             if done % config.train.log_every == 0 or done == run.end:
                 logger.log({"kind": "train", "step": done, "loss": out.loss, "lr": scheduler.get_last_lr()[0],
                             "grad_norm": out.result.grad_norm, "skipped": out.result.skipped, "tokens": out.tokens,
-                            "batch": hashes[step], **throughput.tick(), "peak_mem_gb": peak_memory_gb()})
+                            "batch": hashes[step], **out.metrics, **throughput.tick(),
+                            "peak_mem_gb": peak_memory_gb()}, show=TRAIN_SHOWN + tuple(out.metrics)[2:4])
             if config.train.eval_every and done % config.train.eval_every == 0 and done < config.train.steps:
-                evaluated = evaluate(model, run.evals, config.train.loss_chunk_tokens)
-                logger.log({"kind": "eval", "step": done, **eval_metrics(evaluated)},
-                           show=("eval_loss", "eval_ppl"))
+                evaluated = evaluate(model, run.evals, config.train.loss_chunk_tokens, run.objective)
+                logger.log({"kind": "eval", "step": done, **eval_metrics(evaluated)}, show=eval_shown(evaluated))
             if config.checkpoint.every and done % config.checkpoint.every == 0:
                 run.checkpoint = manager.save(done, model, optimizer, scheduler, states={"strategy": strategy},
                                               extra_state=self._extra_state(run, done), tokenizer=run.tokenizer)
@@ -348,10 +402,10 @@ class Trainer:
         strategy, output_dir, lora = run.strategy, config.output_dir, config.lora
         finished = end == config.train.steps
         if finished:
-            summary.update(eval_metrics(evaluate(model, run.evals, config.train.loss_chunk_tokens)))
+            evaluated = evaluate(model, run.evals, config.train.loss_chunk_tokens, run.objective)
+            summary.update(eval_metrics(evaluated))
             if end > run.start:
-                run.logger.log({"kind": "eval", "step": end, **eval_metrics(summary["eval_loss"])},
-                               show=("eval_loss", "eval_ppl"))
+                run.logger.log({"kind": "eval", "step": end, **eval_metrics(evaluated)}, show=eval_shown(evaluated))
         if run.last_saved != end:
             run.checkpoint = manager.save(end, model, run.optimizer, run.scheduler, states={"strategy": strategy},
                                           extra_state=self._extra_state(run, end), tokenizer=run.tokenizer)
@@ -382,7 +436,7 @@ class Trainer:
 class Run:
     """The pieces of one run that its phases share."""
 
-    strategy: FSDPStrategy
+    strategy: TrainingSession
     tokenizer: object
     data: object  # train/data's prepared dataset
     model: torch.nn.Module
@@ -398,13 +452,53 @@ class Run:
     last_saved: int = 0
     checkpoint: object = None  # the checkpoint this run resumed from or last wrote
     stop: StopRequest | None = None
+    objective: Objective | None = None
+
+
+TRAIN_SHOWN = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_mem_gb")
+
+
+def eval_shown(evaluated) -> tuple[str, ...]:
+    """The eval row's keys the console line shows."""
+    return ("eval_loss", "eval_rewards/accuracies") if isinstance(evaluated, tuple) else ("eval_loss", "eval_ppl")
+
+
+class OffloadedEngine:
+    """What `build_model` asks of a session, with FSDP's CPU offload on: the reference model's shards
+    live on the host and are gathered to the device for each forward."""
+
+    def __init__(self, session: TrainingSession):
+        from ..engine import FSDP2Engine
+
+        self._engine = FSDP2Engine(replace(session.engine().config, offload_params=True))
+
+    def engine(self):
+        return self._engine
+
+    def prepare_model(self, model: torch.nn.Module, is_training: bool = False) -> torch.nn.Module:
+        return self._engine.shard_model(model).train(is_training)
+
+
+def build_reference(config: TrainConfig, strategy: TrainingSession, tokenizer) -> torch.nn.Module:
+    """The frozen reference of `preference.reference=model`: the starting weights (the model, or
+    `checkpoint.init_from`'s), sharded like the policy, without LoRA, never in the optimizer."""
+    from dataclasses import replace
+
+    plain = replace(config, lora=replace(config.lora, r=None))
+    reference = build_model(plain, OffloadedEngine(strategy) if config.preference.offload_reference else strategy,
+                            tokenizer)
+    if config.checkpoint.init_from:
+        CheckpointManager(config.checkpoint_dir).init_from(config.checkpoint.init_from, reference, None)
+    return reference.eval().requires_grad_(False)
 
 
 def done_line(summary: dict, plot_asked: bool) -> str:
     """The run's last line: where the checkpoint, model, adapter, metrics and plot are (or why no plot)."""
     parts = [f"checkpoint {summary['checkpoint']}"]
     if "export" in summary:
-        parts.append(f"model {summary['export']}" + (f" ({summary['export_dtype']})" if "export_dtype" in summary else ""))
+        parts.append(
+            f"model {summary['export']}" + (f" ({summary['export_dtype']})" if "export_dtype" in summary else "")
+        )
     if "adapter" in summary:
         parts.append(f"adapter {summary['adapter']}")
     parts.append(f"metrics {summary['metrics']}")

@@ -4,7 +4,7 @@ The files hold what transformers' `save_pretrained` writes: the Hub's names and 
 recipe (`export_recipe`; `fullshard.lora.merge_recipe` for LoRA merged) mapping each Hub tensor to
 the state tensor it is, or the region of it (one expert of a fused MoE tensor), by transformers'
 own conversion run backwards (`fullshard.loading.convert.hub_views`). The same recipe drives the
-offline export and the weight stream (`fullshard.weights`), so all three give the same tensors.
+offline export and the weight stream (`fullshard.hf.stream`), so all three give the same tensors.
 
 No rank ever holds the whole model. Live, every file is created at its final size first (a
 safetensors header follows from names, shapes and dtypes alone), then every rank writes its own
@@ -23,22 +23,22 @@ import shutil
 import struct
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import _StridedShard
 
+from ..checkpoint import layout
 from ..distributed import all_ranks_agree_ok, broadcast_from_rank0, get_rank, get_world_size, run_agreed
 from ..dtypes import SAFETENSORS_NAMES, dtype_name, resolve_dtype
 from ..errors import CheckpointError
 from ..fsdp import model_class_name, reshard_all
 from ..loading.convert import HubView, hub_views
 from ..tensors import holds_part, replicated, tensor_aliases
-from . import layout
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -90,6 +90,37 @@ def source_dtype(model: torch.nn.Module) -> torch.dtype:
     return floating[0] if floating else torch.float32
 
 
+@dataclass
+class ExportRecipe:
+    """What an export writes, from which state tensor: the one description the live export, the
+    offline export (recorded in every checkpoint's `model_meta.json`) and the weight stream follow.
+
+    `names`: Hub name -> state key (tied aliases left out). `views`: for a Hub tensor that is a
+    region of its state tensor (one expert of a fused tensor), [sizes, strides, offset] in it.
+    `merges`: Hub name -> {"terms": [[A key or None, B key, scaling], ...], "fan_in_fan_out": bool},
+    the LoRA terms merged into it. `fp32`: half dtype's name -> Hub names transformers keeps in fp32
+    at that dtype. `adapter`: a LoRA model's adapter name and its file names (state key by PEFT's
+    file name)."""
+
+    names: dict[str, str] = field(default_factory=dict)
+    views: dict[str, list] = field(default_factory=dict)
+    merges: dict[str, dict] = field(default_factory=dict)
+    fp32: dict[str, list[str]] = field(default_factory=dict)
+    adapter: dict | None = None
+
+    def to_json(self) -> dict:
+        """The form `model_meta.json` keeps (empty parts left out)."""
+        out = {"names": self.names, "merges": self.merges, "views": self.views}
+        out.update({key: value for key, value in (("fp32", self.fp32), ("adapter", self.adapter)) if value})
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict) -> "ExportRecipe":
+        """A recipe from its JSON form, as every fullshard since the recipe was recorded wrote it."""
+        return cls(names=dict(data["names"]), views=dict(data.get("views", {})), merges=dict(data.get("merges", {})),
+                   fp32=dict(data.get("fp32", {})), adapter=data.get("adapter"))
+
+
 def alias_names(model: torch.nn.Module) -> set[str]:
     """Parameter names that are the same tensor as another, canonical one: written once, under the
     canonical name, as `save_pretrained` does. The canonical name is the tie's target in the HF tie
@@ -103,7 +134,7 @@ def alias_names(model: torch.nn.Module) -> set[str]:
     return aliases
 
 
-def hub_recipe(model: torch.nn.Module, names: dict[str, str], merges: dict, shapes) -> dict:
+def hub_recipe(model: torch.nn.Module, names: dict[str, str], merges: dict, shapes) -> ExportRecipe:
     """A recipe in the Hub's layout: `names` (the model's own output name -> state key) and `merges`
     (output name -> LoRA terms) renamed and split as transformers' `save_pretrained` writes them
     (`fullshard.loading.convert.hub_views`); `views` gives, for a Hub tensor that is a region of its
@@ -112,16 +143,14 @@ def hub_recipe(model: torch.nn.Module, names: dict[str, str], merges: dict, shap
         views = hub_views(model, {out: tuple(shapes[key]) for out, key in names.items()})
     except ValueError as err:
         raise CheckpointError(f"cannot export {model_class_name(model)} in the Hub layout: {err}") from None
-    recipe: dict = {"names": {}, "merges": {}, "views": {}}
+    recipe = ExportRecipe()
     for hub_name, view in views.items():
-        recipe["names"][hub_name] = names[view.source]
+        recipe.names[hub_name] = names[view.source]
         if view.source in merges:
-            recipe["merges"][hub_name] = merges[view.source]
+            recipe.merges[hub_name] = merges[view.source]
         if view.view is not None:
-            recipe["views"][hub_name] = [list(view.view[0]), list(view.view[1]), view.view[2]]
-    kept = kept_in_fp32(model, {hub_name: view.source for hub_name, view in views.items()})
-    if kept:
-        recipe["fp32"] = kept
+            recipe.views[hub_name] = [list(view.view[0]), list(view.view[1]), view.view[2]]
+    recipe.fp32 = kept_in_fp32(model, {hub_name: view.source for hub_name, view in views.items()})
     return recipe
 
 
@@ -149,7 +178,7 @@ def kept_in_fp32(model: torch.nn.Module, own_names: dict[str, str]) -> dict[str,
     return kept
 
 
-def export_recipe(model: torch.nn.Module, shapes) -> dict:
+def export_recipe(model: torch.nn.Module, shapes) -> ExportRecipe:
     """What an export writes from a model's state (`shapes`: state key -> anything with a `.shape`, or
     the shape): Hub name -> state key (tied aliases left out), and where a Hub tensor is a region of
     its state tensor, the region. A LoRA model's recipe (`fullshard.lora.merge_recipe`) also merges
@@ -159,10 +188,10 @@ def export_recipe(model: torch.nn.Module, shapes) -> dict:
     return hub_recipe(model, {k: k for k in shapes if k not in aliases}, {}, shapes)
 
 
-def recipe_view(recipe: dict, name: str) -> HubView:
+def recipe_view(recipe: ExportRecipe, name: str) -> HubView:
     """Where the Hub tensor `name` of a recipe lies in its state tensor."""
-    view = recipe.get("views", {}).get(name)
-    return HubView(recipe["names"][name], None if view is None else (tuple(view[0]), tuple(view[1]), int(view[2])))
+    view = recipe.views.get(name)
+    return HubView(recipe.names[name], None if view is None else (tuple(view[0]), tuple(view[1]), int(view[2])))
 
 
 def merge_lora(base: torch.Tensor, terms: list[tuple[torch.Tensor | None, torch.Tensor, float]],
@@ -207,13 +236,13 @@ class Entry:
         return numel * self.dtype.itemsize
 
 
-def written_dtype(recipe: dict, name: str, stored: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
+def written_dtype(recipe: ExportRecipe, name: str, stored: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
     """What the recipe's Hub tensor `name`, stored as `stored`, is written as: floating point cast to
     `dtype` (None: as stored), except what transformers keeps in fp32 at that dtype (`kept_in_fp32`);
     the rest as stored. The export, the weight stream and the offline export all ask here."""
     if not stored.is_floating_point or dtype is None:
         return stored
-    return torch.float32 if name in recipe.get("fp32", {}).get(dtype_name(dtype), ()) else dtype
+    return torch.float32 if name in recipe.fp32.get(dtype_name(dtype), ()) else dtype
 
 
 def plan_files(entries: list[Entry], max_bytes: int) -> list[tuple[str, list[Entry]]]:
@@ -278,12 +307,16 @@ class SafetensorsStream:
     def write(self, name: str, tensor: torch.Tensor) -> None:
         expected, nbytes = self.pending.pop(0)
         if name != expected or tensor.numel() * tensor.element_size() != nbytes:
-            raise CheckpointError(f"{self.path}: got {name!r} ({tuple(tensor.shape)}) where {expected!r} of {nbytes} bytes belongs")
+            raise CheckpointError(
+                f"{self.path}: got {name!r} ({tuple(tensor.shape)}) where {expected!r} of {nbytes} bytes belongs"
+            )
         self.handle.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data)
 
     def close(self) -> None:
         if self.pending:
-            raise CheckpointError(f"{self.path}: {len(self.pending)} tensors never arrived, first {self.pending[0][0]!r}")
+            raise CheckpointError(
+                f"{self.path}: {len(self.pending)} tensors never arrived, first {self.pending[0][0]!r}"
+            )
         self.handle.flush()
         os.fsync(self.handle.fileno())
         self.handle.close()
@@ -354,20 +387,20 @@ class Unit:
     merge: dict | None
 
 
-def export_units(recipe: dict, entries: list[Entry]) -> list[Unit]:
+def export_units(recipe: ExportRecipe, entries: list[Entry]) -> list[Unit]:
     """The entries grouped by the state tensor they come from, in the order of their first entry."""
     units: dict[str, Unit] = {}
     for entry in entries:
         view = recipe_view(recipe, entry.name)
-        unit = units.setdefault(view.source, Unit(view.source, [], recipe["merges"].get(entry.name)))
+        unit = units.setdefault(view.source, Unit(view.source, [], recipe.merges.get(entry.name)))
         unit.outputs.append((entry, view))
     return list(units.values())
 
 
-def recipe_entries(recipe: dict, state: dict, out_dtype: torch.dtype) -> list[Entry]:
+def recipe_entries(recipe: ExportRecipe, state: dict, out_dtype: torch.dtype) -> list[Entry]:
     """The Hub tensors a recipe writes from `state` (this rank's part of it): name, shape, dtype written."""
     entries = []
-    for name, key in recipe["names"].items():
+    for name, key in recipe.names.items():
         view = recipe_view(recipe, name)
         shape = view.view[0] if view.view is not None else tuple(state[key].shape)
         entries.append(Entry(name, tuple(shape), written_dtype(recipe, name, state[key].dtype, out_dtype)))
@@ -562,14 +595,17 @@ def export_hf(model: torch.nn.Module, output_dir: str | os.PathLike, tokenizer=N
     return write_export(model, output_dir, state, export_recipe(model, state), tokenizer, dtype, max_shard_size)
 
 
-def write_export(model: torch.nn.Module, output_dir: str | os.PathLike, state: dict, recipe: dict, tokenizer=None,
-                 dtype: torch.dtype | str | None = None, max_shard_size: int | str = DEFAULT_SHARD_SIZE) -> Path:
+def write_export(model: torch.nn.Module, output_dir: str | os.PathLike, state: dict, recipe: ExportRecipe,
+                 tokenizer=None, dtype: torch.dtype | str | None = None,
+                 max_shard_size: int | str = DEFAULT_SHARD_SIZE) -> Path:
     """`export_hf` of `state` (a state dict, sharded or not) following `recipe` (`export_recipe`, or
     `fullshard.lora.merge_recipe` for a LoRA model merged): every rank calls it."""
     output_dir = Path(output_dir)
     config = config_json(model)
     if config is None:
-        raise CheckpointError(f"{type(model).__name__} has no Hugging Face config: export_hf needs a transformers model")
+        raise CheckpointError(
+            f"{type(model).__name__} has no Hugging Face config: export_hf needs a transformers model"
+        )
     out_dtype = resolve_dtype(dtype) or source_dtype(model)
     max_bytes = parse_size(max_shard_size)
     entries = recipe_entries(recipe, state, out_dtype)
@@ -581,15 +617,18 @@ def write_export(model: torch.nn.Module, output_dir: str | os.PathLike, state: d
     staging = Path(broadcast_from_rank0(str(staging_dir(output_dir)) if get_rank() == 0 else None))
     layouts = [(staging / fname, group, *safetensors_header(group)) for fname, group in files]
     headers = {path: (lead, len(lead) + sum(e.nbytes for e in group)) for path, group, lead, _ in layouts}
-    places = {entry.name: (path, offset) for path, group, _, offsets in layouts for entry, offset in zip(group, offsets)}
+    places = {
+        entry.name: (path, offset) for path, group, _, offsets in layouts for entry, offset in zip(group, offsets)
+    }
     run_agreed(lambda: staging.mkdir(parents=True) or create_files(headers), on_rank=0, error_type=CheckpointError)
     writer = RegionWriter()
     try:
         write_units(writer, units, state, places, staged)
         error = writer.finish()
         all_ranks_agree_ok(not error, error, CheckpointError)
-        run_agreed(lambda: finish_directory(staging, output_dir, files, export_config(config, model_class_name(model), out_dtype),
-                                             generation_config_json(model), tokenizer), on_rank=0, error_type=CheckpointError)
+        hf_config = export_config(config, model_class_name(model), out_dtype)
+        run_agreed(lambda: finish_directory(staging, output_dir, files, hf_config, generation_config_json(model),
+                                            tokenizer), on_rank=0, error_type=CheckpointError)
     except BaseException:
         writer.finish(sync=False)
         if get_rank() == 0:

@@ -7,10 +7,10 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ..distributed import get_rank, get_world_size
-from ..optim import clip_grad_norm, global_grad_norm
-from ..tensors import replicated
-from .zoo import build_model, make_batch, make_padded_batch
+from fullshard.distributed import get_rank, get_world_size
+from fullshard.optim import clip_grad_norm, global_grad_norm
+from fullshard.tensors import replicated
+from fullshard.testing.zoo import build_model, make_batch, make_padded_batch
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

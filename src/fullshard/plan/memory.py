@@ -39,9 +39,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..objectives.logprobs import DEFAULT_LOSS_CHUNK_TOKENS, chunkable_head
 from ..parallel.tp import TP_STYLES
-from ..plan import ShardingPlan, shard_bytes
-from .chunked_loss import DEFAULT_LOSS_CHUNK_TOKENS, chunkable_head
+from .build import ShardingPlan, shard_bytes
 
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0}
 LOSS_TRANSIENT_BYTES_PER_LOGIT = 8  # the logits' fp32 copy and the log-softmax gradient, beyond the saved output
@@ -144,22 +144,50 @@ def layer_activation_values(config, tp: int = 1, cp: int = 1) -> int:
     return 6 * hidden + (2 * hidden + 2 * kv + 4 * inter) // tp + (3 * hidden // tp if cp > 1 else 0)
 
 
+def selective_layer_values(config, tp: int = 1, cp: int = 1) -> int:
+    """Values per token a layer keeps under selective checkpointing: its input (H, whole on every
+    tp rank), the outputs of every other matmul (queries, values, the MLP's gate, the down
+    projection's H-wide partial sums) and attention's output with its fp32 log-sum-exp."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    return 2 * hidden + (heads * head_dim * 2 + kv_heads * head_dim + inter + 2 * heads) // tp
+
+
+def checkpointed_layers(layers: int, mode, every: int = 2) -> int:
+    """How many of `layers` blocks a checkpointing mode recomputes (`fsdp.checkpointed_blocks`)."""
+    from ..fsdp import ac_mode
+
+    mode = ac_mode(mode)
+    return {"none": 0, "every_n": layers // every}.get(mode, layers)
+
+
 def activation_bytes(config, micro_batch_size: int, seq_len: int, compute_bytes: int,
-                     activation_checkpointing: bool = False, chunked_loss: bool = False,
+                     activation_checkpointing=False, chunked_loss: bool = False,
                      layers: int | None = None, first: bool = True, last: bool = True, tp: int = 1,
-                     cp: int = 1) -> int:
+                     cp: int = 1, ac_every: int = 2) -> int:
     """What autograd saves for one micro-batch: the layers, the embedding and final norm (3H), the
     rotary cos/sin shared by the layers, the int64 ids, labels and positions, and the loss's fp32
     log-softmax (4V bytes), or, chunked, the hidden states' gradient it holds (H values). A pipeline
-    stage holds `layers` of them, the embedding only if `first`, the final norm and loss only if `last`."""
+    stage holds `layers` of them, the embedding only if `first`, the final norm and loss only if
+    `last`. A checkpointed layer keeps its input (H), under `selective` also the outputs its policy
+    keeps."""
+    from ..fsdp import ac_mode
+
     layers = config.num_hidden_layers if layers is None else layers
-    per_layer = config.hidden_size if activation_checkpointing else layer_activation_values(config, tp, cp)
+    mode = ac_mode(activation_checkpointing)
+    recomputed = checkpointed_layers(layers, mode, ac_every)
+    kept = selective_layer_values(config, tp, cp) if mode == "selective" else config.hidden_size
+    plain = (layers - recomputed) * layer_activation_values(config, tp, cp)
+    layer_values = plain + recomputed * kept
     rotary = 2 * (getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
     tokens = micro_batch_size * seq_len
     ends = (2 if first else 0) + (1 if last else 0)  # the embedding's output and its copy; the final norm's
-    norms = (0 if activation_checkpointing else 2 * layers) + (1 if last else 0)
+    norms = 2 * (layers - recomputed) + (1 if last else 0)
     loss = (compute_bytes * config.hidden_size if chunked_loss else 4 * config.vocab_size) if last else 0
-    return tokens * (compute_bytes * (layers * per_layer + ends * config.hidden_size + rotary) + 3 * 8 + loss
+    return tokens * (compute_bytes * (layer_values + ends * config.hidden_size + rotary) + 3 * 8
+                     + loss
                      + norms * norm_upcast_bytes(config, compute_bytes))
 
 
@@ -168,7 +196,7 @@ def frozen_inputs(model: nn.Module) -> int:
     base): a frozen Linear keeps no input for a weight gradient. Counted once per parent module and
     input width (a shared input, as gate and up projections have, is one tensor), and not where an
     adapter wraps the layer (its own input is saved)."""
-    from ..plan import find_blocks
+    from .blocks import find_blocks
 
     layer = next((model.get_submodule(name) for name in find_blocks(model)
                   if any(True for _ in model.get_submodule(name).parameters())), None)
@@ -189,13 +217,13 @@ def norm_upcast_bytes(config, compute_bytes: int) -> int:
 
 
 def estimate_memory(model: nn.Module, plan: ShardingPlan, shard_size: int, micro_batch_size: int, seq_len: int,
-                    compute_dtype: torch.dtype = torch.float32, activation_checkpointing: bool = False,
+                    compute_dtype: torch.dtype = torch.float32, activation_checkpointing=False,
                     optimizer: str = "adamw", accumulation_steps: int | None = None,
                     device_type: str = "cuda", reduce_dtype: torch.dtype = torch.float32,
                     tp_assignments: dict[str, str] | None = None, tp_size: int = 1, cp_size: int = 1,
                     ep_size: int = 1, loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS,
                     stage_rows: int | None = None, in_flight: int = 1,
-                    all_forwards_first: bool = False) -> MemoryEstimate:
+                    all_forwards_first: bool = False, ac_every: int = 2) -> MemoryEstimate:
     """The estimate for `model` (real or on meta) sharded by `plan` over `shard_size` (dp_shard) x
     `cp_size` ranks, after the modules of `tp_assignments` (name -> TP style) are split `tp_size` ways.
     With `ep_size` > 1 each MoE experts module is a unit of its own that gathers only this rank's
@@ -205,6 +233,9 @@ def estimate_memory(model: nn.Module, plan: ShardingPlan, shard_size: int, micro
 
     `accumulation_steps` None (unknown) counts the gradients through the forward; `device_type`
     "cpu" has no allocator rounding. A pipeline stage (`estimate_run`) is `stage_rows` x `seq_len`."""
+    from ..fsdp import ac_mode
+
+    activation_checkpointing = ac_mode(activation_checkpointing)
     split = TensorParallelSplit(model, tp_assignments or {}, tp_size)
     units = _unit_bytes(model, plan, shard_size * cp_size, compute_dtype, optimizer,
                         ALLOCATOR_BLOCK if device_type != "cpu" else 1, split,
@@ -219,18 +250,15 @@ def estimate_memory(model: nn.Module, plan: ShardingPlan, shard_size: int, micro
     # the layers' projections split over tp (the auto plan's are): their activations are split too
     layer_tp = tp_size if any(".layers." in f".{name}." for name in (tp_assignments or {})) else 1
     head = chunked_head(model, loss_chunk_tokens, tp_assignments or {}) if last else None
-    activations = in_flight * activation_bytes(config, micro_batch_size, seq_len, compute_bytes,
-                                               activation_checkpointing, chunked_loss=head is not None,
-                                               layers=layers, first=first, last=last, tp=layer_tp, cp=cp_size)
+    activations = in_flight * activation_bytes(
+        config, micro_batch_size, seq_len, compute_bytes, activation_checkpointing, chunked_loss=head is not None,
+        layers=layers, first=first, last=last, tp=layer_tp, cp=cp_size, ac_every=ac_every)
     activations += in_flight * tokens * compute_bytes * layout_values(
         model, config, expert_units(model, ep_size, shard_size * cp_size), activation_checkpointing, layers,
         first, last, stage is not None, head is None)
     loss, saved_loss = loss_bytes(config, head, tokens, compute_bytes, loss_chunk_tokens, in_flight) if last else (0, 0)
-    # a checkpointed layer's backward recomputes its activations, freeing them as their gradients
-    # arrive: about one layer's worth at its highest, measured (bench_memory)
-    layer = (compute_bytes * layer_activation_values(config, layer_tp, cp_size)
-             + 2 * norm_upcast_bytes(config, compute_bytes))
-    recompute = tokens * layer if activation_checkpointing else 0
+    recompute = recompute_bytes(config, tokens, compute_bytes, layer_tp, cp_size, layers, activation_checkpointing,
+                                ac_every)
     full = sorted(units["full"].values(), reverse=True)
     largest = max(units["full"], key=units["full"].get)
     reduce_copy = reduce_dtype.itemsize if reduce_dtype != compute_dtype else 0
@@ -250,10 +278,21 @@ def estimate_memory(model: nn.Module, plan: ShardingPlan, shard_size: int, micro
     )
 
 
-def layout_values(model: nn.Module, config, experts: dict, activation_checkpointing: bool, layers: int | None,
+def recompute_bytes(config, tokens: int, compute_bytes: int, tp: int, cp: int, layers: int | None,
+                    activation_checkpointing, ac_every: int) -> int:
+    """A checkpointed layer's backward recomputes its activations, freeing them as their gradients
+    arrive: about one layer's worth at its highest, measured (bench_memory); 0 when none is."""
+    if checkpointed_layers(layers or config.num_hidden_layers, activation_checkpointing, ac_every) == 0:
+        return 0
+    layer = compute_bytes * layer_activation_values(config, tp, cp) + 2 * norm_upcast_bytes(config, compute_bytes)
+    return tokens * layer
+
+
+def layout_values(model: nn.Module, config, experts: dict, activation_checkpointing, layers: int | None,
                   first: bool, last: bool, pipelined: bool, whole_logits: bool) -> int:
     """Values per token that the layout adds to (or, frozen, takes from) what the layers save."""
     values = 0
+    activation_checkpointing = activation_checkpointing != "none"
     if experts and not activation_checkpointing:
         # the dispatch keeps the rows the all-to-all brought (top-k per token) as its experts' input
         top_k = getattr(config, "num_experts_per_tok", 1) or 1
@@ -282,8 +321,8 @@ def loss_bytes(config, head: nn.Module | None, tokens: int, compute_bytes: int, 
     chunk_bytes = CHUNK_BYTES_PER_LOGIT + (compute_bytes if compute_bytes < 4 else 0)
     head_bytes = sum(p.numel() for p in head.parameters()) * compute_bytes
     trains_head = any(p.requires_grad for p in head.parameters())  # a frozen head (LoRA) gets no gradient
-    loss = (min(loss_chunk_tokens, tokens) * config.vocab_size * chunk_bytes + (1 + trains_head * in_flight) * head_bytes
-            + tokens * config.hidden_size * compute_bytes)
+    loss = (min(loss_chunk_tokens, tokens) * config.vocab_size * chunk_bytes
+            + (1 + trains_head * in_flight) * head_bytes + tokens * config.hidden_size * compute_bytes)
     return loss, tokens * config.hidden_size * compute_bytes
 
 
@@ -303,8 +342,9 @@ class TensorParallelSplit:
     """What a tp rank holds of each parameter: its shape after torch's TP style, as a meta tensor."""
 
     # (style kind, module type, parameter) -> the dim torch's style splits; absent: kept whole
-    DIMS = {("colwise", nn.Linear, "weight"): 0, ("colwise", nn.Linear, "bias"): 0, ("colwise", nn.Embedding, "weight"): 1,
-            ("rowwise", nn.Linear, "weight"): 1, ("rowwise", nn.Embedding, "weight"): 0}
+    DIMS = {("colwise", nn.Linear, "weight"): 0, ("colwise", nn.Linear, "bias"): 0,
+            ("colwise", nn.Embedding, "weight"): 1, ("rowwise", nn.Linear, "weight"): 1,
+            ("rowwise", nn.Embedding, "weight"): 0}
 
     def __init__(self, model: nn.Module, assignments: dict[str, str], tp_size: int):
         self.modules, self.assignments, self.tp_size = dict(model.named_modules()), assignments, tp_size
@@ -340,12 +380,15 @@ def expert_units(model: nn.Module, ep_size: int, shard_size: int) -> dict[str, t
     kept_whole = ep_size == shard_size
     units = {f"{e.name}.{p}": (e.name, ep_size, kept_whole) for e in find_experts(model) for p in e.params}
     for name in per_expert_module_lists(model):  # each rank gathers (or keeps) its experts of the list
-        units.update({f"{name}.{p}": (name, ep_size, kept_whole) for p, _ in model.get_submodule(name).named_parameters()})
+        units.update(
+            {f"{name}.{p}": (name, ep_size, kept_whole) for p, _ in model.get_submodule(name).named_parameters()}
+        )
     return units
 
 
 def _unit_bytes(model: nn.Module, plan: ShardingPlan, shard_size: int, compute_dtype: torch.dtype, optimizer: str,
-                block: int, split: TensorParallelSplit, experts: dict[str, tuple[str, int, bool]] | None = None) -> dict:
+                block: int, split: TensorParallelSplit,
+                experts: dict[str, tuple[str, int, bool]] | None = None) -> dict:
     """Per FSDP unit: its all-gathered bytes in the compute dtype (a tp rank gathers its 1/tp), its
     element count and this rank's gradient shard; over the model: this rank's parameter shard and
     the allocator's rounding."""
@@ -366,7 +409,8 @@ def _unit_bytes(model: nn.Module, plan: ShardingPlan, shard_size: int, compute_d
         if full_param.requires_grad:
             out["trainable_numel"] += param.numel()
             out["grad"][unit] = out["grad"].get(unit, 0) + per_rank
-        copies = 1 + (1 + OPTIMIZER_STATES[optimizer]) * full_param.requires_grad  # the weight, its gradient and moments
+        # the weight, its gradient and moments
+        copies = 1 + (1 + OPTIMIZER_STATES[optimizer]) * full_param.requires_grad
         out["rounding"] += copies * (-(-per_rank // block) * block - per_rank)
     return out
 
@@ -451,7 +495,7 @@ def estimate_run(model: nn.Module, engine, world_size: int, micro_batch_size: in
     per pipeline stage."""
     from ..distributed import ParallelDims
     from ..engine import EngineConfig
-    from ..plan import build_plan
+    from .build import build_plan
 
     engine = EngineConfig.from_any(engine)
     dims = ParallelDims(engine.dp_replicate, engine.dp_shard, world_size, cp=engine.cp_size, tp=engine.tp_size,
@@ -462,6 +506,7 @@ def estimate_run(model: nn.Module, engine, world_size: int, micro_batch_size: in
         estimate = estimate_memory(
             module, build_plan(module, engine.plan), dims.dp_shard, micro_batch_size, seq_len, compute,
             engine.activation_checkpointing, optimizer, accumulation_steps=accumulation_steps,
+            ac_every=engine.ac_every,
             device_type=device_type, reduce_dtype=reduce,
             tp_assignments=tp_assignments(module, engine.tp_plan, dims.tp), tp_size=dims.tp, cp_size=dims.cp,
             ep_size=dims.ep, loss_chunk_tokens=loss_chunk_tokens, **stage)

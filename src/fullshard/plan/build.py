@@ -28,9 +28,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import PlanError
-from .tensors import tensor_aliases
-from .towers import WORDS, block_list, find_towers, glob_regex
+from ..errors import PlanError
+from ..tensors import tensor_aliases
+from .blocks import find_blocks, find_final_norm, head_modules, module_name_of, parameter_count
+from .towers import WORDS, find_towers, glob_regex
 
 POLICIES = {
     "free_full_weight": ("reshard_after_forward", True),
@@ -41,7 +42,6 @@ POLICIES = {
     "full_precision": ("mixed_precision", False),
 }
 
-BLOCK_CONTAINER_PATHS = ("layers", "model.layers", "h", "transformer.h", "blocks", "model.blocks", "encoder.layer")
 
 
 
@@ -139,7 +139,8 @@ class ShardingPlan:
                     )
                 if name in claimed:
                     raise PlanError(
-                        f"module {name!r} is claimed by two plan entries: {claimed[name]!r} and {unit.source or unit.name!r}"
+                        f"module {name!r} is claimed by two plan entries: {claimed[name]!r} and "
+                        f"{unit.source or unit.name!r}"
                     )
                 claimed[name] = unit.source or unit.name
             if isinstance(unit.reshard_after_forward, int) and not isinstance(unit.reshard_after_forward, bool):
@@ -245,186 +246,6 @@ def _module_of(param_name: str) -> str:
     return param_name.rpartition(".")[0]
 
 
-# --------------------------------------------------------------------------- block detection
-
-
-def get_transformer_block_classes(model: nn.Module) -> set[type[nn.Module]]:
-    """The classes of the repeated blocks (see `find_blocks` for how they are found)."""
-    modules = dict(model.named_modules())
-    return {type(modules[name]) for name in find_blocks(model)}
-
-
-def _declared_block_classes(model: nn.Module) -> set[type[nn.Module]]:
-    """Block classes the model names itself, by the first source that names any.
-
-    Order: the model's `_no_split_modules`, then transformers' `GradientCheckpointingLayer`
-    subclasses, then the class of the children of a `layers` / `model.layers` / `h` / `blocks`
-    ModuleList.
-    """
-    present = {type(m) for m in model.modules()}
-    by_name = {cls.__name__: cls for cls in present}
-    no_split = getattr(model, "_no_split_modules", None) or []
-    classes = {by_name[n] for n in no_split if n in by_name}
-    if classes:
-        return classes
-    try:
-        from transformers.modeling_layers import GradientCheckpointingLayer
-
-        classes = {cls for cls in present if issubclass(cls, GradientCheckpointingLayer)}
-    except ImportError:
-        classes = set()
-    if classes:
-        return classes
-    container = _block_container(model)
-    return {type(m) for m in container} if container is not None else set()
-
-
-def get_transformer_layer_cls(model: nn.Module) -> type[nn.Module] | None:
-    """The block class to wrap (seed 000's single answer): the one with the most instances."""
-    blocks = find_blocks(model)
-    if not blocks:
-        return None
-    modules = dict(model.named_modules())
-    counts: dict[type, int] = {}
-    for name in blocks:
-        counts[type(modules[name])] = counts.get(type(modules[name]), 0) + 1
-    return max(counts, key=counts.get)
-
-
-def find_blocks(model: nn.Module) -> list[str]:
-    """Names of the outermost block modules, in model order.
-
-    Blocks the model declares (`_declared_block_classes`) win; a model that declares none
-    (XLNet, XLM, Reformer, CPM-Ant) gets its repeated blocks found from its structure
-    (`_repeated_block_lists`).
-    """
-    classes = tuple(_declared_block_classes(model))
-    if not classes:
-        lists = _repeated_block_lists(model)
-        return [f"{name}.{index}" for name in lists for index in range(len(model.get_submodule(name)))]
-    blocks: list[str] = []
-    for name, module in model.named_modules():
-        if name and isinstance(module, classes) and not any(_is_within(name, b) for b in blocks):
-            blocks.append(name)
-    return _with_tower_blocks(model, blocks)
-
-
-def _with_tower_blocks(model: nn.Module, blocks: list[str]) -> list[str]:
-    """A VLM's encoder towers (vision, audio) and projector get their blocks from their structure (the
-    largest list of identical modules in each), not from the classes the model declares: those name an
-    attention module (Idefics3, SmolVLM, Ovis2) or nothing of the tower (GOT-OCR2), leaving whole towers in the root."""
-    towers = find_towers(model)
-    if not towers:
-        return blocks
-    side = towers.encoders + towers.projector
-    kept = [b for b in blocks if not any(_is_within(b, t) for t in side)]
-    for tower in towers.encoders:
-        name = block_list(model, tower)
-        kept += [] if name is None else [f"{name}.{i}" for i in range(len(model.get_submodule(name)))]
-    for tower in towers.projector:
-        if any(_is_within(tower, v) for v in towers.vision):  # a merger inside the vision tower: its own unit(s)
-            continue
-        module = model.get_submodule(tower)
-        kept += [f"{tower}.{name}.{i}" for name in _repeated_block_lists(module)
-                 for i in range(len(module.get_submodule(name)))]
-    order = {name: index for index, (name, _) in enumerate(model.named_modules())}
-    return sorted(kept, key=order.__getitem__)
-
-
-def _parameter_count(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
-
-
-def _repeated_block_lists(model: nn.Module) -> list[str]:
-    """The ModuleList of identical blocks holding the most parameters, with its parallel siblings.
-
-    Parallel siblings are lists beside it of the same length that hold at least a quarter of its
-    parameters: XLM keeps each layer's attention and feed-forward in two such lists, and both
-    deserve a unit per layer (its per-layer norms, far smaller, stay in the root).
-    """
-    lists = {
-        name: module for name, module in model.named_modules()
-        if isinstance(module, nn.ModuleList) and len(module) > 1
-        and len({type(m) for m in module}) == 1 and _parameter_count(module) > 0
-    }
-    if not lists:
-        return []
-    largest = max(lists, key=lambda n: _parameter_count(lists[n]))
-    parent, size = largest.rpartition(".")[0], _parameter_count(lists[largest])
-    return [
-        name for name, module in lists.items()
-        if name == largest or (name.rpartition(".")[0] == parent and len(module) == len(lists[largest])
-                               and 4 * _parameter_count(module) >= size)
-    ]
-
-
-def _block_container(model: nn.Module) -> nn.ModuleList | None:
-    for path in BLOCK_CONTAINER_PATHS:
-        module = _get_submodule(model, path)
-        if isinstance(module, nn.ModuleList) and len(module) > 0:
-            return module
-    return None
-
-
-def _get_submodule(model: nn.Module, name: str) -> nn.Module | None:
-    try:
-        return model.get_submodule(name)
-    except AttributeError:
-        return None
-
-
-def _module_name(model: nn.Module, target: nn.Module | None) -> str | None:
-    if target is None:
-        return None
-    for name, module in model.named_modules():
-        if module is target:
-            return name
-    return None
-
-
-def find_final_norm(model: nn.Module, blocks: list[str]) -> str | None:
-    """The norm applied after the last block, found the way the model defines it: a norm held by
-    the module that holds the block list, registered after that list (LFM2's `embedding_norm`,
-    whatever its name), else the only one it holds (OPT registers its final norm before its layers).
-
-    A norm is a module whose class says it is one (`LayerNorm`, `LlamaRMSNorm`, ...) and that has
-    parameters. The last block that trains decides, not the last one registered: BLT registers a
-    frozen side model (`model.patcher`, with a norm of its own) after its decoder.
-    """
-    if not blocks:
-        return None
-    trainable = [b for b in blocks if any(p.requires_grad for p in model.get_submodule(b).parameters())]
-    last = (trainable or blocks)[-1]
-    container = last.rpartition(".")[0]  # "model.layers.3" -> "model.layers"
-    parent, _, list_name = container.rpartition(".")
-    holder = model.get_submodule(parent) if parent else model
-    children = [name for name, _ in holder.named_children()]
-    norms = [name for name, module in holder.named_children() if _is_norm(module) and _parameter_count(module)]
-    after = [n for n in norms if list_name in children and children.index(n) > children.index(list_name)]
-    chosen = after[0] if after else norms[0] if len(norms) == 1 else None
-    return None if chosen is None else f"{parent}.{chosen}" if parent else chosen
-
-
-def _is_norm(module: nn.Module) -> bool:
-    norm_types = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase)
-    return isinstance(module, norm_types) or "norm" in type(module).__name__.lower()
-
-
-def head_modules(model: nn.Module, head: str | None, blocks: list[str]) -> list[str]:
-    """The output head and the task model's own modules that run with it: those registered after
-    its base model (ModernBERT-decoder's prediction head `lm_head`, with its dense layer and norm,
-    runs between the final norm and the `decoder` projection; BERT's `cls` holds its transform)."""
-    base = getattr(model, "base_model", None)
-    children = dict(model.named_children())
-    base_name = next((name for name, module in children.items() if module is base), None)
-    names = list(children)
-    extra = [] if base_name is None else [
-        name for name in names[names.index(base_name) + 1:]
-        if _parameter_count(children[name]) and not any(_is_within(b, name) for b in blocks)]
-    found = extra + ([head] if head is not None else [])
-    return [n for n in dict.fromkeys(found) if not any(_is_within(n, other) and n != other for other in found)]
-
-
 # --------------------------------------------------------------------------- plans
 
 
@@ -433,8 +254,8 @@ def auto_plan(model: nn.Module, cpu_offload: bool | None = None, mixed_precision
     blocks = find_blocks(model)
     get_in = getattr(model, "get_input_embeddings", None)
     get_out = getattr(model, "get_output_embeddings", None)
-    embed = _module_name(model, _safe_call(get_in))
-    head = _module_name(model, _safe_call(get_out))
+    embed = module_name_of(model, _safe_call(get_in))
+    head = module_name_of(model, _safe_call(get_out))
     norm = find_final_norm(model, blocks)
 
     def unit(names, reshard=None, source="auto"):
@@ -470,7 +291,7 @@ def _block_unit_roots(model: nn.Module, blocks: list[str]) -> list[str]:
     for name in blocks:
         block = model.get_submodule(name)
         if callable(getattr(block, "backward_pass", None)):
-            roots += [f"{name}.{child}" for child, module in block.named_children() if _parameter_count(module)]
+            roots += [f"{name}.{child}" for child, module in block.named_children() if parameter_count(module)]
         else:
             roots.append(name)
     return roots
@@ -632,7 +453,7 @@ def transformers_plan(model: nn.Module, spec: dict) -> ShardingPlan:
     plan = manual_plan(model, spec)
     kept = [unit for unit in plan.units if unit.reshard_after_forward is False]
     norm = find_final_norm(model, find_blocks(model))
-    ends = {_module_name(model, _safe_call(getattr(model, f, None)))
+    ends = {module_name_of(model, _safe_call(getattr(model, f, None)))
             for f in ("get_input_embeddings", "get_output_embeddings")}
     if len(kept) == 2 and any(norm in u.modules for u in kept) and any(ends & set(u.modules) for u in kept):
         tail = merge_units(model, kept, [], "the final norm and the head kept full after forward")

@@ -15,29 +15,29 @@ gathered buffer and the bucket's tensors (each at most `bucket_bytes`; a tensor 
 a bucket of its own) beyond what it already had, and nothing of the model, its optimizer or its
 next step changes: a LoRA merge is computed into new tensors, never into the module.
 
-`buckets_to_first` is the same stream for a sender that is the first rank alone (`WeightSync`): the
-other ranks send it their regions and hold nothing, and it lays each bucket's whole tensors out in
-one buffer the caller lends (so a bucket goes out as one run of bytes, no packing copy).
+`fullshard.weight_sync.buckets_to_first` is the same stream for a sender that is the first rank
+alone, built on this module's plan (`stream_plan`, `StreamUnit`).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from .checkpoint.export import HubView, export_recipe, merge_lora, recipe_entries, recipe_view, source_dtype
-from .checkpoint.offline import checkpoint_hf_weights
-from .distributed import all_gather_slots, current_device, gather_to_first, get_rank, get_world_size
-from .dtypes import resolve_dtype
-from .errors import CheckpointError
-from .fsdp import reshard_all
+from ..distributed import all_gather_slots, current_device, get_rank, get_world_size
+from ..dtypes import resolve_dtype
+from ..errors import CheckpointError
+from ..fsdp import reshard_all
+from ..tensors import local_tensor
+from .export import ExportRecipe, HubView, export_recipe, merge_lora, recipe_entries, recipe_view, source_dtype
 from .lora import adapter_file_names, is_peft_model, merge_recipe
-from .tensors import local_tensor
+from .offline import checkpoint_hf_weights
 
 DEFAULT_BUCKET_BYTES = 256 * 2**20
 ALIGN = 8  # every packed region starts 8-byte aligned, so it can be viewed as any dtype
@@ -108,7 +108,7 @@ def _held_box(tensor: torch.Tensor) -> Box | None:
     return tuple(offset) if tensor.dim() else (), tuple(shape)
 
 
-def _recipe(model, lora: str) -> tuple[torch.nn.Module, dict, dict]:
+def _recipe(model, lora: str) -> tuple[torch.nn.Module, dict, ExportRecipe]:
     """The model whose config names the output, this rank's state, and the export's recipe."""
     if lora not in ("merge", "adapter"):
         raise ValueError(f"lora must be 'merge' or 'adapter', got {lora!r}")
@@ -120,16 +120,16 @@ def _recipe(model, lora: str) -> tuple[torch.nn.Module, dict, dict]:
         return model, state, export_recipe(model, state)
     if lora == "adapter":  # the adapter file's names, as `save_adapter` writes them, uncast
         files = adapter_file_names(state, model.active_adapter)
-        return model.get_base_model(), state, {"names": files, "merges": {}, "views": {}}
+        return model.get_base_model(), state, ExportRecipe(names=files)
     return model.get_base_model(), state, merge_recipe(model, state)
 
 
-def _local_units(state: dict, recipe: dict, out_dtype: torch.dtype | None) -> list[StreamUnit]:
+def _local_units(state: dict, recipe: ExportRecipe, out_dtype: torch.dtype | None) -> list[StreamUnit]:
     """This rank's units, from the recipe over the state tensors it holds."""
     units: dict[str, StreamUnit] = {}
     for entry in recipe_entries(recipe, state, out_dtype):
         view = recipe_view(recipe, entry.name)
-        merge = recipe["merges"].get(entry.name)
+        merge = recipe.merges.get(entry.name)
         if view.source not in units:
             tensor = state[view.source]
             if merge is None:
@@ -142,7 +142,7 @@ def _local_units(state: dict, recipe: dict, out_dtype: torch.dtype | None) -> li
     return list(units.values())
 
 
-def plan_stream(state: dict, recipe: dict, out_dtype: torch.dtype | None) -> list[StreamUnit]:
+def plan_stream(state: dict, recipe: ExportRecipe, out_dtype: torch.dtype | None) -> list[StreamUnit]:
     """Every unit of the whole model, the same list on every rank, each input's regions dealt to the
     first rank holding them (one object all-gather)."""
     units = _local_units(state, recipe, out_dtype)
@@ -325,163 +325,16 @@ def hf_weight_buckets(model: torch.nn.Module, *, dtype: torch.dtype | str | None
         del items
 
 
-# ------------------------------------------------------------------ to the first rank only (WeightSync)
-
-SEND_ALIGN = 16  # each whole tensor of a bucket's buffer starts 16-byte aligned, as WeightSync's payload wants
-
-
-def _own_pieces(bucket: list[StreamUnit], rank: int) -> list[tuple[int, int, Box]]:
-    """The regions `rank` sends of the bucket, in order: (unit, input, box)."""
-    return [(u, index, box) for u, unit in enumerate(bucket) for index, box in unit.pieces.get(rank, [])]
-
-
-def _whole_rows(box: Box, shape: tuple[int, ...]) -> bool:
-    """Whether the region is whole rows of its tensor: one run of its bytes."""
-    return len(shape) > 0 and tuple(box[1][1:]) == tuple(shape[1:])
-
-
-def _messages(bucket: list[StreamUnit], rank: int) -> tuple[list[tuple[int, int, Box]], list[tuple[int, int, Box, int]]]:
-    """What `rank` sends the first rank of a bucket: each region that is whole rows of its tensor
-    (FSDP's and EP's) a message of its own, which lands straight in its place; the others (TP's
-    columns) packed into one more message, each at its aligned byte position in it."""
-    direct, packed, position = [], [], 0
-    for u, index, box in _own_pieces(bucket, rank):
-        item = bucket[u].inputs[index]
-        if _whole_rows(box, item.shape):
-            direct.append((u, index, box))
-        else:
-            packed.append((u, index, box, position))
-            position += _aligned(_region_bytes(bucket, u, index, box))
-    return direct, packed
-
-
-def _region_bytes(bucket: list[StreamUnit], u: int, index: int, box: Box) -> int:
-    return _numel(box[1]) * bucket[u].inputs[index].dtype.itemsize
-
-
-def _packed_span(bucket: list[StreamUnit], packed: list[tuple[int, int, Box, int]]) -> int:
-    """The bytes of a rank's packed message (`_messages`): up to the end of its last region."""
-    if not packed:
-        return 0
-    u, index, box, at = packed[-1]
-    return at + _region_bytes(bucket, u, index, box)
-
-
-def _send_to_first(bucket: list[StreamUnit], state: dict, device: torch.device, buffers: dict) -> None:
-    """A rank other than the first: its regions of the bucket to the first rank (`_messages`), each
-    sent from the shard itself where its bytes already are the message, else cast or packed into a
-    buffer kept in `buffers`."""
-    direct, packed = _messages(bucket, get_rank())
-    local = lambda u, i: local_tensor(state[bucket[u].inputs[i].key]).detach()  # noqa: E731
-    as_is = lambda u, i: (local(u, i).dtype == bucket[u].inputs[i].dtype and local(u, i).is_contiguous()  # noqa: E731
-                          and local(u, i).device == device)
-    placed, position = [], 0  # where the direct regions that need a copy (a cast) go in `kept`
-    for u, index, box in direct:
-        if not as_is(u, index):
-            placed.append((u, index, box, position))
-            position += _aligned(_region_bytes(bucket, u, index, box))
-    placed += [(u, index, box, position + at) for u, index, box, at in packed]
-    need = position + _aligned(_packed_span(bucket, packed))
-    kept = kept_buffer(buffers, "send", need, device) if need else None
-    for u, index, box, at in placed:
-        size = _region_bytes(bucket, u, index, box)
-        kept[at:at + size].view(bucket[u].inputs[index].dtype).view(box[1]).copy_(local(u, index))
-    copied = {(u, index): at for u, index, _, at in placed}
-    parts = []
-    for u, index, box in direct:
-        at = copied.get((u, index))
-        parts.append(local(u, index).reshape(-1).view(torch.uint8) if at is None
-                     else kept[at:at + _region_bytes(bucket, u, index, box)])
-    if packed:
-        parts.append(kept[position:position + _packed_span(bucket, packed)])
-    for work in gather_to_first({get_rank(): parts}):
-        work.wait()
-
-
-def _gather_to_first(bucket: list[StreamUnit], state: dict, out: Callable[[int], torch.Tensor],
-                     buffers: dict) -> list[list[torch.Tensor]]:
-    """The first rank: the bucket's whole inputs laid out in one byte buffer from `out(nbytes)` (each
-    `SEND_ALIGN`-aligned, in order), made from its own shards and the other ranks' messages: runs
-    of rows received straight into their place, packed regions into a staging buffer kept in
-    `buffers` (only layouts with other regions than rows need it) and copied from there. Its own
-    regions are copied while the others arrive."""
-    starts, total = [], 0
-    for unit in bucket:
-        for item in unit.inputs:
-            starts.append(total)
-            total += item.nbytes + (-item.nbytes % SEND_ALIGN)
-    flat = out(total)
-    at = iter(starts)
-    wholes = [[flat[start:start + item.nbytes].view(item.dtype).view(item.shape)
-               for item, start in zip(unit.inputs, at)] for unit in bucket]
-    plans = {r: _messages(bucket, r) for r in range(1, get_world_size())}
-    need = {r: _aligned(_packed_span(bucket, packed)) for r, (_, packed) in plans.items()}
-    kept = kept_buffer(buffers, "staging", sum(need.values()), flat.device) if sum(need.values()) else None
-    targets, staged, position = {}, {}, 0
-    for r, (direct, packed) in plans.items():
-        targets[r] = []
-        for u, index, box in direct:
-            whole = wholes[u][index]
-            row = whole[0].numel() * whole.element_size()
-            start = box[0][0] * row
-            targets[r].append(whole.view(-1).view(torch.uint8)[start:start + _region_bytes(bucket, u, index, box)])
-        if packed:
-            staged[r] = kept[position:position + need[r]]
-            targets[r].append(staged[r][:_packed_span(bucket, packed)])
-            position += need[r]
-    works = gather_to_first(targets)
-    for u, index, box in _own_pieces(bucket, 0):
-        _region(wholes[u][index], box).copy_(local_tensor(state[bucket[u].inputs[index].key]).detach())
-    for work in works:
-        work.wait()
-    for r, message in staged.items():
-        for u, index, box, at in plans[r][1]:
-            item = bucket[u].inputs[index]
-            size = _region_bytes(bucket, u, index, box)
-            _region(wholes[u][index], box).copy_(message[at:at + size].view(item.dtype).view(box[1]))
-    return wholes
-
-
-@dataclass
-class SentBucket:
-    """A bucket of the stream to the first rank: its `(hf_name, tensor)` pairs there (none elsewhere),
-    how many tensors and bytes it has."""
-
-    pairs: list[tuple[str, torch.Tensor]]
-    tensors: int
-    nbytes: int
-
-
-def buckets_to_first(model: torch.nn.Module, out: Callable[[int], torch.Tensor], *,
-                     dtype: torch.dtype | str | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                     lora: str = "merge") -> Iterator[SentBucket]:
-    """`hf_weight_buckets` for a sender that is the first rank alone (`WeightSync`): the other ranks
-    send it their regions (one message each per bucket) and keep nothing; the first rank lays each
-    bucket's whole tensors out in the byte buffer `out(nbytes)` gives (the caller's, reused: it
-    must be done with a bucket's buffer before handing it out again), so a bucket of plain tensors
-    is one run of bytes, ready to send as it is. Every rank iterates it in step."""
-    state, buckets = _stream_plan(model, dtype, bucket_bytes, lora)
-    device, buffers, first = _device(), {}, get_rank() == 0
-    for bucket in buckets:
-        tensors = nbytes = 0
-        for unit in bucket:
-            count, size = _output_size(unit)
-            tensors, nbytes = tensors + count, nbytes + size
-        if not first:
-            _send_to_first(bucket, state, device, buffers)
-            yield SentBucket([], tensors, nbytes)
-            continue
-        wholes = _gather_to_first(bucket, state, out, buffers)
-        pairs = [pair for unit, inputs in zip(bucket, wholes) for pair in _outputs(unit, inputs)]
-        del wholes
-        yield SentBucket(pairs, tensors, nbytes)
-        del pairs
-
-
-def hf_weights(model: torch.nn.Module, *, dtype: torch.dtype | str | None = None,
+def hf_weights(model: torch.nn.Module | str | os.PathLike, *, dtype: torch.dtype | str | None = None,
                bucket_bytes: int = DEFAULT_BUCKET_BYTES, lora: str = "merge") -> Iterator[tuple[str, torch.Tensor]]:
     """`hf_weight_buckets`, one `(hf_name, full tensor)` at a time (every rank in step); a tensor
-    handed out is no longer held here, so the caller holds at most the one in hand."""
+    handed out is no longer held here, so the caller holds at most the one in hand. Given a
+    training checkpoint's path instead of a model: `checkpoint_hf_weights` (one process, merged)."""
+    if isinstance(model, (str, os.PathLike)):
+        if lora != "merge":
+            raise CheckpointError(f"a checkpoint's weights come merged, not lora={lora!r}")
+        yield from checkpoint_hf_weights(model, dtype=dtype)
+        return
     buckets = hf_weight_buckets(model, dtype=dtype, bucket_bytes=bucket_bytes, lora=lora)
     while (bucket := next(buckets, None)) is not None:
         bucket.reverse()

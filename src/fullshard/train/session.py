@@ -1,16 +1,14 @@
-"""`FSDPStrategy`: seed 001's strategy-object API (LightRFT `FSDPV2Strategy`) on fullshard's core.
+"""The training session: the state a training loop keeps besides model and optimizer, and the
+batch arithmetic every entry point shares.
 
-The strategy keeps the state a training loop written against that API expects to be hidden:
-which micro-batch of the accumulation window this is (to defer or not defer the gradient sync
-and to step only at the window's end), the loss scaler, and the engine that shards models.
-Its options are the engine's `EngineConfig` (taken whole, unknown keys refused) plus its own
-few; the batch arithmetic is `batch_arithmetic`, used by the trainer's config too. Everything it
-does is a call into `engine`, `optim` and `checkpoint`; nothing is reimplemented.
+`TrainingSession` holds which micro-batch of the accumulation window this is (to defer or not
+defer the gradient sync and to step only at the window's end), the loss scaler, the mesh and the
+engines that shard models. The trainer runs on it; LightRFT's `FSDPStrategy`
+(`fullshard.faces.lightrft`) is a thin face over it. Everything it does is a call into `engine`,
+`optim` and `checkpoint`; nothing is reimplemented.
 """
-
 from __future__ import annotations
 
-import contextlib
 from dataclasses import replace
 from datetime import timedelta
 
@@ -18,12 +16,12 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from . import optim
-from .checkpoint.rng import seed_everything
-from .distributed import ParallelDims, get_rank, get_world_size, init_distributed
-from .engine import EngineConfig, FSDP2Engine
-from .errors import ConfigError
-from .log import warn_rank0
+from .. import optim
+from ..checkpoint.rng import seed_everything
+from ..distributed import ParallelDims, get_world_size, init_distributed
+from ..engine import EngineConfig, FSDP2Engine
+from ..errors import ConfigError
+from ..log import warn_rank0
 
 ACCUMULATION_POLICIES = ("reduce_scatter_every", "defer_sync")
 
@@ -56,20 +54,6 @@ def describe_mesh(dims: ParallelDims) -> str:
             + (f"; experts split over ep {dims.ep}, each sharded over efsdp {dims.efsdp}" if dims.ep > 1 else ""))
 
 
-def resolve_precision(bf16: bool | None, fp16: bool, configured: str | None) -> str:
-    """Seed 001's `bf16` / `fp16` flags and the engine config's `mixed_precision` are one setting:
-    the flags may restate the config but not contradict it (which one would win is a guess)."""
-    if bf16 and fp16:
-        raise ConfigError("bf16=True and fp16=True are exclusive: pick one compute dtype")
-    flagged = "fp16" if fp16 else "bf16" if bf16 else "fp32" if bf16 is False else None
-    if configured is None:
-        return flagged or "bf16"  # seed 001's default
-    if flagged is not None and flagged != configured:
-        raise ConfigError(f"bf16={bf16}, fp16={fp16} ask for {flagged} compute but the engine config has "
-                          f"mixed_precision={configured!r}: set one of them")
-    return configured
-
-
 def engine_config(config: EngineConfig | dict | None) -> tuple[EngineConfig, str | None]:
     """The engine config (unknown keys refused by name) and the precision it sets, if it sets one."""
     try:
@@ -79,31 +63,32 @@ def engine_config(config: EngineConfig | dict | None) -> tuple[EngineConfig, str
     return resolved, EngineConfig.values_of(config).get("mixed_precision")
 
 
-class FSDPStrategy:
-    """Distributed training with FSDP2 behind seed 001's methods.
+class TrainingSession:
+    """Distributed training with FSDP2: the mesh, the engines, the accumulation window and the step.
 
-    `config` is the engine's: an `EngineConfig` (the trainer hands it `fsdp` whole) or the
-    seed-000 dict; every field reaches the engines this strategy builds, and an unknown key is an
-    error. The strategy's own options: `max_norm=0.0` means no clipping (the norm is still
-    measured); `bf16` / `fp16` are seed 001's spelling of `mixed_precision`;
-    `accumulation_policy` "reduce_scatter_every" (the default) keeps gradients sharded between
-    micro-batches, "defer_sync" reduces once per window, trading memory for communication (on
-    HSDP only the cross-replica all-reduce is deferred); `adam_offload` moves the optimizer state
-    to CPU between phases (`maybe_offload_optimizer`).
+    `config` is the engine's: an `EngineConfig` (the trainer hands it `fsdp` whole) or its dict;
+    every field reaches the engines this session builds, and an unknown key is an error.
+    `max_norm=0.0` means no clipping (the norm is still measured); `accumulation_policy`
+    "reduce_scatter_every" (the default) keeps gradients sharded between micro-batches, "defer_sync"
+    reduces once per window, trading memory for communication (on HSDP only the cross-replica
+    all-reduce is deferred); `adam_offload` moves the optimizer state to CPU between phases. The
+    attribute names (`micro_train_batch_size`, `train_batch_size`, `accumulated_gradient`) are
+    LightRFT's, which its face exposes as they are.
     """
 
-    def __init__(self, seed: int = 42, max_norm: float = 0.0, micro_train_batch_size: int = 1,
-                 train_batch_size: int = 1, bf16: bool | None = None, *, config: EngineConfig | dict | None = None,
-                 fp16: bool = False, accumulation_policy: str = "reduce_scatter_every", adam_offload: bool = False):
+    def __init__(self, seed: int = 42, max_norm: float = 0.0, micro_batch_size: int = 1, global_batch_size: int = 1,
+                 *, config: EngineConfig | dict | None = None, accumulation_policy: str = "reduce_scatter_every",
+                 adam_offload: bool = False):
         self.seed = seed
         self.max_norm = float(max_norm)
-        self.micro_train_batch_size = micro_train_batch_size
-        self.train_batch_size = train_batch_size
+        self.micro_train_batch_size = micro_batch_size
+        self.train_batch_size = global_batch_size
         if accumulation_policy not in ACCUMULATION_POLICIES:
-            raise ConfigError(f"accumulation_policy must be one of {ACCUMULATION_POLICIES}, got {accumulation_policy!r}")
+            raise ConfigError(
+                f"accumulation_policy must be one of {ACCUMULATION_POLICIES}, got {accumulation_policy!r}"
+            )
         self.accumulation_policy = accumulation_policy
-        resolved, configured = engine_config(config)
-        self.config = replace(resolved, mixed_precision=resolve_precision(bf16, fp16, configured))
+        self.config = engine_config(config)[0]
         self.bf16, self.fp16 = self.config.mixed_precision == "bf16", self.config.mixed_precision == "fp16"
         self.adam_offload = adam_offload
         self.scaler = optim.ShardedGradScaler() if self.fp16 else None
@@ -147,7 +132,7 @@ class FSDPStrategy:
         return self.parallel_dims.dp_size
 
     def engine(self, shard_size: int = -1, reshard_after_forward: bool | int | None = None) -> FSDP2Engine:
-        """The engine for the config, or for another shard group size / reshard policy (seed 001's
+        """The engine for the config, or for another shard group size / reshard policy (LightRFT's
         `prepare_model` options); one engine per such pair, built once."""
         self._ensure_setup()
         overrides = {}
@@ -163,15 +148,6 @@ class FSDPStrategy:
         if key not in self.engines:
             self.engines[key] = FSDP2Engine(replace(self.config, **overrides))
         return self.engines[key]
-
-    def init_model_context(self, meta_init: bool = False):
-        """Build the model inside this context; with `meta_init` its parameters are not
-        allocated, and `prepare_model` loads each rank's slice after sharding."""
-        if not meta_init:
-            return contextlib.nullcontext()
-        from .loading import meta_init
-
-        return meta_init()
 
     def prepare_model(self, model: nn.Module, is_training: bool = False, shard_size: int = -1,
                       reshard_after_forward: bool | int | None = None) -> nn.Module:
@@ -234,53 +210,9 @@ class FSDPStrategy:
             warn_rank0(f"{name}: non-finite grad norm ({result.grad_norm}); step skipped on every rank", once=False)
         return result
 
-    # ------------------------------------------------------------------ offload (generation phases)
-
-    def maybe_offload_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        if self.adam_offload:
-            optim.offload_optimizer(optimizer)
-        return optimizer
-
-    def maybe_load_optimizer(self, optimizer: torch.optim.Optimizer, device=None) -> torch.optim.Optimizer:
-        if self.adam_offload:
-            optim.reload_optimizer(optimizer, device)
-        return optimizer
-
-    def offload_model(self, model: nn.Module) -> dict:
-        return optim.offload_model(model)
-
-    def reload_model(self, model: nn.Module, device=None) -> dict:
-        return optim.reload_model(model, device)
-
-    # ------------------------------------------------------------------ checkpoints
-
-    def save_ckpt(self, model, save_dir, tag=None, max_num=3, max_mem=1000, client_state=None, save_latest=True,
-                  optimizer=None, scheduler=None):
-        """Sharded DCP checkpoint with rotation by count and total size (MB); the strategy's own
-        state (step counter, loss scaler) is saved once, as the checkpoint's "strategy" state."""
-        from .checkpoint import save_ckpt
-
-        return save_ckpt(model, save_dir, tag=tag, max_num=max_num, max_mem=max_mem, client_state=client_state,
-                         save_latest=save_latest, optimizer=optimizer, scheduler=scheduler, states={"strategy": self})
-
-    def load_ckpt(self, model, load_dir, optimizer=None, scheduler=None, load_module_strict=True,
-                  load_optimizer_states=True, load_lr_scheduler_states=True):
-        """Returns `(load_dir, client_state)`, as seed 001 does; restores the strategy's own state."""
-        from .checkpoint import load_ckpt
-
-        return load_ckpt(model, load_dir, optimizer=optimizer, scheduler=scheduler, load_module_strict=load_module_strict,
-                         load_optimizer_states=load_optimizer_states,
-                         load_lr_scheduler_states=load_lr_scheduler_states, states={"strategy": self})
-
-    def save_model(self, model, tokenizer, output_dir, **kwargs) -> None:
-        """A plain Hugging Face directory (safetensors, config, tokenizer), gathered without any
-        rank holding more than one tensor at a time."""
-        from .checkpoint import save_model
-
-        save_model(model, tokenizer, output_dir, **kwargs)
-
     def state_dict(self) -> dict:
-        return {"micro_step": self._micro_step, "window": self.accumulated_gradient, "skipped_steps": self.skipped_steps,
+        return {"micro_step": self._micro_step, "window": self.accumulated_gradient,
+                "skipped_steps": self.skipped_steps,
                 "scaler": self.scaler.state_dict() if self.scaler is not None else None}
 
     def load_state_dict(self, state: dict) -> None:
@@ -295,25 +227,3 @@ class FSDPStrategy:
         self.skipped_steps = state["skipped_steps"]
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
-
-    # ------------------------------------------------------------------ small helpers of seed 001
-
-    def is_rank_0(self) -> bool:
-        return get_rank() == 0
-
-    def print(self, *args, **kwargs) -> None:
-        """The training script's own output on rank 0, as seed 001 prints it (fullshard's own
-        messages go through `fullshard.log`)."""
-        if self.is_rank_0():
-            print(*args, **kwargs)
-
-    def all_reduce(self, value: torch.Tensor | float, op: str = "mean") -> torch.Tensor:
-        import torch.distributed as dist
-
-        tensor = torch.as_tensor(value, dtype=torch.float64).clone()
-        if dist.is_initialized() and get_world_size() > 1:
-            dist.all_reduce(tensor, op={"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM,
-                                        "max": dist.ReduceOp.MAX}[op])
-            if op == "mean":
-                tensor /= get_world_size()
-        return tensor

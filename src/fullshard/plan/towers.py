@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 WORDS = ("vision", "audio", "projector", "language")
 
@@ -157,7 +157,9 @@ def freeze_targets(model: nn.Module, spec) -> list[str]:
             raise ConfigError(f"freeze: entries are words {list(WORDS)} or module patterns, got {entry!r}")
         if entry in WORDS:
             roots = towers.of(entry)
-            inner = [] if entry == "projector" else [p for p in towers.projector if any(_is_within(p, r) for r in roots)]
+            inner = (
+                [] if entry == "projector" else [p for p in towers.projector if any(_is_within(p, r) for r in roots)]
+            )
             if not roots:
                 what = "vision tower" if not towers else f"{entry} tower" if entry == "audio" else entry
                 raise ConfigError(f"freeze: {entry!r} names no part of {type(model).__name__} "
@@ -168,8 +170,8 @@ def freeze_targets(model: nn.Module, spec) -> list[str]:
             regex = glob_regex(entry)
             matched = [n for n in names if regex.match(n) or any(regex.match(n[:i]) for i in _dots(n))]
             if not matched:
-                raise ConfigError(f"freeze: {entry!r} is none of the words {list(WORDS)} and, as a pattern, matches no module "
-                                  f"or parameter of {type(model).__name__}")
+                raise ConfigError(f"freeze: {entry!r} is none of the words {list(WORDS)} and, as a pattern, "
+                                  f"matches no module or parameter of {type(model).__name__}")
         frozen += matched
     return list(dict.fromkeys(frozen))
 

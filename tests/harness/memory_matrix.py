@@ -1,6 +1,6 @@
 """The memory estimate against a real step, layout by layout: each cell trains a tiny model one step
 after a warm-up step and measures the peak of live tensor bytes on every rank with torch's
-FSDPMemTracker (`fullshard.train.memory.measured_peak_bytes`), beside `estimate_run`'s figure for
+FSDPMemTracker (`fullshard.plan.memory.measured_peak_bytes`), beside `estimate_run`'s figure for
 the same model, layout, batch and precision (per pipeline stage under pp). `tests/test_memory.py`
 asserts on it, `bench/bench_memory.py` tables it.
 
@@ -45,6 +45,9 @@ CELLS = {
     "pp 2 1F1B": Cell(2, {"pp_size": 2, "pp_schedule": "1F1B", "pp_microbatches": 4}, micro=4),
     "LoRA r 8": Cell(2, lora=True),
     "activation checkpointing": Cell(2, {"activation_checkpointing": True}),
+    "selective checkpointing": Cell(2, {"activation_checkpointing": "selective"}),
+    "every 2nd block checkpointed": Cell(2, {"activation_checkpointing": "every_n", "ac_every": 2}),
+    "activation offload": Cell(2, {"activation_offload": True}),
     "bf16 compute": Cell(2, {"mixed_precision": "bf16"}),
     "config torch_dtype bfloat16": Cell(2, stored_dtype="bfloat16"),
     "config without torch_dtype": Cell(2, stored_dtype="none"),
@@ -65,9 +68,9 @@ def _hf_config(cell: Cell):
 
 def _plan_model(cell: Cell, config):
     """The model as `fullshard plan` builds it: from the config on disk for the stored-dtype cells."""
-    from ..lora import apply_lora
-    from ..train.config import load_config
-    from ..train.preflight import build_meta_model
+    from fullshard.lora import apply_lora
+    from fullshard.train.config import load_config
+    from fullshard.train.preflight import build_meta_model
 
     if cell.stored_dtype is None:
         with torch.device("meta"):
@@ -92,13 +95,13 @@ def measure_cell(name: str) -> dict:
     """On every rank of the group: this rank's measured peak, and the estimate of the stage it holds."""
     import torch.distributed as dist
 
-    from ..lora import apply_lora
-    from ..parallel.cp import context_parallel_batch
-    from ..parallel.pp import pipeline_of
-    from ..strategy import FSDPStrategy
-    from ..train.memory import estimate_run, measured_peak_bytes
-    from ..train.pp_step import pipeline_train_step
-    from ..train.step import train_step
+    from fullshard.faces.lightrft import FSDPStrategy
+    from fullshard.lora import apply_lora
+    from fullshard.parallel.cp import context_parallel_batch
+    from fullshard.parallel.pp import pipeline_of
+    from fullshard.plan.memory import estimate_run, measured_peak_bytes
+    from fullshard.train.pp_step import pipeline_train_step
+    from fullshard.train.step import train_step
 
     cell = CELLS[name]
     config, engine = _hf_config(cell), {"mixed_precision": "fp32", **cell.engine}  # the strategy's default is bf16
@@ -139,7 +142,7 @@ def measure_cell(name: str) -> dict:
 
 
 def _cells(names: list[str]) -> dict:
-    from ..distributed import barrier
+    from fullshard.distributed import barrier
 
     out = {}
     for name in names:
@@ -151,7 +154,7 @@ def _cells(names: list[str]) -> dict:
 def run_cells(names: list[str] | None = None, timeout: float = 900) -> dict[str, list[dict]]:
     """Cell name -> per-stage rows (stage, label, peak: the max over the ranks holding it, estimate),
     each world size's cells in one spawned group."""
-    from .spawn import run_distributed
+    from fullshard.testing.spawn import run_distributed
 
     names = list(CELLS) if names is None else names
     results: dict[str, list[dict]] = {}

@@ -11,11 +11,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..distributed import get_rank, get_world_size
-from ..optim import clip_grad_norm
-from ..towers import find_towers
-from .compare import full_state
-from .vlm_zoo import VLMInputs, build_vlm
+from fullshard.distributed import get_rank, get_world_size
+from fullshard.optim import clip_grad_norm
+from fullshard.plan.towers import find_towers
+from harness.compare import full_state
+from fullshard.testing.vlm_zoo import VLMInputs, build_vlm
 
 # step 0: one rank has an image, the other none; step 1: no rank has one; step 2: accumulation of a
 # micro-batch with images on both ranks and one text-only
@@ -54,7 +54,8 @@ def vlm_against_reference(model_type: str, shard, schedule=SCHEDULE, max_norm: f
     rank, world = get_rank(), get_world_size()
     dp_size = dp_size or world
     reference, model = build_vlm(model_type, config=config), build_vlm(model_type, config=config)
-    inputs = VLMInputs(reference)
+    videos = any(f == "video" for micro in schedule for flags in micro for f in flags)
+    inputs = VLMInputs(reference, video=videos)
     if prepare is not None:
         torch.manual_seed(0)
         reference = prepare(reference)
@@ -66,9 +67,12 @@ def vlm_against_reference(model_type: str, shard, schedule=SCHEDULE, max_norm: f
     model = shard(model)
     frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
     vision = set(_vision_names(reference))
-    ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=lr, weight_decay=0.01, eps=1e-6)
+    ref_opt = torch.optim.AdamW(
+        [p for p in reference.parameters() if p.requires_grad], lr=lr, weight_decay=0.01, eps=1e-6
+    )
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.01, eps=1e-6)
-    out = {"loss": [], "ref_loss": [], "norm": [], "ref_norm": [], "grads": [], "ref_grads": [], "vision": sorted(vision)}
+    out = {"loss": [], "ref_loss": [], "norm": [], "ref_norm": [], "grads": [], "ref_grads": [],
+           "vision": sorted(vision)}
     for step, micro_batches in enumerate(schedule):
         tokens = 0
         for flags in micro_batches:

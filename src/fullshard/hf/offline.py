@@ -17,30 +17,43 @@ from typing import Iterator
 
 import torch
 
+from ..checkpoint import layout
+from ..checkpoint.read import CheckpointReader
 from ..dtypes import dtype_name, resolve_dtype
 from ..errors import CheckpointError
 from ..fsdp import model_class_name
-from . import layout
-from .export import (DEFAULT_SHARD_SIZE, Entry, SafetensorsStream, export_config, export_recipe, finish_directory,
-                     merge_lora, parse_size, plan_files, recipe_view, source_dtype, staging_dir, written_dtype)
-from .read import CheckpointReader
+from .export import (
+    DEFAULT_SHARD_SIZE,
+    Entry,
+    ExportRecipe,
+    SafetensorsStream,
+    export_config,
+    export_recipe,
+    finish_directory,
+    merge_lora,
+    parse_size,
+    plan_files,
+    recipe_view,
+    source_dtype,
+    staging_dir,
+    written_dtype,
+)
+from .lora import ADAPTER_WEIGHTS, is_peft_model, merge_recipe
 
 
 def model_meta(model: torch.nn.Module, shapes: dict) -> dict:
     """What an offline export needs to know of the model: class, source dtype and the export recipe
     (`shapes`: every state key of the whole model -> its shape)."""
-    from ..lora import is_peft_model, merge_recipe  # lora imports checkpoint.export: not at import time
-
     base = model.get_base_model() if is_peft_model(model) else model
     try:
-        recipe = merge_recipe(model, shapes) if base is not model else export_recipe(model, shapes)
+        recipe = (merge_recipe(model, shapes) if base is not model else export_recipe(model, shapes)).to_json()
     except CheckpointError as err:  # training goes on; only the export is refused, by name
         recipe = {"refused": str(err)}
     return {"format": layout.FORMAT_VERSION, "class_name": model_class_name(base),
             "dtype": dtype_name(source_dtype(base)), "export": recipe}
 
 
-def _recipe(checkpoint: Path, meta: dict) -> dict:
+def _recipe(checkpoint: Path, meta: dict) -> ExportRecipe:
     recipe = meta.get("export")
     if not isinstance(recipe, dict):
         raise CheckpointError(f"{checkpoint / layout.MODEL_META} has no export recipe: the checkpoint was written by "
@@ -50,7 +63,7 @@ def _recipe(checkpoint: Path, meta: dict) -> dict:
     if not (checkpoint / layout.CONFIG).is_file():
         raise CheckpointError(f"{checkpoint / layout.CONFIG} is missing: the checkpoint was saved from a model "
                               "without a Hugging Face config, so there is nothing to export it as")
-    return recipe
+    return ExportRecipe.from_json(recipe)
 
 
 def _read(reader: CheckpointReader, keys: list[str]) -> dict[str, torch.Tensor]:
@@ -59,15 +72,17 @@ def _read(reader: CheckpointReader, keys: list[str]) -> dict[str, torch.Tensor]:
     for key in keys:
         item = reader.metadata.state_dict_metadata.get(f"model.{key}")
         if item is None or not hasattr(item, "size"):
-            raise CheckpointError(f"{reader.checkpoint}: tensor {key!r} is in the export recipe but not in the DCP index")
+            raise CheckpointError(
+                f"{reader.checkpoint}: tensor {key!r} is in the export recipe but not in the DCP index"
+            )
         state[f"model.{key}"] = torch.empty(tuple(item.size), dtype=item.properties.dtype)
     reader.read(state)
     return {key: state[f"model.{key}"] for key in keys}
 
 
-def _state_tensor(reader: CheckpointReader, recipe: dict, name: str) -> torch.Tensor:
+def _state_tensor(reader: CheckpointReader, recipe: ExportRecipe, name: str) -> torch.Tensor:
     """The whole state tensor the Hub tensor `name` comes from, its LoRA terms merged in."""
-    key, merge = recipe["names"][name], recipe["merges"].get(name)
+    key, merge = recipe.names[name], recipe.merges.get(name)
     if merge is None:
         return _read(reader, [key])[key]
     terms = merge["terms"]
@@ -75,11 +90,12 @@ def _state_tensor(reader: CheckpointReader, recipe: dict, name: str) -> torch.Te
     return merge_lora(read[key], [(read.get(a), read[b], s) for a, b, s in terms], merge["fan_in_fan_out"])
 
 
-def _hub_tensors(reader: CheckpointReader, recipe: dict, out_dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def _hub_tensors(reader: CheckpointReader, recipe: ExportRecipe, out_dtype: torch.dtype
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Every Hub tensor of the recipe, in its order, cast to `out_dtype` (`written_dtype`); a
     state tensor split into several (a fused MoE tensor, one per expert) is read once for all of them."""
     held: tuple[str | None, torch.Tensor | None] = (None, None)
-    for name in recipe["names"]:
+    for name in recipe.names:
         view = recipe_view(recipe, name)
         if held[0] != view.source:
             held = (None, None)  # the previous state tensor goes before the next is read
@@ -102,13 +118,11 @@ def checkpoint_hf_weights(path: str | os.PathLike, *, dtype: torch.dtype | str |
     yield from _hub_tensors(CheckpointReader(checkpoint), recipe, out_dtype)
 
 
-def _write_adapter(reader: CheckpointReader, recipe: dict, staging: Path) -> None:
+def _write_adapter(reader: CheckpointReader, recipe: ExportRecipe, staging: Path) -> None:
     """The PEFT adapter beside the merged model (`adapter/`), as `save_adapter` writes it."""
     from safetensors.torch import save_file
 
-    from ..lora import ADAPTER_WEIGHTS
-
-    files = recipe["adapter"]["files"]
+    files = recipe.adapter["files"]
     read = _read(reader, list(files.values()))
     target = staging / layout.ADAPTER_DIR
     shutil.copytree(reader.checkpoint / layout.ADAPTER_DIR, target)
@@ -132,10 +146,12 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, output_dir: str | os.Pa
     out_dtype = resolve_dtype(dtype) or resolve_dtype(meta["dtype"])
     index = reader.metadata.state_dict_metadata
     entries = []
-    for name, key in recipe["names"].items():
+    for name, key in recipe.names.items():
         item = index.get(f"model.{key}")
         if item is None or not hasattr(item, "size"):
-            raise CheckpointError(f"{checkpoint}: tensor {key!r} is listed in {layout.MODEL_META} but not in the DCP index")
+            raise CheckpointError(
+                f"{checkpoint}: tensor {key!r} is listed in {layout.MODEL_META} but not in the DCP index"
+            )
         view = recipe_view(recipe, name).view
         written = written_dtype(recipe, name, item.properties.dtype, out_dtype)
         entries.append(Entry(name, tuple(view[0] if view else item.size), written))
@@ -151,7 +167,7 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, output_dir: str | os.Pa
                 name, tensor = next(tensors)
                 stream.write(name, tensor)
             stream.close()
-        if recipe.get("adapter"):
+        if recipe.adapter:
             _write_adapter(reader, recipe, staging)
         if (checkpoint / layout.TOKENIZER_DIR).is_dir():
             for item in (checkpoint / layout.TOKENIZER_DIR).iterdir():

@@ -1,0 +1,117 @@
+"""Preference records (a prompt, a chosen and a rejected completion) to one packed document per pair.
+
+The formats TRL's preference datasets use: conversational with an explicit prompt (`prompt`,
+`chosen`, `rejected` as lists of turns), conversational with an implicit prompt (`chosen` and
+`rejected` whole conversations, their shared leading turns being the prompt, TRL's
+`extract_prompt`), and plain text (`prompt`, `chosen`, `rejected` strings; EOS appended to each
+completion unless it ends with it). The completion is what the prompt-plus-completion adds after the
+prompt (rendered with its generation prompt for conversations), TRL's rule: the tokens after the
+common prefix of the tokenized prompt and prompt-plus-completion. Labels are on the completion only.
+
+A pair becomes one document, chosen then rejected, with a per-token `pair_role` column (1 chosen,
+2 rejected, 0 padding) at which the packer restarts positions (`pack.SPLIT_COLUMN`): so a pair is
+never split between rows or micro-batches, and packing keeps whole pairs together.
+"""
+
+from __future__ import annotations
+
+from .chat import RecordError, _turn, as_tools, chat_template_of
+
+ROLE = "pair_role"
+CHOSEN, REJECTED = 1, 2
+
+
+def common_prefix_length(a: list, b: list) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _turns(row: int, value, what: str) -> list[dict]:
+    if not isinstance(value, list) or not value:
+        raise RecordError(row, f"has a {what} that is not a non-empty list of turns")
+    return [_turn(row, t) for t in value]
+
+
+def split_prompt(row: int, prompt, chosen, rejected):
+    """(prompt, chosen, rejected) with an implicit prompt made explicit: the longest common leading
+    turns of two conversations (TRL's `extract_prompt`)."""
+    if prompt is not None or isinstance(chosen, str):
+        return prompt, chosen, rejected
+    if not isinstance(chosen, list) or not isinstance(rejected, list):
+        raise RecordError(row, "has no prompt and chosen / rejected that are not conversations")
+    shared = common_prefix_length(chosen, rejected)
+    return chosen[:shared], chosen[shared:], rejected[shared:]
+
+
+class PreferenceTokenize:
+    """A picklable batch function: each record's pair as one document (chosen then rejected),
+    labels on the completions, `pair_role` marking each token's sequence. A pair longer than
+    `seq_len` is dropped (and counted)."""
+
+    columns = (ROLE,)
+
+    def __init__(self, tokenizer, section):
+        self.tokenizer, self.seq_len = tokenizer, section.seq_len
+        self.fields = (section.prompt_field, "chosen", "rejected")
+        self.tools_field = section.tools_field
+        self.template = section.chat_template
+
+    def __call__(self, batch: dict, indices: list[int]) -> dict:
+        out = {"input_ids": [], "labels": [], ROLE: [], "truncated": []}
+        prompt_field = self.fields[0]
+        for k, row in enumerate(indices):
+            prompt = batch[prompt_field][k] if prompt_field in batch else None
+            tools = as_tools(row, batch[self.tools_field][k]) if self.tools_field in batch else None
+            ids, labels, roles = self.pair(row, prompt, batch["chosen"][k], batch["rejected"][k], tools)
+            if len(ids) > self.seq_len:
+                ids, labels, roles = [], [], []
+            out["input_ids"].append(ids)
+            out["labels"].append(labels)
+            out[ROLE].append(roles)
+            out["truncated"].append(False)
+        return out
+
+    def pair(self, row: int, prompt, chosen, rejected, tools=None) -> tuple[list, list, list]:
+        for name, value in (("chosen", chosen), ("rejected", rejected)):
+            if value is None or (isinstance(value, (str, list)) and not value):
+                raise RecordError(row, f"has no {name} completion")
+        prompt, chosen, rejected = split_prompt(row, prompt, chosen, rejected)
+        if not chosen or not rejected:
+            raise RecordError(row, "has a chosen or rejected completion that is empty after its prompt")
+        prompt_ids, chosen_ids = self.encode(row, prompt, chosen, tools)
+        _, rejected_ids = self.encode(row, prompt, rejected, tools)
+        keep = min(common_prefix_length(prompt_ids, chosen_ids), common_prefix_length(prompt_ids, rejected_ids))
+        ids, labels, roles = [], [], []
+        for role, full in ((CHOSEN, chosen_ids), (REJECTED, rejected_ids)):
+            if len(full) <= keep:
+                raise RecordError(row, "has a completion that adds no tokens after its prompt")
+            ids += full
+            labels += [-100] * keep + full[keep:]
+            roles += [role] * len(full)
+        return ids, labels, roles
+
+    def encode(self, row: int, prompt, completion, tools) -> tuple[list[int], list[int]]:
+        """Token ids of the prompt alone and of prompt plus completion, as TRL tokenizes them."""
+        tok = self.tokenizer
+        if isinstance(completion, str):
+            if not isinstance(prompt, str):
+                raise RecordError(row, "has a text completion without a text prompt")
+            eos = tok.eos_token
+            completion = completion if completion.endswith(eos) else completion + eos
+            return tok(prompt)["input_ids"], tok(prompt + completion)["input_ids"]
+        if isinstance(prompt, str):
+            prompt = [{"role": "user", "content": prompt}]
+        prompt, completion = _turns(row, prompt, "prompt"), _turns(row, completion, "completion")
+        template = chat_template_of(tok, self.template)
+        try:
+            alone = tok.apply_chat_template(prompt, tools=tools, chat_template=template, tokenize=True,
+                                            add_generation_prompt=True, return_dict=True)["input_ids"]
+            whole = tok.apply_chat_template(prompt + completion, tools=tools, chat_template=template, tokenize=True,
+                                            return_dict=True)["input_ids"]
+        except Exception as err:  # noqa: BLE001 - a template error names the record
+            raise RecordError(row, f"does not render with the chat template: {type(err).__name__}: {err}") from None
+        return list(alone), list(whole)

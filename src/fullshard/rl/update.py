@@ -1,0 +1,153 @@
+"""One policy update from fixed rollouts: token-budget micro-batches, global aggregation, one step.
+
+The rollouts are this rank's completed sequences with everything the loss needs (advantages, the
+old policy's and the reference's log-probs). The update splits them into micro-batches of at most
+`max_tokens` tokens (`token_batches`, every data-parallel rank running as many), takes each one's
+log-probs through the head in chunks (`token_logprobs`), normalises its loss by the mini-batch's
+global counts (`global_counts`) and backpropagates it; the gradients of all micro-batches on all
+ranks add up to the one-process gradient of the whole mini-batch, so the step (clipped by the
+global norm) does not depend on `max_tokens` or the world size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..objectives.logprobs import token_logprobs
+from ..optim import clip_and_step
+from .batches import token_batches
+from .counts import global_counts
+from .losses import aggregate, kl_penalty, policy_loss
+
+
+@dataclass
+class Rollouts:
+    """This rank's sequences, right-padded: `input_ids` / `attention_mask` `[n, T]`; the rest over
+    the `T - 1` next-token positions (entry t scores token t + 1, as `token_logprobs` returns):
+    `response_mask` (1 on completion tokens), `advantages` (`[n]` per sequence or `[n, T - 1]`),
+    `old_logprobs` (None: on-policy, the current log-probs detached), `ref_logprobs` (None: no
+    KL term). `model_inputs`: further per-row model inputs (sliced along with the rows)."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    response_mask: torch.Tensor
+    advantages: torch.Tensor
+    old_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+    model_inputs: dict = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def lengths(self) -> list[int]:
+        return self.attention_mask.sum(dim=-1).tolist()
+
+    def rows(self, index: list[int]) -> "Rollouts":
+        """The rows `index`, trimmed to the longest of them."""
+        width = int(self.attention_mask[index].sum(dim=-1).max())
+        pick = torch.tensor(index, dtype=torch.long, device=self.input_ids.device)
+
+        def cut(t, columns):
+            if t is None:
+                return None
+            t = t[pick.to(t.device)]
+            return t[:, :columns] if t.dim() > 1 else t
+
+        return Rollouts(cut(self.input_ids, width), cut(self.attention_mask, width),
+                        cut(self.response_mask, width - 1), cut(self.advantages, width - 1),
+                        cut(self.old_logprobs, width - 1), cut(self.ref_logprobs, width - 1),
+                        {k: v[pick.to(v.device)] for k, v in self.model_inputs.items()})
+
+
+@dataclass
+class UpdateConfig:
+    """The loss and the micro-batching of an update; the names of `policy_loss`'s arguments, plus
+    the KL term (`kl_coef` times `kl_kind`'s estimate, aggregated as the policy loss), an entropy
+    bonus (`entropy_coef`), the sampling `temperature` the log-probs are taken at, and the
+    global-norm clip (`max_norm`, 0: none)."""
+
+    loss_type: str = "ppo"
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: float | None = 3.0
+    agg: str = "token-mean"
+    loss_scale_factor: float | None = None
+    kl_coef: float = 0.0
+    kl_kind: str = "k3"
+    entropy_coef: float = 0.0
+    temperature: float = 1.0
+    max_tokens: int = 4096
+    chunk_tokens: int = 1024
+    max_norm: float = 1.0
+
+
+STAT_NAMES = ("approx_kl", "clip_fraction", "clip_fraction_lower", "clip_ratio/low_mean",
+              "clip_ratio/high_mean")
+SUMMED = ("loss", "pg_loss", "kl", "entropy") + STAT_NAMES
+
+
+def micro_batch_loss(model, batch: Rollouts, config: UpdateConfig, counts, dp_size: int):
+    """The globally normalised loss of one micro-batch and its terms' sums (weighted to add up,
+    over micro-batches and ranks, to the mini-batch's means)."""
+    logprobs, entropy = token_logprobs(
+        model, batch.input_ids, attention_mask=batch.attention_mask, temperature=config.temperature,
+        chunk_tokens=config.chunk_tokens, return_entropy=True, **batch.model_inputs)
+    mask = batch.response_mask.to(logprobs.dtype)
+    advantages = batch.advantages.to(logprobs)
+    advantages = advantages[:, None].expand_as(logprobs) if advantages.dim() == 1 else advantages
+    old = logprobs.detach() if batch.old_logprobs is None else batch.old_logprobs.to(logprobs)
+    scale = dict(global_tokens=counts.tokens, global_sequences=counts.sequences, dp_size=dp_size,
+                 loss_scale_factor=config.loss_scale_factor)
+    pg, stats = policy_loss(logprobs, old, advantages, mask, loss_type=config.loss_type,
+                            clip_ratio_low=config.clip_ratio_low, clip_ratio_high=config.clip_ratio_high,
+                            clip_ratio_c=config.clip_ratio_c, agg=config.agg, **scale)
+    loss, terms = pg, {"pg_loss": pg.detach()}
+    if batch.ref_logprobs is not None:
+        kl = aggregate(kl_penalty(logprobs, batch.ref_logprobs.to(logprobs), config.kl_kind), mask,
+                       config.agg, **scale)
+        loss = loss + config.kl_coef * kl if config.kl_coef else loss
+        terms["kl"] = kl.detach()
+    entropy_term = aggregate(entropy, mask, config.agg, **scale)
+    if config.entropy_coef:
+        loss = loss - config.entropy_coef * entropy_term
+    terms["entropy"] = entropy_term.detach()
+    tokens = mask.sum()  # each masked-mean statistic weighted by its share of the tokens
+    terms.update({name: stats[name] * tokens / max(counts.tokens, 1) * dp_size for name in STAT_NAMES})
+    terms["loss"] = loss.detach()
+    return loss, terms
+
+
+def _stand_in(model, like: Rollouts) -> torch.Tensor:
+    """A forward whose loss is 0 for a rank with fewer sequences than micro-batches: FSDP's
+    collectives need every rank to run each one."""
+    ids = like.input_ids[:1, :2]
+    logprobs = token_logprobs(model, ids, attention_mask=torch.ones_like(ids))
+    return logprobs.sum() * 0.0
+
+
+def policy_update(model, optimizer, rollouts: Rollouts, config: UpdateConfig, *, dp_size: int = 1,
+                  group=None, repeats: int = 1, scheduler=None) -> dict[str, float]:
+    """One optimizer step on this rank's `rollouts` (a collective over `group`, default every
+    rank). `dp_size`: the ranks FSDP averages gradients over (dp x cp); `repeats`: ranks holding
+    the same rollouts (tensor-parallel ranks of one data rank). Returns the mini-batch's `loss`,
+    `pg_loss`, `kl`, `entropy` and statistics (global, as one process over all rollouts would
+    compute them), `grad_norm`, `micro_batches`, `skipped`."""
+    batches = token_batches(rollouts.lengths(), config.max_tokens, padded=True, group=group)
+    counts = global_counts([rollouts.response_mask], group=group, repeats=repeats)
+    sums = torch.zeros(len(SUMMED), dtype=torch.float64)
+    for index in batches:
+        if not index:
+            _stand_in(model, rollouts).backward()
+            continue
+        loss, terms = micro_batch_loss(model, rollouts.rows(index), config, counts, dp_size)
+        loss.backward()
+        sums += torch.stack([terms.get(name, torch.zeros(())).double().cpu() for name in SUMMED])
+    device = next(model.parameters()).device
+    result = clip_and_step(optimizer, config.max_norm, scheduler, values=sums.to(device))
+    totals = (result.sums.cpu() if result.sums is not None else sums) / (dp_size * repeats)
+    out = {name: float(value) for name, value in zip(SUMMED, totals)}
+    out.update(grad_norm=float(result.grad_norm), micro_batches=len(batches),
+               skipped=bool(result.skipped))
+    return out

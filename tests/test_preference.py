@@ -1,0 +1,205 @@
+"""Preference training (`train.objective=dpo`) against TRL's `DPOTrainer`, and across layouts.
+
+TRL runs in this process: fp32, the records in file order (a sequential sampler), constant learning
+rate, no weight decay, AdamW (0.9, 0.999) non-fused, clipping 1.0, no gradient checkpointing, its
+raw loss of each step read from `compute_loss` (its log rounds to 4 digits). fullshard runs `fullshard.train.train` at world 2 in one spawned group, for
+sigmoid, ipo and hinge (one pair per row); sigmoid packed (whole pairs per row), with the
+reference offloaded to the host, with it precomputed, and at tp 2, against the plain run; and under LoRA the
+adapter-disabled reference against a frozen base copy (`reference=model`, the same weights).
+"""
+
+import json
+import random
+
+import pytest
+import torch
+
+from fullshard.testing import run_distributed
+
+PAIRS, STEPS, BATCH = 12, 3, 4
+TOL = 1e-5
+
+
+def write_pairs(path, n=PAIRS, seed=0):
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(n):
+            a, b = rng.randint(0, 9), rng.randint(0, 9)
+            f.write(json.dumps({"prompt": f"{a}+{b}=", "chosen": str(a + b),
+                                "rejected": "x" * rng.randint(4, 6)}) + "\n")
+
+
+def write_base(directory):
+    """A tiny Llama with the built-in byte tokenizer, as a Hub-layout directory."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fullshard.data.builtin import byte_tokenizer
+
+    tokenizer = byte_tokenizer()
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
+    LlamaForCausalLM(config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+
+
+def trl_losses(base, data, out, loss_type: str) -> list[float]:
+    from datasets import load_dataset
+    from torch.utils.data import SequentialSampler
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+
+    class InOrder(DPOTrainer):
+        losses: list
+
+        def _get_train_sampler(self, *args, **kwargs):
+            return SequentialSampler(self.train_dataset)
+
+        def compute_loss(self, *args, **kwargs):
+            loss = super().compute_loss(*args, **kwargs)
+            self.losses.append(float((loss[0] if isinstance(loss, tuple) else loss).detach()))
+            return loss
+
+    args = DPOConfig(output_dir=str(out), per_device_train_batch_size=BATCH, max_steps=STEPS, learning_rate=1e-3,
+                     lr_scheduler_type="constant", weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999,
+                     adam_epsilon=1e-8, max_grad_norm=1.0, optim="adamw_torch", bf16=False, fp16=False,
+                     gradient_checkpointing=False, loss_type=[loss_type], beta=0.1, report_to=[], use_cpu=True,
+                     logging_steps=1, save_strategy="no", seed=42, max_length=None, dataloader_drop_last=True)
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    trainer = InOrder(model=model, args=args, train_dataset=load_dataset("json", data_files=str(data))["train"],
+                      processing_class=AutoTokenizer.from_pretrained(str(base)))
+    trainer.losses = []
+    trainer.train()
+    return trainer.losses
+
+
+def _fullshard_runs(root: str) -> dict:
+    from fullshard.train import load_config, train
+
+    def run(name, *extra, summary=False):
+        config = load_config(None, [
+            f"--model.name_or_path={root}/base", f"--data.path={root}/pairs.jsonl", "--data.format=preference",
+            "--train.objective=dpo", "--data.seq_len=48", f"--train.steps={STEPS}", "--train.micro_batch_size=1",
+            f"--train.global_batch_size={BATCH}", f"--train.output_dir={root}/{name}", "--checkpoint.export=false",
+            "--train.plot=false", f"--data.cache_dir={root}/cache", "--data.shuffle=false", "--data.eval_fraction=0",
+            "--optim.lr=1e-3", "--optim.schedule=constant", "--optim.warmup_steps=0", "--optim.weight_decay=0",
+            "--optim.eps=1e-8", "--optim.betas=[0.9,0.999]", "--train.max_norm=1.0", "--train.loss_chunk_tokens=16",
+            "--data.packing=false",
+            *extra])
+        result = train(config)
+        return result if summary else [loss for _, loss in sorted(result["losses"].items())]
+
+    out = {loss: run(loss, f"--preference.loss_type={loss}") for loss in ("sigmoid", "ipo", "hinge")}
+    # packed: two whole pairs per row, two rows per step: the same pairs per step as one per row
+    out["packed"] = run("packed", "--data.packing=true", "--data.seq_len=40", f"--train.global_batch_size={BATCH // 2}")
+    out["offloaded_reference"] = run("offloaded", "--preference.offload_reference=true")
+    out["precompute"] = run("precompute", "--preference.reference=precompute")
+    out["tp2"] = run("tp2", "--fsdp.tp_size=2")  # dp 1: each step's four pairs one after another
+    # learning: held-out pairs' implicit rewards rank chosen above rejected
+    learned = run("learn", f"--data.path={root}/learn.jsonl", "--data.eval_fraction=0.25", "--train.steps=12",
+                  "--optim.lr=3e-3", "--train.global_batch_size=8", "--data.packing=true", summary=True)
+    out["learn"] = {k: v for k, v in learned.items() if k.startswith("eval_")}
+    lora = ("--lora.r=4", "--lora.target_modules=[q_proj,v_proj]", "--lora.save_adapter=false")
+    out["lora_adapter"] = run("lora_adapter", *lora, "--preference.reference=adapter")
+    out["lora_model"] = run("lora_model", *lora, "--preference.reference=model")
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("preference")
+    write_base(root / "base")
+    write_pairs(root / "pairs.jsonl")
+    write_pairs(root / "learn.jsonl", n=128, seed=1)
+    ours = run_distributed(_fullshard_runs, 2, str(root))[0]
+    theirs = {loss: trl_losses(root / "base", root / "pairs.jsonl", root / f"trl-{loss}", loss)
+              for loss in ("sigmoid", "ipo", "hinge")}
+    return ours, theirs
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "hinge"])
+def test_dpo_world_2_matches_trl_step_by_step(runs, loss_type):
+    ours, theirs = runs
+    assert len(theirs[loss_type]) == STEPS
+    diffs = [abs(a - b) for a, b in zip(ours[loss_type], theirs[loss_type])]
+    assert max(diffs) <= TOL, (ours[loss_type], theirs[loss_type])
+    assert ours[loss_type][-1] != ours[loss_type][0]  # it trained
+
+
+@pytest.mark.parametrize("layout", ["packed", "offloaded_reference", "precompute", "tp2"])
+def test_layouts_and_reference_placement_equal_the_plain_run(runs, layout):
+    ours, _ = runs
+    assert max(abs(a - b) for a, b in zip(ours[layout], ours["sigmoid"])) <= TOL, (ours[layout], ours["sigmoid"])
+
+
+def test_dpo_learns_held_out_preferences(runs):
+    ours, _ = runs
+    assert ours["learn"]["eval_rewards/accuracies"] >= 0.9, ours["learn"]
+
+
+def test_lora_adapter_reference_equals_a_frozen_base_copy(runs):
+    ours, _ = runs
+    assert max(abs(a - b) for a, b in zip(ours["lora_adapter"], ours["lora_model"])) <= TOL
+    assert abs(ours["lora_adapter"][0] - 0.6931472) <= TOL  # step 1: policy = reference, loss log 2
+
+
+# ---------------------------------------------------------------------------------------------- data, refusals
+
+TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def _tokenize(records: list[dict], **section):
+    from types import SimpleNamespace
+
+    from fullshard.data.builtin import byte_tokenizer
+    from fullshard.data.preference import PreferenceTokenize
+
+    defaults = dict(seq_len=512, prompt_field="prompt", tools_field="tools", chat_template=TEMPLATE)
+    tokenize = PreferenceTokenize(byte_tokenizer(), SimpleNamespace(**{**defaults, **section}))
+    batch = {k: [r.get(k) for r in records] for k in ("prompt", "chosen", "rejected")}
+    return tokenize(batch, list(range(len(records)))), byte_tokenizer()
+
+
+def test_preference_formats_label_only_the_completions():
+    user, good, bad = ({"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"},
+                       {"role": "assistant", "content": "5"})
+    out, tok = _tokenize([{"prompt": [user], "chosen": [good], "rejected": [bad]},
+                          {"chosen": [user, good], "rejected": [user, bad]},  # implicit prompt
+                          {"prompt": "2+2=", "chosen": "4", "rejected": "5"}])
+    assert out["input_ids"][0] == out["input_ids"][1]  # the shared leading turns are the prompt
+    for ids, labels, roles in zip(out["input_ids"], out["labels"], out["pair_role"]):
+        trained = [tok.decode([t]) for t, label in zip(ids, labels) if label != -100]
+        assert set(roles) == {1, 2} and roles.index(2) > 0  # chosen, then rejected
+        assert "".join(trained).replace("<|endoftext|>", "").replace("\n", "") in ("45", "45")
+    assert out["input_ids"][2][-1] == tok.eos_token_id  # plain text: EOS after each completion
+
+
+def test_bad_preference_records_name_file_and_line(tmp_path):
+    from fullshard.data.prepare import prepare
+    from fullshard.data.builtin import byte_tokenizer
+    from fullshard.train import ConfigError, load_config
+
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(json.dumps({"prompt": "a", "chosen": "b", "rejected": "c"}) + "\n"
+                    + json.dumps({"prompt": "a", "chosen": "b", "rejected": ""}) + "\n")
+    section = load_config(None, ["--data.format=preference", "--train.objective=dpo", f"--data.path={path}"]).data
+    with pytest.raises(ConfigError, match=r"pairs\.jsonl.*2.*no rejected completion"):
+        prepare(section, byte_tokenizer(), str(path), tmp_path / "cache")
+    assert not list((tmp_path / "cache").glob("*tmp*"))  # nothing left behind
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["--train.objective=dpo"], "set data.format=preference"),
+    (["--data.format=preference"], "not sft"),
+    (["--train.objective=dpo", "--data.format=preference", "--preference.loss_type=simpo",
+      "--preference.reference=model"], "reference-free"),
+    (["--train.objective=dpo", "--data.format=preference", "--preference.reference=adapter"], "lora.r is unset"),
+    (["--train.objective=dpo", "--data.format=preference", "--fsdp.pp_size=2"], "fsdp.pp_size is not supported"),
+])
+def test_combinations_that_do_not_fit_are_one_line(overrides, message):
+    from fullshard.train import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
