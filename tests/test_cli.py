@@ -384,6 +384,21 @@ def test_remote_code_is_refused_by_name_unless_allowed(tmp_path, capsys):
     assert marker.read_text() == "executed"
 
 
+def test_a_classification_checkpoint_is_refused_for_sft_before_launch(tmp_path, monkeypatch, capsys):
+    """A reward model's checkpoint (score head) for SFT: one line before launch, naming the objective
+    that trains it (before: every pre-launch check passed and the ranks failed on the shapes)."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=257,
+                num_labels=1, architectures=["LlamaForSequenceClassification"]).save_pretrained(tmp_path / "rm")
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", f"--model.name_or_path={tmp_path / 'rm'}", "--nproc=2", "--train.output_dir=out"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fullshard: error: model.name_or_path=") and err.count("\n") == 1, err
+    assert "LlamaForSequenceClassification checkpoint" in err and "train.objective=reward" in err, err
+    assert not (tmp_path / "out").exists()
+
+
 HUB_SCRIPT = """
 from fullshard.cli import main
 tiny = ["--data.seq_len=32", "--train.steps=1", "--train.micro_batch_size=2", "--train.global_batch_size=2",

@@ -29,6 +29,7 @@ def check_before_launch(config: TrainConfig, world_size: int):
     _check_resume(config.checkpoint.resume)
     _check_data(config)
     model = use_attention(build_meta_model(config), config.model.attn_implementation)
+    _check_head(config, model)
     if config.fsdp.cp_size == 1:  # under cp the all-to-all attention replaces it
         attention_path(model, config.data.packing)
     if config.lora.enabled:
@@ -46,6 +47,20 @@ def check_before_launch(config: TrainConfig, world_size: int):
     _check_parallel(model, config.fsdp)
     _check_init_from(config, model)
     return model
+
+
+HEADS_WITHOUT_TOKENS = ("ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering")
+
+
+def _check_head(config: TrainConfig, model) -> None:
+    """The next-token objectives need a language-model head: a classification checkpoint (a reward
+    model's `score` head) would fail inside the ranks on mismatched batch and target shapes."""
+    kind = type(model).__name__
+    if config.train.objective in ("sft", "dpo") and kind.endswith(HEADS_WITHOUT_TOKENS):
+        raise ConfigError(f"model.name_or_path={config.model.name_or_path!r} is a {kind} checkpoint (a score head, "
+                          f"no language-model head), which train.objective={config.train.objective} cannot train: "
+                          "it trains with the reward objective (train.objective=reward); for "
+                          f"{config.train.objective} use a causal-LM checkpoint (architectures: *ForCausalLM)")
 
 
 def _check_init_from(config: TrainConfig, model) -> None:
