@@ -81,3 +81,25 @@ def test_an_unknown_mode_is_one_line():
     assert "selective" in str(err.value)
     with pytest.raises(ConfigError, match="ac_every"):
         load_config(None, ["--fsdp.ac_every=0"])
+
+
+def test_the_plan_counts_offloaded_activations_on_the_host():
+    """On a GPU the offloaded layers' saved tensors leave the device for the host; on a CPU nothing moves."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fullshard.plan.memory import estimate_run
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=16,
+                                             num_attention_heads=16, vocab_size=32000))
+    runs = {(mode, offload, device): estimate_run(model, {"activation_checkpointing": mode,
+                                                          "activation_offload": offload}, 8, 4, 4096,
+                                                  device_type=device).stages[0].estimate
+            for mode in ("none", "full") for offload in (False, True) for device in ("cuda", "cpu")}
+    for mode in ("none", "full"):
+        plain, offloaded = runs[(mode, False, "cuda")], runs[(mode, True, "cuda")]
+        assert offloaded.host_activations > 0 and offloaded.total < plain.total, mode
+        assert plain.activations - offloaded.activations < offloaded.host_activations
+        assert runs[(mode, True, "cpu")].total == runs[(mode, False, "cpu")].total
+    assert runs[("none", True, "cuda")].host_activations > 10 * runs[("full", True, "cuda")].host_activations
