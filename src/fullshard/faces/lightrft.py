@@ -90,6 +90,29 @@ class FSDPStrategy(TrainingSession):
     def reload_model(self, model: nn.Module, device=None) -> dict:
         return optim.reload_model(model, device)
 
+    # ------------------------------------------------------------------ RL phases (fullshard.rl)
+
+    def offload_states(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
+        """Parameters, gradients and optimizer state to the host while another phase (a colocated
+        rollout engine) needs the device; the bytes moved (`fullshard.rl.offload`)."""
+        from ..rl.phases import offload
+
+        return offload(model, optimizer)
+
+    def reload_states(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
+        """Back to the device after `offload_states`; the next step is the one without them."""
+        from ..rl.phases import onload
+
+        return onload(model, optimizer)
+
+    def compute_logprobs(self, model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                         **kwargs) -> torch.Tensor:
+        """Per-token log-probs without gradients (old policy, reference) in token-budget
+        micro-batches (`fullshard.rl.sequence_logprobs`)."""
+        from ..rl.phases import sequence_logprobs
+
+        return sequence_logprobs(model, input_ids, attention_mask, **kwargs)
+
     # ------------------------------------------------------------------ checkpoints
 
     def save_ckpt(self, model, save_dir, tag=None, max_num=3, max_mem=1000, client_state=None, save_latest=True,
