@@ -77,6 +77,7 @@ class Preference(Objective):
     """The preference section's loss over the pairs of each micro-batch."""
 
     name = "dpo"
+    unit = "pairs"
     metrics = METRICS
 
     def __init__(self, section, reference, chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS):

@@ -395,6 +395,7 @@ class Trainer:
             if done % config.train.log_every == 0 or done == run.end or done == 1:  # the loss it starts from
                 logger.log({"kind": "train", "step": done, "loss": out.loss, "lr": scheduler.get_last_lr()[0],
                             "grad_norm": out.result.grad_norm, "skipped": out.result.skipped, "tokens": out.tokens,
+                            **({run.objective.unit: out.units} if run.objective.unit != "tokens" else {}),
                             "batch": hashes[step], **out.metrics, **throughput.tick(),
                             "peak_mem_gb": peak_memory_gb()}, show=TRAIN_SHOWN + tuple(out.metrics)[2:4])
             if config.train.eval_every and done % config.train.eval_every == 0 and done < config.train.steps:
