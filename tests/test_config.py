@@ -78,6 +78,46 @@ def test_mesh_sizes_against_the_world_name_the_keys():
         config.accumulation_steps(2)
 
 
+def test_parallel_section_and_the_old_fsdp_keys(tmp_path, monkeypatch):
+    """The mesh is the parallel section; `fsdp.<key>` (YAML or override) is read as `parallel.<key>`,
+    said in one line once, named as written in messages; the same key twice with two values is refused."""
+    import fullshard.log
+    from fullshard.launch import LAUNCHED_ENV
+    from fullshard.train.config import MESH_KEYS, ParallelSection, say_renamed_keys
+
+    said = []
+    monkeypatch.setattr(fullshard.log, "warn_rank0", said.append)
+    new = load_config(None, ["--parallel.tp_size=2", "--parallel.pp_size=2", "--parallel.pp_schedule=GPipe"])
+    assert (new.parallel.tp_size, new.parallel.pp_size, new.parallel.pp_schedule) == (2, 2, "GPipe")
+    engine = new.engine_config()
+    assert (engine.tp_size, engine.pp_size, engine.pp_schedule) == (2, 2, "GPipe") and said == []
+    assert set(MESH_KEYS) == {f.name for f in dataclasses.fields(ParallelSection)} >= {"dp_shard", "ep_size"}
+    old = config_from_yaml(tmp_path, "fsdp:\n  tp_size: 2\n  cp_size: 2\n", "--fsdp.dp_replicate=2")
+    assert (old.parallel.tp_size, old.parallel.cp_size, old.parallel.dp_replicate) == (2, 2, 2)
+    assert old.engine_config().tp_size == 2 and old.fsdp.tp_size == 2  # the fsdp section holds the mesh too
+    assert said == ["fsdp.dp_replicate, fsdp.tp_size, fsdp.cp_size read as parallel.dp_replicate, "
+                    "parallel.tp_size, parallel.cp_size: the mesh keys moved to the parallel section"]
+    say_renamed_keys(old)  # the launching process said it; the ranks it starts do not
+    monkeypatch.setenv(LAUNCHED_ENV, "1")
+    say_renamed_keys(old)
+    assert len(said) == 2
+    with pytest.raises(ConfigError, match=r"fsdp.dp_replicate=2 x fsdp.dp_shard=-1 x fsdp.cp_size=2 x fsdp.tp_size"):
+        old.parallel_dims(4)
+    with pytest.raises(ConfigError, match=r"^parallel.dp_replicate=3 x parallel.dp_shard=-1 does not match"):
+        load_config(None, ["--parallel.dp_replicate=3"]).parallel_dims(2)
+    with pytest.raises(ConfigError, match=r"^parallel.tp_size must be an int >= 1, got 0$"):
+        load_config(None, ["--parallel.tp_size=0"])
+    same = load_config(None, ["--fsdp.tp_size=2", "--parallel.tp_size=2"])  # both, agreeing: the new place
+    assert same.parallel.tp_size == 2 and same.renamed == ()
+    with pytest.raises(ConfigError, match=r"^fsdp.tp_size=2 and parallel.tp_size=4 disagree: fsdp.tp_size is the "
+                                          r"old name of parallel.tp_size, keep one$"):
+        config_from_yaml(tmp_path, "fsdp:\n  tp_size: 2\n", "--parallel.tp_size=4")
+    rows = {flag: about for flag, _, _, about in key_rows("parallel") + key_rows("fsdp")}
+    assert rows["--parallel.tp_size"].startswith("tensor-parallel ranks per layer")
+    assert rows["--fsdp.tp_size"] == "read as --parallel.tp_size"
+    assert "\nparallel:  The device mesh" in describe_keys()
+
+
 def test_paths_expand_home_and_variables(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.setenv("RUNS", str(tmp_path / "runs"))

@@ -345,6 +345,20 @@ def test_llamafactory_engine_configs_are_accepted_and_their_unused_keys_named_on
         EngineConfig.from_any({"mixed_precision": "bf16"}, bf16=False)
 
 
+def test_llamafactory_forms_are_a_face_the_engine_reads():
+    """LLaMA-Factory's forms live in `fullshard.faces.llamafactory`; the engine's old names still import."""
+    from dataclasses import asdict
+
+    from fullshard import engine
+    from fullshard.faces import llamafactory
+
+    assert engine.SEED_ONLY_KEYS is llamafactory.LLAMAFACTORY_ONLY_KEYS
+    params = asdict(FSDP2Params(reshard_after_forward=False))  # its `name` is dropped (named once, above)
+    assert llamafactory.engine_values(FSDP2Params(reshard_after_forward=False), bf16=True) == {
+        **{k: v for k, v in params.items() if k != "name"}, "mixed_precision": "bf16"}
+    assert EngineConfig.values_of(PluginConfig(tp_size=2)) == {"tp_size": 2}
+
+
 # ---------------------------------------------------------------------------- item 5
 
 

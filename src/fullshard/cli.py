@@ -121,7 +121,7 @@ def cmd_train(argv: list[str]) -> int:
     if args.help:
         print(TRAIN_HELP + describe_keys())
         return 0
-    config = load_config(args.config_path, args.overrides)
+    config = load_config(args.config_path, args.overrides, note=False)
     if args.print_config:
         import yaml
 
@@ -129,6 +129,7 @@ def cmd_train(argv: list[str]) -> int:
         return 0
     if under_launcher():
         return run_as_rank(config, args)
+    from .train.config import say_renamed_keys
     from .train.preflight import check_before_launch, check_resumed_checkpoint
     from .train.rundir import RunLock, check_output_paths, claim_run_directory, made_only_if_accepted
 
@@ -139,6 +140,7 @@ def cmd_train(argv: list[str]) -> int:
         claim_run_directory(config)
         check_resumed_checkpoint(config, model)
         del model
+        say_renamed_keys(config)
         rank_args = ["train", *([args.config_path] if args.config_path else []), *args.overrides]
         return launch(world, rank_args, config.log_dir, config.checkpoint.on_stop_timeout_s, debug=args.debug,
                       lock_file=lock.path)
@@ -147,10 +149,12 @@ def cmd_train(argv: list[str]) -> int:
 def run_as_rank(config, args: TrainArgs) -> int:
     """One rank under torchrun: train, and report a failure through the log directory."""
     from .train import train
+    from .train.config import say_renamed_keys
 
     if os.environ.get(LAUNCHED_ENV) == "1":
         die_with_parent()
     config.accumulation_steps(int(os.environ["WORLD_SIZE"]))
+    say_renamed_keys(config)
     return run_rank(lambda: train(config), os.environ.get(LOG_DIR_ENV, config.log_dir), debug=args.debug)
 
 
@@ -184,9 +188,9 @@ def cmd_plan(argv: list[str]) -> int:
     config, model = plan_config_and_model(args)
     nproc = args.nproc or config.train.nproc or default_nproc()
     dims = config.parallel_dims(nproc)
-    fsdp = config.fsdp
-    plan = build_plan(model, fsdp.plan)
-    assignments = tp_assignments(model, fsdp.tp_plan, dims.tp)
+    engine = config.engine_config()
+    plan = build_plan(model, engine.plan)
+    assignments = tp_assignments(model, engine.tp_plan, dims.tp)
     micro = args.micro_batch_size or config.train.micro_batch_size
     seq_len = args.seq_len or config.data.seq_len
     try:
@@ -197,7 +201,7 @@ def cmd_plan(argv: list[str]) -> int:
         accumulation = None
     options = dict(optimizer=config.optim.name, accumulation_steps=accumulation, device_type=DEVICES[device][0],
                    loss_chunk_tokens=config.train.loss_chunk_tokens)
-    run = estimate_run(model, fsdp, nproc, micro, seq_len, **options)
+    run = estimate_run(model, engine, nproc, micro, seq_len, **options)
     print(f"{type(model).__name__}: {sum(p.numel() for p in model.parameters()):,} parameters, {describe_mesh(dims)}\n")
     print(plan.describe(model, dims.fsdp_shard_size))
     if dims.tp > 1:
@@ -206,7 +210,7 @@ def cmd_plan(argv: list[str]) -> int:
     if dims.ep > 1:
         print("\n" + describe_expert_parallel(model, dims.ep, dims.efsdp))
     print_estimate(config, run, device, capacity, micro, seq_len, accumulation,
-                   lambda: largest_micro_batch(model, fsdp, nproc, seq_len, capacity, **options))
+                   lambda: largest_micro_batch(model, engine, nproc, seq_len, capacity, **options))
     return 0
 
 

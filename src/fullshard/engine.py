@@ -6,8 +6,7 @@ model built on the meta device lives in `fullshard.loading`; the engine only cal
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch.distributed as dist
@@ -30,12 +29,16 @@ from .distributed import (
 )
 from .dtypes import DTYPES
 from .errors import ConfigError, PlanError
+from .faces.llamafactory import (
+    LLAMAFACTORY_ONLY_KEYS as SEED_ONLY_KEYS,  # noqa: F401  (its old import path)
+    dist_config_values,
+    engine_values,
+)
 from .float8 import check_float8_config, check_float8_device, convert_to_float8
 from .fsdp import ac_mode, apply_activation_checkpointing, keep_output_capturing, needs_weight_in_backward
 from .loading import materialize_and_load
 from .loading.materialize import tie_declared_weights
 from .loading.rank0 import LOADED, RANK0, agree_on_layout, init_from_rank0
-from .log import warn_rank0
 from .parallel.cp import check_context_parallel, enable_context_parallel
 from .parallel.ep import apply_expert_parallel, check_expert_parallel, global_router_loss
 from .parallel.ep_lists import agree_on_expert_calls, apply_expert_lists
@@ -148,21 +151,10 @@ class EngineConfig:
     @classmethod
     def from_any(cls, config: "EngineConfig | dict | None", **overrides) -> "EngineConfig":
         """An `EngineConfig` from itself, a dict, or a config object (a dataclass such as
-        LLaMA-Factory's `FSDP2Params`, or a mapping such as its `PluginConfig`). Keys of LLaMA-Factory's
-        set that fullshard has no use for are named once in a warning and dropped, `bf16` is read
-        as `mixed_precision`; any other unknown key is refused."""
-        values = cls.values_of(config)
-        values.update(overrides)
-        if "bf16" in values:  # LLaMA-Factory's `FSDP2Engine(dist_config, bf16=...)` spelling of the precision
-            wanted = "bf16" if values.pop("bf16") else "fp32"
-            if values.setdefault("mixed_precision", wanted) != wanted:
-                raise ValueError(f"bf16 asks for {wanted} but mixed_precision={values['mixed_precision']!r}: "
-                                 "set one of them")
-        unused = sorted(k for k in values if k in SEED_ONLY_KEYS)
-        if unused:
-            why = ", ".join(SEED_ONLY_KEYS[k] for k in unused)
-            warn_rank0(f"dist_config keys {unused} are LLaMA-Factory's ({why}); fullshard does not use them")
-            values = {k: v for k, v in values.items() if k not in SEED_ONLY_KEYS}
+        LLaMA-Factory's `FSDP2Params`, or a mapping such as its `PluginConfig`), read through
+        `fullshard.faces.llamafactory` (`bf16` as `mixed_precision`, its plugin-only keys named once
+        and dropped); any other unknown key is refused."""
+        values = engine_values(config, **overrides)
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
@@ -172,17 +164,7 @@ class EngineConfig:
     @classmethod
     def values_of(cls, config: "EngineConfig | dict | None") -> dict:
         """The keys a config sets, whatever form it came in."""
-        if config is None:
-            return {}
-        if isinstance(config, Mapping):
-            return dict(config)
-        if is_dataclass(config) and not isinstance(config, type):
-            return asdict(config)
-        raise TypeError(f"dist_config must be a dict, a dataclass or an EngineConfig, got {type(config).__name__}")
-
-
-# the keys of LLaMA-Factory's FSDP2 plugin (its `dist_config` / `FSDP2Params`) that fullshard accepts and ignores
-SEED_ONLY_KEYS = {"name": "its distributed plugin's name"}
+        return dist_config_values(config)
 
 
 class FSDP2Engine:

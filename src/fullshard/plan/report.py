@@ -25,7 +25,7 @@ def print_estimate(config, run, device: str, capacity: int | None, micro: int, s
     """The estimate's header (what it assumed), each rank's (or stage's) rows, and whether it fits."""
     fsdp = config.fsdp
     stored = stored_dtype(config)
-    print(f"\nper-rank memory estimate (micro batch {micro} x {seq_len} tokens over cp {fsdp.cp_size}, "
+    print(f"\nper-rank memory estimate (micro batch {micro} x {seq_len} tokens over cp {config.parallel.cp_size}, "
           f"activation checkpointing {fsdp.activation_checkpointing}"
           f"{f' (every {fsdp.ac_every})' if fsdp.activation_checkpointing == 'every_n' else ''}, "
           f"{'activation offload, ' if fsdp.activation_offload else ''}"

@@ -213,7 +213,33 @@ class CheckpointSection:
 
 @dataclass
 class FsdpSection(EngineConfig):
-    """How the model is sharded (the engine's settings, each documented under its field in `EngineConfig`)."""
+    """How the model is sharded (the engine's settings, each documented under its field in `EngineConfig`).
+
+    Its mesh keys (`MESH_KEYS`) are the parallel section's: `fsdp.tp_size` is still read, as
+    `parallel.tp_size`, and the section holds the values the parallel section settles on."""
+
+
+@dataclass
+class ParallelSection:
+    """The device mesh: pp x dp_replicate x dp_shard x cp x tp ranks, experts over ep, the pipeline's schedule.
+
+    Each key is the `EngineConfig` field of its name (its line in `--help` is that field's); the
+    engine is built from this section and the fsdp section (`TrainConfig.engine_config`)."""
+
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    tp_size: int = 1
+    tp_plan: Any = "auto"
+    cp_size: int = 1
+    ep_size: int = 1
+    pp_size: int = 1
+    pp_schedule: str = "1F1B"
+    pp_microbatches: Optional[int] = None
+    pp_virtual_stages: int = 1
+    pp_layers_per_stage: Optional[list[int]] = None
+
+
+MESH_KEYS = tuple(f.name for f in dataclasses.fields(ParallelSection))
 
 
 @dataclass
@@ -287,8 +313,8 @@ class PreferenceSection:
 
 
 SECTIONS = {"model": ModelSection, "data": DataSection, "train": TrainSection, "optim": OptimSection,
-            "fsdp": FsdpSection, "checkpoint": CheckpointSection, "lora": LoraSection,
-            "preference": PreferenceSection}
+            "parallel": ParallelSection, "fsdp": FsdpSection, "checkpoint": CheckpointSection,
+            "lora": LoraSection, "preference": PreferenceSection}
 ALIASES = {"engine": "fsdp"}  # old name -> canonical name; a file may not use both
 PATH_KEYS = ("model.name_or_path", "data.path", "data.eval_path", "data.cache_dir", "train.output_dir",
              "checkpoint.dir", "checkpoint.resume", "fsdp.dcp_path")
@@ -302,13 +328,30 @@ class TrainConfig:
     data: DataSection = field(default_factory=DataSection)
     train: TrainSection = field(default_factory=TrainSection)
     optim: OptimSection = field(default_factory=OptimSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
     fsdp: FsdpSection = field(default_factory=FsdpSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     lora: LoraSection = field(default_factory=LoraSection)
     preference: PreferenceSection = field(default_factory=PreferenceSection)
 
+    # mesh key -> the section its messages name: where the config gave it, else where it gave the
+    # others ("fsdp", the old place, only when it gave none under "parallel"); `renamed`: the keys
+    # it gave under fsdp, said once (`say_renamed_keys`)
+    spelling = types.MappingProxyType({})
+    renamed = ()
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    def key(self, name: str) -> str:
+        """A mesh key as this config spelled it (`fsdp.tp_size` or `parallel.tp_size`), for messages."""
+        return f"{self.spelling.get(name, 'parallel')}.{name}"
+
+    def engine_config(self) -> EngineConfig:
+        """The engine's config: the fsdp section's settings, the parallel section's mesh, the run's freeze."""
+        values = {f.name: getattr(self.fsdp, f.name) for f in dataclasses.fields(EngineConfig)}
+        values.update({key: getattr(self.parallel, key) for key in MESH_KEYS}, freeze=self.freeze)
+        return EngineConfig(**values)
 
     @property
     def output_dir(self) -> Path:
@@ -324,26 +367,26 @@ class TrainConfig:
         return self.output_dir / "logs"
 
     def parallel_dims(self, world_size: int) -> ParallelDims:
-        """The mesh of `world_size` processes; a `ConfigError` naming the fsdp.* keys and the numbers
+        """The mesh of `world_size` processes; a `ConfigError` naming the parallel.* keys and the numbers
         when their product does not match (cp and tp named when used)."""
-        fsdp = self.fsdp
-        keys = {"pp_size": fsdp.pp_size, "dp_replicate": fsdp.dp_replicate, "dp_shard": fsdp.dp_shard,
-                "cp_size": fsdp.cp_size, "tp_size": fsdp.tp_size}
+        mesh = self.parallel
+        keys = {"pp_size": mesh.pp_size, "dp_replicate": mesh.dp_replicate, "dp_shard": mesh.dp_shard,
+                "cp_size": mesh.cp_size, "tp_size": mesh.tp_size}
         try:
-            dims = ParallelDims(fsdp.dp_replicate, fsdp.dp_shard, world_size, cp=fsdp.cp_size, tp=fsdp.tp_size,
-                                pp=fsdp.pp_size)
+            dims = ParallelDims(mesh.dp_replicate, mesh.dp_shard, world_size, cp=mesh.cp_size, tp=mesh.tp_size,
+                                pp=mesh.pp_size)
         except ConfigError:
-            mesh = " x ".join(f"fsdp.{k}={v}" for k, v in keys.items() if k.startswith("dp") or v > 1)
+            named = " x ".join(f"{self.key(k)}={v}" for k, v in keys.items() if k.startswith("dp") or v > 1)
             fixed = math.prod(v for v in keys.values() if v != -1)
-            why = (f"{world_size} is not divisible by {fixed}" if fsdp.dp_shard == -1
+            why = (f"{world_size} is not divisible by {fixed}" if mesh.dp_shard == -1
                    else f"their product is {fixed}")
-            raise ConfigError(f"{mesh} does not match the {world_size} processes ({why})") from None
-        if fsdp.ep_size == 1:
+            raise ConfigError(f"{named} does not match the {world_size} processes ({why})") from None
+        if mesh.ep_size == 1:
             return dims
         try:
-            return dataclasses.replace(dims, ep=fsdp.ep_size)
+            return dataclasses.replace(dims, ep=mesh.ep_size)
         except ConfigError as err:
-            raise ConfigError(f"fsdp.{err}") from None
+            raise ConfigError(f"{self.spelling.get('ep_size', 'parallel')}.{err}") from None
 
     @property
     def freeze(self):
@@ -361,11 +404,11 @@ class TrainConfig:
         if dims.pp > 1:
             from ..parallel.pp import microbatches_of
 
-            pieces = microbatches_of(dims.pp, self.fsdp.pp_microbatches)
+            pieces = microbatches_of(dims.pp, self.parallel.pp_microbatches)
             if self.train.micro_batch_size % pieces:
                 raise ConfigError(f"train.micro_batch_size={self.train.micro_batch_size} does not split into "
-                                  f"fsdp.pp_microbatches={pieces} pipeline micro-batches"
-                                  + ("" if self.fsdp.pp_microbatches else " (unset: one per pp rank)"))
+                                  f"{self.key('pp_microbatches')}={pieces} pipeline micro-batches"
+                                  + ("" if self.parallel.pp_microbatches else " (unset: one per pp rank)"))
         return steps
 
 
@@ -447,8 +490,11 @@ def _check_structure(raw: dict) -> None:
             raise ConfigError(f"unknown key {name}.{unknown[0]}; the keys of section {name!r} are: {', '.join(known)}")
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | dict | None = None) -> TrainConfig:
-    """Read a YAML file (optional), apply the overrides, check every key, type and range."""
+def load_config(path: str | Path | None = None, overrides: list[str] | dict | None = None,
+                note: bool = True) -> TrainConfig:
+    """Read a YAML file (optional), apply the overrides, check every key, type and range. `note`:
+    say which mesh keys were read from their old place now (`fullshard train` says it once the run
+    is accepted, so a refusal stays one line)."""
     raw = read_config_file(path) if path is not None else {}
     overrides = parse_overrides(overrides) if isinstance(overrides, list) else (overrides or {})
     _check_structure(raw)
@@ -456,13 +502,62 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict | No
     for section, values in overrides.items():
         raw[section] = {**(raw.get(section) or {}), **values}
     raw = {name: values for name, values in raw.items() if values is not None}
+    spelling = _settle_mesh(raw)
     try:
         config = _ADAPTER.validate_python(raw)
     except ValidationError as err:
-        raise ConfigError(_describe_validation_error(err)) from None
+        raise ConfigError(_respell(_describe_validation_error(err), spelling)) from None
+    config.spelling = types.MappingProxyType(spelling)
+    config.renamed = tuple(k for k in MESH_KEYS if k in (raw.get("fsdp") or {}) and spelling[k] == "fsdp")
     _expand_paths(config)
     _check_values(config)
+    if note:
+        say_renamed_keys(config)
     return config
+
+
+def _settle_mesh(raw: dict) -> dict[str, str]:
+    """The mesh keys given under `fsdp` (their old place) read as `parallel`'s, both sections then
+    holding the same values (the engine's own checks see the mesh); the same key given in both with
+    different values is refused. Returns each mesh key's section for messages (`TrainConfig.spelling`)."""
+    old, new = raw.get("fsdp") or {}, raw.get("parallel") or {}
+    for key in MESH_KEYS:
+        if key in old and key in new and old[key] != new[key]:
+            raise ConfigError(f"fsdp.{key}={old[key]!r} and parallel.{key}={new[key]!r} disagree: fsdp.{key} is "
+                              f"the old name of parallel.{key}, keep one")
+    given_old = [key for key in MESH_KEYS if key in old and key not in new]
+    given_new = {k: v for k, v in new.items() if k in MESH_KEYS}
+    mesh = {key: old[key] for key in given_old} | given_new
+    if mesh:
+        raw["parallel"], raw["fsdp"] = {**new, **mesh}, {**old, **mesh}
+    others = "fsdp" if given_old and not given_new else "parallel"
+    return {key: "fsdp" if key in given_old else "parallel" if key in given_new else others for key in MESH_KEYS}
+
+
+def _respell(message: str, spelling: dict[str, str]) -> str:
+    """`fsdp.tp_size` / `parallel.tp_size` in a message as the config spelled the key."""
+    pattern = r"\b(?:fsdp|parallel)\.(" + "|".join(MESH_KEYS) + r")\b"
+    return re.sub(pattern, lambda m: f"{spelling.get(m[1], 'parallel')}.{m[1]}", message)
+
+
+def renamed_keys_note(config: TrainConfig) -> str | None:
+    """The one line saying which mesh keys were read from their old place, or None."""
+    old = config.renamed
+    if not old:
+        return None
+    return (f"{', '.join(f'fsdp.{k}' for k in old)} read as {', '.join(f'parallel.{k}' for k in old)}: "
+            "the mesh keys moved to the parallel section")
+
+
+def say_renamed_keys(config: TrainConfig) -> None:
+    """`renamed_keys_note` once: by the process that reads the config before launch, or by rank 0 under
+    a torchrun the user started (ranks `fullshard train` started leave it to the launcher)."""
+    from ..launch import LAUNCHED_ENV
+    from ..log import warn_rank0
+
+    note = renamed_keys_note(config)
+    if note and os.environ.get(LAUNCHED_ENV) != "1" and os.environ.get("RANK", "0") == "0":
+        warn_rank0(note)
 
 
 _ADAPTER = TypeAdapter(TrainConfig)
@@ -503,6 +598,7 @@ def _check_values(config: TrainConfig) -> None:
     from ..optim import OPTIMIZERS, SCHEDULES
     from .session import ACCUMULATION_POLICIES
 
+    mesh = config.parallel
     checks = [
         ("train.accumulation_policy", config.train.accumulation_policy,
          config.train.accumulation_policy in ACCUMULATION_POLICIES, f"must be one of {ACCUMULATION_POLICIES}"),
@@ -511,13 +607,11 @@ def _check_values(config: TrainConfig) -> None:
         ("optim.name", config.optim.name, config.optim.name in OPTIMIZERS, f"must be one of {sorted(OPTIMIZERS)}"),
         ("optim.schedule", config.optim.schedule, config.optim.schedule in SCHEDULES, f"must be one of {SCHEDULES}"),
         ("model.dtype", config.model.dtype, config.model.dtype in DTYPES, f"must be one of {sorted(DTYPES)}"),
-        ("fsdp.dp_replicate", config.fsdp.dp_replicate, config.fsdp.dp_replicate >= 1, "must be >= 1"),
-        ("fsdp.dp_shard", config.fsdp.dp_shard, config.fsdp.dp_shard == -1 or config.fsdp.dp_shard >= 1,
+        (config.key("dp_replicate"), mesh.dp_replicate, mesh.dp_replicate >= 1, "must be >= 1"),
+        (config.key("dp_shard"), mesh.dp_shard, mesh.dp_shard == -1 or mesh.dp_shard >= 1,
          "must be >= 1, or -1 (what the world leaves)"),
-        ("fsdp.tp_size", config.fsdp.tp_size, config.fsdp.tp_size >= 1, "must be >= 1"),
-        ("fsdp.cp_size", config.fsdp.cp_size, config.fsdp.cp_size >= 1, "must be >= 1"),
-        ("fsdp.ep_size", config.fsdp.ep_size, config.fsdp.ep_size >= 1, "must be >= 1"),
-        ("fsdp.pp_size", config.fsdp.pp_size, config.fsdp.pp_size >= 1, "must be >= 1"),
+        *((config.key(key), getattr(mesh, key), getattr(mesh, key) >= 1, "must be >= 1")
+          for key in ("tp_size", "cp_size", "ep_size", "pp_size")),
         ("fsdp.timeout_s", config.fsdp.timeout_s, config.fsdp.timeout_s > 0, "must be > 0 seconds"),
         ("checkpoint.init_optimizer", config.checkpoint.init_optimizer,
          not config.checkpoint.init_optimizer or config.checkpoint.init_from, "needs checkpoint.init_from"),
@@ -536,7 +630,7 @@ def _check_values(config: TrainConfig) -> None:
 
 def _check_objective(config: TrainConfig) -> None:
     """Objective, data format and layout that do not fit together: one line before launch."""
-    objective, data, fsdp = config.train.objective, config.data, config.fsdp
+    objective, data, mesh = config.train.objective, config.data, config.parallel
     if objective == "sft":
         if data.format == "preference":
             raise ConfigError("data.format=preference holds pairs for train.objective=dpo, not sft")
@@ -545,8 +639,9 @@ def _check_objective(config: TrainConfig) -> None:
         raise ConfigError(f"train.objective={objective} trains on pairs: set data.format=preference "
                           "(prompt / chosen / rejected records)")
     for key, value, why in (("data.streaming", data.streaming, "pairs are prepared once per node"),
-                            ("fsdp.cp_size", fsdp.cp_size > 1, "a pair's sequences are not split over cp ranks yet"),
-                            ("fsdp.pp_size", fsdp.pp_size > 1,
+                            (config.key("cp_size"), mesh.cp_size > 1,
+                             "a pair's sequences are not split over cp ranks yet"),
+                            (config.key("pp_size"), mesh.pp_size > 1,
                              "the pipeline's last stage computes the SFT loss only yet"),
                             ("data.overlong", data.overlong == "truncate",
                              "pairs longer than data.seq_len are dropped")):
@@ -561,7 +656,9 @@ def _check_objective(config: TrainConfig) -> None:
 def key_rows(name: str) -> list[tuple[str, str, str, str]]:
     """(flag, type, default, one line) for every key of section `name`, from its definition."""
     cls = SECTIONS[name]
-    descriptions = key_descriptions(cls)
+    descriptions = key_descriptions(EngineConfig if cls is ParallelSection else cls)
+    if cls is FsdpSection:  # the mesh keys' old place
+        descriptions.update({key: f"read as --parallel.{key}" for key in MESH_KEYS})
     hints = typing.get_type_hints(cls, include_extras=True)
     rows = []
     for f in dataclasses.fields(cls):

@@ -30,7 +30,7 @@ def check_before_launch(config: TrainConfig, world_size: int):
     _check_data(config)
     model = use_attention(build_meta_model(config), config.model.attn_implementation)
     _check_head(config, model)
-    if config.fsdp.cp_size == 1:  # under cp the all-to-all attention replaces it
+    if config.parallel.cp_size == 1:  # under cp the all-to-all attention replaces it
         attention_path(model, config.data.packing)
     if config.lora.enabled:
         from ..lora import apply_lora
@@ -44,7 +44,7 @@ def check_before_launch(config: TrainConfig, world_size: int):
         build_plan(model, config.fsdp.plan)
     except PlanError as err:
         raise PlanError(f"fsdp.plan: {err}") from None
-    _check_parallel(model, config.fsdp)
+    _check_parallel(model, config)
     _check_init_from(config, model)
     return model
 
@@ -131,33 +131,34 @@ def check_resumed_checkpoint(config: TrainConfig, model) -> None:
                           f"new run: {start_anew}")
 
 
-def _check_parallel(model, fsdp) -> None:
+def _check_parallel(model, config: TrainConfig) -> None:
     """The TP plan against the model's modules and heads, CP's head split, the pipeline cut and EP's
     experts, as the engine will check them."""
     from ..parallel.cp import check_context_parallel
     from ..parallel.tp import plan_assignments, resolve_tp_plan
 
-    if fsdp.tp_size > 1:
+    mesh = config.parallel
+    if mesh.tp_size > 1:
         try:
-            plan_assignments(model, resolve_tp_plan(model, fsdp.tp_plan), fsdp.tp_size)
+            plan_assignments(model, resolve_tp_plan(model, mesh.tp_plan), mesh.tp_size)
         except PlanError as err:
-            raise PlanError(f"fsdp.tp_plan: {err}") from None
-    if fsdp.cp_size > 1:
-        check_context_parallel(model, fsdp.tp_size, fsdp.cp_size)
-    if fsdp.pp_size > 1:
+            raise PlanError(f"{config.key('tp_plan')}: {err}") from None
+    if mesh.cp_size > 1:
+        check_context_parallel(model, mesh.tp_size, mesh.cp_size)
+    if mesh.pp_size > 1:
         from ..parallel.pp import decoder_parts, stage_layers
 
         try:
-            stage_layers(model, decoder_parts(model), fsdp.pp_size * fsdp.pp_virtual_stages, fsdp.pp_layers_per_stage)
+            stage_layers(model, decoder_parts(model), mesh.pp_size * mesh.pp_virtual_stages, mesh.pp_layers_per_stage)
         except (ConfigError, PlanError) as err:
-            raise type(err)(f"fsdp.pp_size={fsdp.pp_size}: {err}") from None
-    if fsdp.ep_size > 1:
+            raise type(err)(f"{config.key('pp_size')}={mesh.pp_size}: {err}") from None
+    if mesh.ep_size > 1:
         from ..parallel.ep import check_expert_parallel
 
         try:
-            check_expert_parallel(model, fsdp.ep_size)
+            check_expert_parallel(model, mesh.ep_size)
         except PlanError as err:
-            raise PlanError(f"fsdp.{err}") from None
+            raise PlanError(f"{config.spelling.get('ep_size', 'parallel')}.{err}") from None
 
 
 def _check_data(config: TrainConfig) -> None:

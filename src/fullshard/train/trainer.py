@@ -52,9 +52,9 @@ from .stop import StopRequest
 
 
 def strategy_of(config: TrainConfig) -> TrainingSession:
-    """The training session for a run, not yet set up: `config.fsdp` whole (every engine setting
-    reaches the engines it builds) plus the train section's batch sizes, seed, clipping and
-    accumulation policy."""
+    """The training session for a run, not yet set up: the engine config of its fsdp and parallel
+    sections (every engine setting reaches the engines it builds) plus the train section's batch
+    sizes, seed, clipping and accumulation policy."""
     train = config.train
     return TrainingSession(seed=train.seed, max_norm=train.max_norm, micro_batch_size=train.micro_batch_size,
                            global_batch_size=train.global_batch_size, config=engine_settings(config),
@@ -62,10 +62,8 @@ def strategy_of(config: TrainConfig) -> TrainingSession:
 
 
 def engine_settings(config: TrainConfig):
-    """`config.fsdp` with the run's freeze (`TrainConfig.freeze`)."""
-    from dataclasses import replace
-
-    return replace(config.fsdp, freeze=config.freeze)
+    """The engine's config: the fsdp section, the parallel section's mesh, the run's freeze."""
+    return config.engine_config()
 
 
 def build_strategy(config: TrainConfig) -> TrainingSession:
@@ -313,9 +311,9 @@ class Trainer:
             warn_rank0(f"optim.warmup_steps={config.optim.warmup_steps} >= train.steps={config.train.steps}: the "
                        "learning rate never reaches optim.lr")
         tokenizer = load_tokenizer(config)
-        if is_multimodal(tokenizer) and (config.fsdp.cp_size > 1 or config.fsdp.pp_size > 1):
+        if is_multimodal(tokenizer) and (config.parallel.cp_size > 1 or config.parallel.pp_size > 1):
             raise ConfigError("image-text data is not split over context- or pipeline-parallel ranks yet: "
-                              "set fsdp.cp_size=1 and fsdp.pp_size=1")
+                              f"set {config.key('cp_size')}=1 and {config.key('pp_size')}=1")
         data = load_data(config.data, tokenizer, rope_index(config, tokenizer))
         if is_multimodal(tokenizer):
             quiet_image_feature_views()
