@@ -226,7 +226,7 @@ def test_bad_data_is_named_by_file_and_line(tmp_path):
     fails(r"parts.jsonl:1 cannot be rendered by the chat template \(TemplateError: no system turn\)$",
           section(tmp_path, path=str(parts), format="chat", chat_template="{{ raise_exception('no system turn') }}"),
           chat)
-    with pytest.raises(ConfigError, match="data.format=.chats.: input should be .text. or .chat."):
+    with pytest.raises(ConfigError, match="data.format=.chats.: input should be .text., .chat. or .preference."):
         load_config(None, ["--data.format=chats"])
 
 
