@@ -18,10 +18,11 @@ setup: .venv/.installed
 demo: setup
 	.venv/bin/fullshard train
 
-# two pytest workers (pytest-xdist), each file on one worker (its module fixtures built once); the
-# summary ends with the slowest 25 tests and the suite's total wall and CPU time (tests/conftest.py)
+# two pytest workers (pytest-xdist), each file on one worker (its module fixtures built once), the
+# slowest files first (tests/conftest.py's order, kept by --no-loadscope-reorder); the summary ends
+# with the slowest 25 tests and the suite's total wall and CPU time (tests/conftest.py)
 test: setup
-	.venv/bin/ruff check src tests bench examples && $(PY) -m pytest -q -n 2 --dist loadfile --durations=25 tests
+	.venv/bin/ruff check src tests bench examples && $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25 tests
 
 clean:
 	rm -rf .venv runs out

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 import torch
@@ -73,7 +74,7 @@ def train_as_rank(*argv: str) -> dict:
         def emit(self, record):
             lines.append(record.getMessage())
 
-    lines, handler = [], Lines()
+    lines, handler, caught = [], Lines(), []
     log._ensure_handler()
     log._seen.clear()  # a message logged once per process is logged once per run, as each launch does
     log.logger.addHandler(handler)
@@ -81,13 +82,15 @@ def train_as_rank(*argv: str) -> dict:
         args = parse_train_args(list(argv))
         config = load_config(args.config_path, args.overrides)
         config.accumulation_steps(torch.distributed.get_world_size())
-        train(config)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")  # every warning the run shows is recorded
+            train(config)
         error = None
     except Exception as exc:  # noqa: BLE001 - the test asserts on the line
         error = error_line(describe(exc))
     finally:
         log.logger.removeHandler(handler)
-    return {"log": "\n".join(lines), "error": error}
+    return {"log": "\n".join(lines), "error": error, "warnings": [str(w.message) for w in caught]}
 
 
 def _cli_runs(root: str) -> dict:
@@ -112,6 +115,7 @@ def _cli_runs(root: str) -> dict:
     os.chdir(root / "stage2")
     out["stage2/s1"] = train_as_rank("tiny.yaml", "--nproc", "2", "--train.output_dir=s1")
     stage2 = ("tiny.yaml", "--nproc", "2", "--fsdp.dp_replicate=2", "--data.path=other.txt", "--train.steps=2",
+              "--train.log_every=10",  # step 1 is logged all the same, and the last
               "--checkpoint.every=1", "--checkpoint.init_from=s1", "--train.plot=false")
     out["stage2/s2"] = train_as_rank(*stage2, "--train.output_dir=s2")
     out["stage2/s2opt"] = train_as_rank(*stage2, "--train.output_dir=s2opt", "--checkpoint.init_optimizer=true")
@@ -384,6 +388,21 @@ def test_remote_code_is_refused_by_name_unless_allowed(tmp_path, capsys):
     assert marker.read_text() == "executed"
 
 
+def test_a_classification_checkpoint_is_refused_for_sft_before_launch(tmp_path, monkeypatch, capsys):
+    """A reward model's checkpoint (score head) for SFT: one line before launch, naming the objective
+    that trains it (before: every pre-launch check passed and the ranks failed on the shapes)."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=257,
+                num_labels=1, architectures=["LlamaForSequenceClassification"]).save_pretrained(tmp_path / "rm")
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", f"--model.name_or_path={tmp_path / 'rm'}", "--nproc=2", "--train.output_dir=out"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fullshard: error: model.name_or_path=") and err.count("\n") == 1, err
+    assert "LlamaForSequenceClassification checkpoint" in err and "train.objective=reward" in err, err
+    assert not (tmp_path / "out").exists()
+
+
 HUB_SCRIPT = """
 from fullshard.cli import main
 tiny = ["--data.seq_len=32", "--train.steps=1", "--train.micro_batch_size=2", "--train.global_batch_size=2",
@@ -560,6 +579,8 @@ def test_builtin_vlm_trains_offline_exports_its_processor_and_captions(in_one_gr
     root, runs = in_one_group
     root = root / "vlm"
     assert runs["vlm/train"]["error"] is None, runs["vlm/train"]
+    # torch's warning about the image features' views (never changed in place): silenced, with the reason in code
+    assert not [w for w in runs["vlm/train"]["warnings"] if "returned a view tensor" in w], runs["vlm/train"]["warnings"]
     losses = [r["loss"] for r in read_metrics(root / "out" / "metrics.jsonl") if r["kind"] == "train"]
     assert len(losses) == 24 and sum(losses[-4:]) / 4 < 0.6 * sum(losses[:4]) / 4, losses
     exported = root / "out" / "hf"
@@ -672,7 +693,7 @@ def test_stage_two_starts_a_new_run_from_another_runs_checkpoint(in_one_group, t
     runs = {name: [r for r in read_metrics(root / name / "metrics.jsonl") if r["kind"] == "train"]
             for name in ("s2", "s2opt")}
     for records in runs.values():
-        assert [r["step"] for r in records] == [1, 2]  # the step counter starts at 0
+        assert [r["step"] for r in records] == [1, 2]  # log_every 10: the first step and the last
         assert abs(records[0]["loss"] - expected) < 1e-5, (records[0]["loss"], expected)
     assert runs["s2"][0]["lr"] == runs["s2opt"][0]["lr"]  # the schedule is this run's, whatever the optimizer held
     assert (root / "s2" / "checkpoints" / "step_2" / "COMPLETE").exists()

@@ -273,6 +273,21 @@ def test_chat_labels_only_assistant_tokens(tmp_path):
     a, b = (load_data(section(tmp_path, path=str(p), format="chat", seq_len=64, eval_fraction=0), tokenizer)
             for p in (pairs, turns))
     assert all(torch.equal(x, y) for x, y in zip(a.train.take([0, 1]).values(), b.train.take([0, 1]).values()))
+    # both kinds in one file (as the README presents a chat file's records): read as the same conversations
+    mixed = write_jsonl(tmp_path / "mixed.jsonl", [{"prompt": "2+2?", "response": "4"},
+                                                   {"messages": [{"role": "user", "content": "2+2?"},
+                                                                 {"role": "assistant", "content": "4"}]}] * 2)
+    c = load_data(section(tmp_path, path=str(mixed), format="chat", seq_len=64, eval_fraction=0), tokenizer)
+    assert all(torch.equal(x, y) for x, y in zip(c.train.take([0, 1]).values(), b.train.take([0, 1]).values()))
+    streamed = load_data(section(tmp_path, path=str(mixed), format="chat", seq_len=64, eval_fraction=0,
+                                 streaming=True), tokenizer)
+    batch = streamed.step_batches(2, 2, 0, 1).micro_batches(0)[0]
+    assert torch.equal(batch["input_ids"], b.train.take([0, 1])["input_ids"])
+    half = write_jsonl(tmp_path / "half.jsonl", [{"prompt": "2+2?", "response": "4"}, {"prompt": "3+3?"},
+                                                 {"messages": [{"role": "user", "content": "2+2?"},
+                                                               {"role": "assistant", "content": "4"}]}])
+    with pytest.raises(ConfigError, match=r"half.jsonl:2 has no field 'messages' or 'prompt'\+'response'"):
+        load_data(section(tmp_path, path=str(half), format="chat", seq_len=64, eval_fraction=0), tokenizer)
 
 
 # A template in the transformers form for tools: `tools` shown up front, content as text or text parts,

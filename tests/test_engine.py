@@ -180,14 +180,31 @@ print("ok")
 """
 
 
+USERS_GROUP_SCRIPT = """
+from datetime import timedelta
+import torch.distributed as dist
+from fullshard.distributed import find_free_port
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{find_free_port()}", rank=0, world_size=1,
+                        timeout=timedelta(seconds=77))
+world = dist.group.WORLD
+from fullshard import FSDP2Engine
+from harness.compare import train_against_reference
+r = train_against_reference("llama", FSDP2Engine().prepare_model, steps=1)
+assert dist.group.WORLD is world and r["max_weight_diff"] < 1e-6, r  # the user's group, not a second one
+print("ok")
+"""
+
+
 def test_world_size_one_without_a_launcher():
     import os
     import subprocess
     import sys
 
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    done = subprocess.run([sys.executable, "-c", WORLD_1_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(__file__), *filter(None, [env.get("PYTHONPATH")])])  # harness
+    for script in (WORLD_1_SCRIPT, USERS_GROUP_SCRIPT):  # the engine's own group, then one the user made first
+        done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
 
 
 def test_hsdp_export_equals_the_model(world_4):

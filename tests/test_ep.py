@@ -1,7 +1,7 @@
 """Expert parallelism against one process on the whole batch: every MoE family transformers builds small,
 ep 2 (experts further sharded over 2 efsdp ranks) and ep 4, AdamW with global clipping, experts that get
 no token, each rank's share of the experts, compiled blocks, and bad input refused on every rank: one 4-rank
-group; then the CLI at ep 2 on 4 ranks, resumed on 2 without ep, against the group's ep 1 trainer run."""
+group; then the command's runs at ep 2 on 4 ranks, resumed on 2 without ep, against the group's ep 1 trainer run."""
 
 from pathlib import Path
 
@@ -116,9 +116,9 @@ def _trainer_args(root: Path) -> list[str]:
 
 
 def _trainer_reference(root: str) -> dict:
-    """The trainer on a local tiny Mixtral, 4 steps at ep 1 (the run the CLI's ep runs must equal)."""
+    """The trainer on a local tiny Mixtral, 4 steps at ep 1 (the run the ep runs must equal); then
+    what `fullshard train --nproc 4 --fsdp.ep_size=2` runs on each of its ranks, in this group."""
     from fullshard.data.builtin import byte_tokenizer
-    from fullshard.train import load_config, train
 
     root = Path(root)
     if dist.get_rank() == 0:
@@ -126,7 +126,27 @@ def _trainer_reference(root: str) -> dict:
         byte_tokenizer().save_pretrained(root / "moe")
         (root / "doc.txt").write_text("".join(f"w{(i * 7919) % 613} " for i in range(2000)))
     dist.barrier()
-    return train(load_config(None, [*_trainer_args(root), f"--train.output_dir={root}/ep1"]))
+    reference = _train_as_command(root, [f"--train.output_dir={root}/ep1"])
+    _train_as_command(root, ["--nproc=4", "--fsdp.ep_size=2", f"--train.output_dir={root}/cli_ep2"])
+    return reference
+
+
+def _train_as_command(root: Path, extra: list[str]) -> dict:
+    """`fullshard train <_trainer_args> <extra>` on this rank: the command's parsing and batch checks, then train()."""
+    from fullshard.cli import parse_train_args
+    from fullshard.train import load_config, train
+
+    args = parse_train_args([*_trainer_args(root), *extra])
+    config = load_config(args.config_path, args.overrides)
+    config.accumulation_steps(dist.get_world_size())
+    return train(config)
+
+
+def _resumed_without_ep(root: str) -> dict:
+    """The ep 2 run's step-2 checkpoint continued on 2 ranks without ep (as `--nproc 2` would)."""
+    root = Path(root)
+    return _train_as_command(root, ["--nproc=2", f"--checkpoint.resume={root}/cli_ep2/checkpoints/step_2",
+                                    f"--train.output_dir={root}/cli_resumed"])
 
 
 def _equal(state: dict, reference: dict) -> list[str]:
@@ -241,19 +261,17 @@ def test_ep_loads_saves_resumes_and_exports_global_experts(world_4):
 def test_cli_at_ep_2_trains_the_ep_1_losses_resumes_on_2_ranks_without_ep_and_exports(world_4):
     """`fullshard train --nproc 4 --fsdp.ep_size=2` trains the losses of the ep 1 run; its step-2
     checkpoint, resumed by `--nproc 2` without ep, continues with them; its export (written at ep 2,
-    no rank gathering all experts) loads in transformers with the logits of the ep 1 run's export."""
+    no rank gathering all experts) loads in transformers with the logits of the ep 1 run's export.
+    Both runs go through the command's rank side (`_train_as_command`): the ep 2 run in the 4-rank
+    group, the resumed one in a 2-rank group (test_cli launches the command itself)."""
     import transformers
 
     from fullshard.train.metrics import read_metrics
-    from test_cli import run_cli
 
     root, whole = Path(world_4[0]["root"]), world_4[0]["trainer"]["losses"]
-    runs = {"cli_ep2": ["--nproc=4", "--fsdp.ep_size=2"],
-            "cli_resumed": ["--nproc=2", f"--checkpoint.resume={root}/cli_ep2/checkpoints/step_2"]}
+    run_distributed(_resumed_without_ep, 2, str(root))
     losses = {}
-    for run, extra in runs.items():
-        done = run_cli("train", *_trainer_args(root), *extra, f"--train.output_dir={root}/{run}", cwd=root)
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for run in ("cli_ep2", "cli_resumed"):
         losses[run] = {r["step"] - 1: r["loss"] for r in read_metrics(root / run / "metrics.jsonl") if r["kind"] == "train"}
     assert sorted(losses["cli_ep2"]) == sorted(whole) == [0, 1, 2, 3] and sorted(losses["cli_resumed"]) == [2, 3]
     for run, trained in losses.items():

@@ -15,7 +15,16 @@ BF16_TRACK = 0.02  # float8 against bf16: per-step loss within 2% (measured: abo
 RECIPES = ("tensorwise", "rowwise")
 
 
-def _train(config: dict, steps: int, mesh=None, halves: bool = False):
+COMPOSED = {"selective checkpointing": {"activation_checkpointing": "selective"},
+            "full checkpointing + activation offload": {"activation_checkpointing": "full",
+                                                        "activation_offload": True},
+            "activation offload": {"activation_offload": True},
+            "compiled (aot_eager)": {"compile": "aot_eager"},
+            "HSDP 2 x 1": {"dp_replicate": 2, "dp_shard": 1},
+            "offload_params": {"offload_params": True, "pin_memory": False}}
+
+
+def _train(config: dict, steps: int, mesh=None, halves: bool = False, lora: bool = False):
     """`steps` AdamW steps on the llama of the zoo; each rank its half of every batch, or (`halves`,
     one rank) both halves in turn as accumulated micro-batches: the rows each forward sees are the
     same either way, and so are float8's per-tensor activation scales."""
@@ -23,15 +32,21 @@ def _train(config: dict, steps: int, mesh=None, halves: bool = False):
 
     from fullshard import FSDP2Engine
     from fullshard.optim import create_optimizer
-    from fullshard.testing.compare import data_slice, full_state
+    from harness.compare import data_slice, full_state
     from fullshard.testing.zoo import make_batch
 
-    model = FSDP2Engine(config, device_mesh=mesh).prepare_model(build_model("llama"))
+    from fullshard.lora import apply_lora
+
+    model = build_model("llama")
+    if lora:
+        model = apply_lora(model, {"r": 16, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]})
+    model = FSDP2Engine(config, device_mesh=mesh).prepare_model(model)
     optimizer = create_optimizer(model, lr=1e-3, eps=1e-6)
     losses = []
     for step in range(steps):
         batch = make_batch("llama", batch_size=4, seq_len=16, seed=step)
-        parts = [data_slice(batch, r, 2) for r in range(2)] if halves else [data_slice(batch, dist.get_rank(), 2)]
+        ranks = range(2) if halves else [dist.get_rank()]
+        parts = [data_slice(batch, r, 2) for r in ranks]
         total = torch.zeros(())
         for part in parts:
             loss = model(**part).loss / len(parts)
@@ -59,7 +74,7 @@ def _group(tmp: str) -> dict:
     from fullshard.checkpoint import CheckpointManager, export_hf
     from fullshard.float8 import float8_modules
     from fullshard.optim import create_optimizer
-    from fullshard.testing.compare import full_state
+    from harness.compare import full_state
 
     one_rank = init_device_mesh("cpu", (2, 1), mesh_dim_names=("ranks", "alone"))["alone"]
     out = {"world_gap": {}, "bf16_track": {}}
@@ -70,9 +85,17 @@ def _group(tmp: str) -> dict:
         plain, _, _ = _train({"mixed_precision": "fp32"}, 3)
         out["world_gap"][recipe] = (_gaps(two, one), _gaps(two, plain))
         out[f"converted {recipe}"] = float8_modules(model)
+    for recipe in RECIPES:  # each composed setting against the same recipe without it
+        base = _train({"mixed_precision": "bf16", "float8": recipe}, 3)[0]["loss"]
+        for name, extra in COMPOSED.items():
+            losses = _train({"mixed_precision": "bf16", "float8": recipe, **extra}, 3)[0]["loss"]
+            out.setdefault("composed", {})[(recipe, name)] = (base, losses)
+        out.setdefault("composed", {})[(recipe, "lora")] = (base, _train(
+            {"mixed_precision": "bf16", "float8": recipe, "freeze": []}, 3, lora=True)[0]["loss"])
     bf16 = _train({"mixed_precision": "bf16"}, STEPS)[0]["loss"]
     for recipe in RECIPES:
-        out["bf16_track"][recipe] = (bf16, _train({"mixed_precision": "bf16", "float8": recipe}, STEPS)[0]["loss"])
+        float8 = _train({"mixed_precision": "bf16", "float8": recipe}, STEPS)[0]["loss"]
+        out["bf16_track"][recipe] = (bf16, float8)
     # a float8 checkpoint into a model without float8, and back; the export in the model's dtype
     trained, model, optimizer = _train({"mixed_precision": "bf16", "float8": "tensorwise"}, 2)
     manager = CheckpointManager(f"{tmp}/ckpt")
@@ -105,6 +128,48 @@ def test_world_2_float8_computes_what_world_1_does(group):
         assert max(world_gap) < 1e-6 and against_plain[0] > 1e-4, (recipe, world_gap, against_plain)
 
 
+def test_float8_composes_with_checkpointing_offload_compile_hsdp_and_lora(group):
+    _, ranks = group
+    composed = ranks[0]["composed"]
+    assert len(composed) == 2 * (len(COMPOSED) + 1)
+    for (recipe, name), (base, losses) in composed.items():
+        if name == "lora":  # the adapters train in high precision beside the float8 base
+            assert all(abs(a - b) < 0.05 for a, b in zip(base, losses)) and losses != base, (recipe, losses)
+        else:  # the same float8 math: only summation order may differ
+            assert max(abs(a - b) for a, b in zip(base, losses)) < 1e-5, (recipe, name, base, losses)
+
+
+def test_float8_trains_through_the_command_with_pipeline_stages(tmp_path):
+    """`fullshard train` at pp 2 with float8 tensorwise and selective checkpointing: the trainer's
+    optimizer precomputes the scales, the export is an ordinary HF directory in fp32."""
+    from transformers import AutoModelForCausalLM
+
+    from fullshard.train.metrics import read_metrics
+
+    done = subprocess.run([sys.executable, "-m", "fullshard.cli", "train", "--model.name_or_path=micro-llama",
+                           "--nproc=2", "--fsdp.pp_size=2", "--fsdp.float8=tensorwise",
+                           "--fsdp.activation_checkpointing=selective", "--fsdp.mixed_precision=bf16",
+                           "--data.seq_len=32", "--train.steps=3", "--train.micro_batch_size=2",
+                           "--train.global_batch_size=2", "--train.log_every=1", "--train.plot=false",
+                           f"--train.output_dir={tmp_path}/out"],
+                          capture_output=True, text=True, timeout=600, env=_env())
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "Linear layers in float8" in done.stdout + done.stderr
+    losses = [r["loss"] for r in read_metrics(tmp_path / "out" / "metrics.jsonl") if r["kind"] == "train"]
+    assert len(losses) == 3 and all(0 < loss < 10 for loss in losses), losses
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "hf")
+    assert {t.dtype for t in exported.state_dict().values()} == {torch.float32}
+
+
+def _env() -> dict:
+    import os
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return env
+
+
 def test_float8_tracks_bf16_while_differing_from_it(group):
     _, ranks = group
     for recipe, (bf16, float8) in ranks[0]["bf16_track"].items():
@@ -127,8 +192,9 @@ def test_converted_modules_are_the_blocks_linears():
     assert kept == {"lm_head": "the output head"}
     converted, kept = float8_choices(llama, skip=["model.layers.1.mlp.*"])
     assert len(converted) == 11 and kept["model.layers.1.mlp.up_proj"] == "fsdp.float8_skip"
-    moe = ListMoeForCausalLM(MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=16))
+    moe = ListMoeForCausalLM(MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                           num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                           num_local_experts=16))
     converted, kept = float8_choices(moe)
     assert converted and all(".experts." not in n and not n.endswith(".gate") for n in converted), converted
     assert {why for why in kept.values()} >= {"a MoE router", "a MoE expert"}, kept
@@ -159,7 +225,8 @@ def test_checkpoints_and_exports_stay_in_the_model_dtype(group):
 
 
 def test_a_refusal_before_launch_does_not_import_torchao():
-    code = ("import sys\nfrom fullshard.train.config import load_config\nfrom fullshard.errors import ConfigError\n"
+    code = ("import sys\nfrom fullshard.train.config import load_config\n"
+            "from fullshard.errors import ConfigError\n"
             "for bad in (['--fsdp.float8=e4m3'], ['--fsdp.float8=tensorwise', '--fsdp.tp_size=2']):\n"
             "    try:\n        load_config(None, bad)\n    except ConfigError as err:\n        print(err)\n"
             "print('torchao' in sys.modules)\n")
@@ -168,3 +235,19 @@ def test_a_refusal_before_launch_does_not_import_torchao():
     assert lines[-1] == "False" and len(lines) == 3, done.stdout + done.stderr
     assert lines[0].startswith("fsdp.float8 must be one of none, tensorwise, rowwise"), lines
     assert lines[1].startswith("fsdp.float8 with tp_size > 1"), lines
+
+
+def test_the_plan_gathers_tensorwise_weights_in_float8():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fullshard.plan.memory import estimate_run
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=4,
+                                             num_attention_heads=16, vocab_size=1024))
+    gathered = {recipe: estimate_run(model, {"mixed_precision": "bf16", "float8": recipe, "plan": "auto"}, 8, 1,
+                                     2048).stages[0].estimate for recipe in ("none", "tensorwise", "rowwise")}
+    assert gathered["rowwise"].gathered == gathered["none"].gathered  # gathered in bf16, cast per matmul
+    # the two largest units are two layers: their Linear weights at a byte each, not two
+    layer = sum(p.numel() for p in model.model.layers[0].parameters() if p.dim() == 2)
+    assert gathered["none"].gathered - gathered["tensorwise"].gathered == pytest.approx(2 * layer, rel=0.01)

@@ -152,3 +152,107 @@ def test_fullshard_generate_command_from_a_directory_and_a_checkpoint(tmp_path):
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
         for prompt, completion in zip(PROMPTS_CLI, expected):
             assert f"### {prompt}\n{completion}\n" in done.stdout, (source, prompt, completion, done.stdout[-2000:])
+
+
+VLM_PROMPTS = [("What is in the pictures?", ["a.png", "b.png"]), ("Say something.", [])]
+
+
+def _plain_vlm_completions(model_dir: str, image_dir: str) -> list[str]:
+    """transformers' own generate in one process on each prompt alone: its processor (image-only
+    without torchvision) with the prompt's images before its text in a user turn, every output of
+    the processor (`mm_token_type_ids` included) handed to generate."""
+    from PIL import Image
+    from transformers import Qwen2VLForConditionalGeneration
+
+    from fullshard.data.vision import load_processor
+
+    model = Qwen2VLForConditionalGeneration.from_pretrained(model_dir).eval()
+    processor = load_processor(model_dir)
+    completions = []
+    for prompt, files in VLM_PROMPTS:
+        parts = [{"type": "image"} for _ in files] + [{"type": "text", "text": prompt}]
+        text = processor.apply_chat_template([{"role": "user", "content": parts}], tokenize=False,
+                                             add_generation_prompt=True)
+        images = [Image.open(Path(image_dir) / f).convert("RGB") for f in files] or None
+        inputs = processor(text=[text], images=images, add_special_tokens=False, return_tensors="pt")
+        out = model.generate(**inputs, max_new_tokens=8, do_sample=False,
+                             pad_token_id=processor.tokenizer.pad_token_id)
+        completions.append(processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))
+    return completions
+
+
+def test_fullshard_generate_with_images_equals_transformers(tmp_path):
+    """`fullshard generate --image` on the built-in tiny Qwen2-VL at world 2: a prompt with two images
+    on one rank, one without on the other (the ranks agree on the vision path), greedy, token for
+    token what transformers' own generate gives; a missing image is one line before launch."""
+    import os
+    import random
+    import subprocess
+    import sys
+
+    from fullshard.data.builtin import builtin_model_config, draw_shape, tiny_vlm_processor
+
+    processor = tiny_vlm_processor()
+    config, model_class = builtin_model_config("tiny-qwen2-vl", processor, 256, {})
+    torch.manual_seed(0)
+    model_class._from_config(config).save_pretrained(tmp_path / "model")
+    processor.save_pretrained(tmp_path / "model")
+    rng = random.Random(0)
+    for name, shape, colour in (("a.png", "circle", "red"), ("b.png", "square", "blue")):
+        draw_shape(shape, colour, rng).save(tmp_path / name)
+    expected = run_distributed(_plain_vlm_completions, 1, str(tmp_path / "model"), str(tmp_path))[0]
+
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src"), OMP_NUM_THREADS="1",
+               CUDA_VISIBLE_DEVICES="")
+    args = [sys.executable, "-m", "fullshard.cli", "generate", str(tmp_path / "model"), "--nproc", "2",
+            "--max-new-tokens", "8"]
+    for prompt, files in VLM_PROMPTS:
+        args += ["--prompt", prompt, *(a for f in files for a in ("--image", f))]
+    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    for (prompt, _), completion in zip(VLM_PROMPTS, expected):
+        assert f"### {prompt}\n{completion}\n" in done.stdout, (prompt, completion, done.stdout[-2000:])
+
+    missing = subprocess.run([*args[:7], "--prompt", "x", "--image", "nowhere.png"], env=env, capture_output=True,
+                             text=True, timeout=60, cwd=tmp_path)
+    assert missing.returncode != 0 and "--image " in missing.stderr and "nowhere.png: no such file" in missing.stderr
+    assert len(missing.stderr.strip().splitlines()) == 1, missing.stderr
+
+
+USER_SCRIPT = """
+import sys
+import torch
+import torch.distributed as dist
+import fullshard
+
+engine = fullshard.FSDP2Engine({"mixed_precision": "fp32"})
+model = fullshard.from_pretrained(sys.argv[1], engine=engine)
+prompts = torch.tensor([[5, 6, 7, 8]])
+out = fullshard.generate(model, prompts, torch.ones_like(prompts), max_new_tokens=4, do_sample=False)
+# collectives still queued at the end, their tensors already dropped (a metric all-reduce never
+# waited for): what gloo's worker threads are still releasing while the interpreter shuts down
+for _ in range(3000):
+    dist.all_reduce(torch.ones(64), async_op=True)
+print("done", flush=True)
+"""
+
+
+def test_a_script_from_the_readme_exits_cleanly_under_torchrun_without_teardown(tmp_path):
+    """README's snippets as a user's script (FSDP2Engine, from_pretrained, generate, then collectives left in
+    flight), under torchrun, no destroy_process_group: every rank exits 0, run after run (before: a gloo
+    worker freed a tensor during interpreter shutdown and the rank died in C++'s terminate, SIGABRT)."""
+    import os
+    import subprocess
+    import sys
+
+    build_model(NAME).save_pretrained(tmp_path / "model")
+    (tmp_path / "user.py").write_text(USER_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src"), OMP_NUM_THREADS="1",
+               CUDA_VISIBLE_DEVICES="")
+    for attempt in range(5):
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                               "user.py", str(tmp_path / "model")], env=env, capture_output=True, text=True,
+                              timeout=300, cwd=tmp_path)
+        output = done.stdout + done.stderr
+        assert done.returncode == 0 and "terminate called" not in output, (attempt, output[-3000:])
+        assert done.stdout.count("done") == 2, (attempt, output[-3000:])

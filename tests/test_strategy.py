@@ -211,7 +211,7 @@ def test_activation_checkpointing_on_padded_batches_equals_the_run_without():
 
 def test_options_are_an_engine_config_and_a_few_named_ones():
     """Seed 001's call keeps working; the engine config is taken whole; a mistyped key is refused by name."""
-    from dataclasses import asdict, fields
+    from dataclasses import asdict, fields, replace
 
     from fullshard import ConfigError, EngineConfig
 
@@ -222,11 +222,14 @@ def test_options_are_an_engine_config_and_a_few_named_ones():
                           dp_shard=1, dcp_path="/some/dcp", timeout_s=7.0, compile=True, prefetch=1, tp_size=2,
                           tp_plan={"model.layers.*.mlp.up_proj": "colwise"}, cp_size=2, ep_size=2, pp_size=2,
                           pp_schedule="Interleaved1F1B", pp_microbatches=2, pp_virtual_stages=2,
-                          pp_layers_per_stage=[1, 1, 1, 1], freeze=["vision", "projector"])
-    changed = {f.name for f in fields(EngineConfig) if getattr(config, f.name) != f.default}
-    assert changed == {f.name for f in fields(EngineConfig)}  # the check below could fail on any field
+                          pp_layers_per_stage=[1, 1, 1, 1], freeze=["vision", "projector"], ac_every=3,
+                          activation_offload=True, float8_skip=["model.layers.0.*"])
+    float8 = replace(config, float8="tensorwise", tp_size=1)  # float8 is refused with tp_size > 1
+    changed = {f.name for f in fields(EngineConfig) for c in (config, float8) if getattr(c, f.name) != f.default}
+    assert changed == {f.name for f in fields(EngineConfig)}  # the checks below could fail on any field
     strategy = FSDPStrategy(config=config, accumulation_policy="defer_sync", adam_offload=True)
     assert asdict(strategy.config) == asdict(config)
+    assert asdict(FSDPStrategy(config=float8).config) == asdict(float8)
     assert strategy.fp16 and strategy.scaler is not None and strategy.adam_offload
     assert FSDPStrategy(config={"mixed_precision": "fp32"}, bf16=False).config.mixed_precision == "fp32"
     with pytest.raises(ConfigError, match="unknown dist_config keys.*'mixed_precison'"):

@@ -14,11 +14,14 @@ from fullshard.train.metrics import read_metrics
 
 # a non-default value for every EngineConfig field: the trainer must hand each one to its engine
 FSDP_SET = {"mixed_precision": "bf16", "reduce_dtype": "bf16", "reshard_after_forward": False, "offload_params": True,
-            "pin_memory": False, "activation_checkpointing": True, "plan": {"mode": "auto"}, "dp_replicate": 2,
+            "pin_memory": False, "activation_checkpointing": "selective", "plan": {"mode": "auto"}, "dp_replicate": 2,
             "dp_shard": 1, "dcp_path": "/nowhere/dcp", "timeout_s": 77.0, "compile": True, "prefetch": 2,
             "tp_plan": {"model.layers.*.mlp.up_proj": "colwise"}, "tp_size": 2, "cp_size": 2, "ep_size": 2,
             "pp_size": 2, "pp_schedule": "Interleaved1F1B", "pp_microbatches": 2, "pp_virtual_stages": 2,
-            "pp_layers_per_stage": [1, 1, 1, 1], "freeze": "none"}
+            "pp_layers_per_stage": [1, 1, 1, 1], "freeze": "none", "ac_every": 3, "activation_offload": True,
+            "float8": "none", "float8_skip": ["model.layers.0.*"]}
+# float8 is refused with tp_size > 1: its non-default value is checked in a second set
+FLOAT8_SET = {**FSDP_SET, "float8": "tensorwise", "tp_size": 1}
 # the mesh these ask for has 16 ranks: the 2-rank engine is built with them at 1, and the strategy's
 # config (what every engine it builds is made from) is checked whole; test_train_parallel builds tp/cp engines
 NEEDS_MORE_RANKS = {"tp_size": 1, "cp_size": 1, "ep_size": 1, "pp_size": 1, "pp_virtual_stages": 1}
@@ -59,6 +62,8 @@ def _trainer_runs(root: str):
     out["strategy_config"] = asdict(strategy_of(tiny_config(f"{root}/fields", *overrides(FSDP_SET))).config)
     engine = build_strategy(tiny_config(f"{root}/fields", *overrides({**FSDP_SET, **NEEDS_MORE_RANKS}))).engine()
     out["engine_config"], out["fsdp_config"] = asdict(engine.config), asdict(fsdp)
+    out["float8_fsdp_config"] = asdict(load_config(None, {"fsdp": FLOAT8_SET}).fsdp)
+    out["float8_strategy_config"] = asdict(strategy_of(tiny_config(f"{root}/fields", *overrides(FLOAT8_SET))).config)
     # resuming on other data is refused on every rank, naming both fingerprints
     try:
         train(tiny_config(f"{root}/resumed", "--data.seq_len=16", "--train.steps=8"))
@@ -201,10 +206,12 @@ def test_every_fsdp_setting_reaches_the_engine(runs):
     _, results = runs
     unset = sorted(f.name for f in fields(EngineConfig) if f.name not in FSDP_SET)
     assert not unset, f"give EngineConfig field(s) {unset} a non-default value in FSDP_SET"
-    assert all(FSDP_SET[f.name] != f.default for f in fields(EngineConfig))  # so each comparison could fail
+    # so each comparison could fail: every field differs from its default in one of the two sets
+    assert all(FSDP_SET[f.name] != f.default or FLOAT8_SET[f.name] != f.default for f in fields(EngineConfig))
     for r in results:
-        assert r["fsdp_config"] == FSDP_SET
+        assert r["fsdp_config"] == FSDP_SET and r["float8_fsdp_config"] == FLOAT8_SET
         assert r["strategy_config"] == r["fsdp_config"]
+        assert r["float8_strategy_config"] == r["float8_fsdp_config"]
         assert r["engine_config"] == {**r["fsdp_config"], **NEEDS_MORE_RANKS}
 
 

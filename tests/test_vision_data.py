@@ -296,7 +296,71 @@ def test_truncation_keeps_whole_images(tmp_path):
     assert row["images"][0]["pixel_values"].shape[0] == 16
 
 
-def test_bad_images_are_one_error_naming_record_and_file_or_dropped(tmp_path):
+class FramesVideoProcessor:
+    """Qwen2-VL's video processing of a clip of two equal frames (one temporal patch), without
+    torchvision (which transformers' video processors need and this machine lacks): its image
+    processor on the first frame, which fills a temporal patch with that frame twice."""
+
+    merge_size = 2
+
+    def __init__(self, images):
+        self.images = images
+
+    def __call__(self, videos, **kwargs):
+        out = self.images([clip[0] for clip in videos], return_tensors="pt")
+        return {"pixel_values_videos": out["pixel_values"], "video_grid_thw": out["image_grid_thw"]}
+
+
+def video(*names):
+    return {"type": "video", "video": list(names)}
+
+
+def test_video_parts_are_read_as_frames_or_refused_in_one_line(tmp_path):
+    """A video part is its decoded frames, given to the processor as `videos`: packed rows equal each
+    document through plain transformers (video tokens never labelled, the clip's tensors and rope rows
+    its own). A processor built without its video half (no torchvision) refuses a video in one line
+    naming the record, even under `data.bad_images=drop`; so does a video given as a file."""
+    from transformers import Qwen2VLForConditionalGeneration
+
+    processor = tiny_vlm_processor()
+    clip = video("images/0.png", "images/0.png")
+    records = [chat(clip, text("What moves?"), answer="a red circle"), *RECORDS[:2],
+               chat(image("images/1.png"), text("then"), clip, answer="both")]
+    path = write_records(tmp_path / "refused", records)
+    for bad_images in ("error", "drop"):
+        with pytest.raises(ConfigError, match=r"data.jsonl:1 has a video, but this model's processor reads no "
+                                              r"videos here \(its video processor needs torchvision"):
+            rows_of(processor, path, tmp_path / "refused", bad_images=bad_images)
+    as_file = write_records(tmp_path / "file", [chat({"type": "video", "video": "clip.mp4"})])
+    with pytest.raises(ConfigError, match=r"data.jsonl:1 has a video part that is not a list of frame image paths"):
+        rows_of(processor, as_file, tmp_path / "file")
+
+    processor.video_processor = FramesVideoProcessor(processor.image_processor)
+    torch.manual_seed(0)
+    config = tiny_vlm_config(processor, 160)
+    model = Qwen2VLForConditionalGeneration._from_config(config).eval()
+
+    def inputs_of(processor, record, directory):
+        from PIL import Image
+
+        rendered = processor.apply_chat_template(record["messages"], tokenize=False)
+        clips = [[Image.open(directory / f).convert("RGB") for f in p["video"]]
+                 for t in record["messages"] for p in t["content"] if p["type"] == "video"]
+        return processor(text=[rendered], images=images_of(record, directory) or None, videos=clips or None,
+                         add_special_tokens=False, return_tensors="pt")
+
+    with torch.no_grad():
+        rows = check_packed_equals_alone(model, processor, tmp_path, RopeIndex.of(config), records=records,
+                                         inputs_of=inputs_of)
+    batch = rows.take(range(len(rows)))
+    video_id = processor.video_token_id
+    assert (batch["input_ids"] == video_id).sum() == 2 * 4  # two clips of one temporal patch, 2 x 2 merged
+    assert not (batch["labels"][batch["input_ids"] == video_id] != IGNORE).any()
+    grids = [g for b in batch["images"] if "video_grid_thw" in b for g in b["video_grid_thw"].tolist()]
+    assert grids == [[1, 4, 4], [1, 4, 4]]
+
+
+def test_bad_images_are_one_error_naming_record_and_file_or_dropped(tmp_path, caplog):
     processor = tiny_vlm_processor()
     missing = write_records(tmp_path, [RECORDS[0], chat(image("images/nowhere.png"))])
     with pytest.raises(ConfigError) as err:
@@ -317,6 +381,20 @@ def test_bad_images_are_one_error_naming_record_and_file_or_dropped(tmp_path):
     rows, info = rows_of(processor, write_records(tmp_path / "drop", [*RECORDS, chat(image("images/gone.png"))]),
                          tmp_path / "drop", bad_images="drop")
     assert info["broken"] == 1 and info["documents"] == len(RECORDS) and info["dropped"] == 0
+    # the count said names every record of the file, the dropped one included
+    import logging
+
+    from fullshard.data.prepare import report_overlong
+    from fullshard.log import logger
+    from fullshard.train.config import DataSection
+
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.WARNING, logger="fullshard"):
+            report_overlong(info, DataSection(format="chat"), "data.jsonl")
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert f"data.jsonl: 1 of {len(RECORDS) + 1} conversations dropped for a missing" in caplog.text, caplog.text
 
 
 def test_images_are_decoded_once_into_the_cache(tmp_path):

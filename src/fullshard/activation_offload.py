@@ -34,7 +34,8 @@ class ActivationOffload:
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
         self.moves = self.device.type not in ("cpu", "meta")
-        self.stream = torch.Stream(device=self.device) if self.moves else None
+        # the side stream on CUDA; other accelerators bring each tensor back when it is needed
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.calls = 0  # block calls so far; a call's index names its saved tensors
         self.waiting: dict[int, list] = {}  # call index -> weak references to its host copies
         self.fetched: dict[int, dict[int, torch.Tensor]] = {}  # call index -> host copy id -> device tensor
@@ -56,7 +57,7 @@ class ActivationOffload:
         if len(self.waiting) > 256:  # calls whose graph was dropped without a backward
             self.waiting = {i: refs for i, refs in self.waiting.items() if any(r() is not None for r in refs)}
         refs = self.waiting.setdefault(index, [])
-        params = {p.untyped_storage().data_ptr() for p in block.parameters() if p.device.type != "meta"}
+        params = {_storage(p) for p in block.parameters() if p.device.type != "meta"}
 
         def pack(tensor: torch.Tensor):
             if not self.moves or tensor.device.type == "cpu" or not self._worth_moving(tensor, params):
@@ -74,7 +75,7 @@ class ActivationOffload:
             fetched = self.fetched.get(index, {}).pop(id(tensor), None)
             if fetched is None:
                 return tensor.to(self.device, non_blocking=True)
-            current = torch.accelerator.current_stream(self.device)
+            current = torch.cuda.current_stream(self.device)
             current.wait_stream(self.stream)
             fetched.record_stream(current)
             return fetched
@@ -83,21 +84,35 @@ class ActivationOffload:
 
     @staticmethod
     def _worth_moving(tensor: torch.Tensor, params: set[int]) -> bool:
-        storage = tensor.untyped_storage()
-        return storage.nbytes() >= MIN_OFFLOAD_BYTES and storage.data_ptr() not in params
+        """A plain tensor of some size that is no parameter's (a tensor subclass, such as torchao's
+        float8 tensors, has no storage of its own to copy: it stays)."""
+        if type(tensor) is not torch.Tensor:
+            return False
+        return tensor.untyped_storage().nbytes() >= MIN_OFFLOAD_BYTES and _storage(tensor) not in params
 
     def prefetch(self, index: int) -> None:
         """Start bringing call `index`'s host copies back on the side stream (once)."""
+        if self.stream is None:
+            return
         refs = self.waiting.pop(index, None)
         if not refs:
             return
-        self.stream.wait_stream(torch.accelerator.current_stream(self.device))  # the offload copies are done
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the offload copies are done
         fetched = self.fetched.setdefault(index, {})
-        with self.stream:
+        with torch.cuda.stream(self.stream):
             for ref in refs:
                 host = ref()
                 if host is not None:
                     fetched[id(host)] = host.to(self.device, non_blocking=True)
+
+
+def _storage(tensor: torch.Tensor) -> int | None:
+    """The address of a tensor's storage; None for a wrapper subclass (a DTensor's or float8
+    weight's), which has none."""
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def apply_activation_offload(model: nn.Module, device: torch.device) -> ActivationOffload:

@@ -24,7 +24,8 @@ USAGE = """fullshard train [CONFIG.yaml] [--section.key=value ...] [--nproc N] [
        fullshard plan [MODEL_OR_CONFIG] [--section.key=value ...] [--nproc N] [--micro-batch-size B] [--seq-len S]
                       [--device h100|h200|a100-80g|a100-40g|cpu|cuda]
        fullshard export CHECKPOINT_DIR OUTPUT_DIR [--dtype bf16|fp16|fp32]
-       fullshard generate MODEL_DIR_OR_CHECKPOINT --prompt TEXT [--prompt TEXT ...] [--nproc N] [--max-new-tokens N]
+       fullshard generate MODEL_DIR_OR_CHECKPOINT --prompt TEXT [--image PATH ...] [--prompt TEXT ...]
+                          [--nproc N] [--max-new-tokens N]
        fullshard --version"""
 
 TRAIN_HELP = """usage: fullshard train [CONFIG.yaml] [--section.key=value ...] [--nproc N] [--print-config] [--debug]
@@ -282,6 +283,9 @@ def generate_parser() -> argparse.ArgumentParser:
         "tokenizer's chat template, when it has one, wraps each prompt as a user turn."))
     parser.add_argument("path", help="a Hugging Face model directory or a training checkpoint")
     parser.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for several)")
+    parser.add_argument("--image", action=ImageOfPrompt, default=[], metavar="PATH", help=(
+        "an image file for the --prompt before it (repeat for several; a vision-language model: read "
+        "with its processor and chat template)"))
     parser.add_argument("--nproc", type=int, default=None, help="ranks the model is sharded over (default: one "
                         "per GPU, else 2)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
@@ -291,29 +295,38 @@ def generate_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class ImageOfPrompt(argparse.Action):
+    """`--image PATH` belongs to the `--prompt` before it: (prompt index, absolute path)."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        if not getattr(namespace, "prompt", None):
+            parser.error(f"--image {value}: give it after the --prompt it belongs to")
+        namespace.image = [*namespace.image, (len(namespace.prompt) - 1, os.path.abspath(value))]
+
+
 def cmd_generate(argv: list[str]) -> int:
     args = generate_parser().parse_args(argv)
     if args.nproc is not None and args.nproc < 1:
         return fail(f"--nproc must be a positive integer, got {args.nproc}")
+    missing = [path for _, path in args.image if not os.path.isfile(path)]
+    if missing:
+        return fail(f"--image {missing[0]}: no such file")
+    images = [[path for index, path in args.image if index == i] for i in range(len(args.prompt))]
     if under_launcher():
         from .generation import generate_text
 
         log_dir = os.environ.get(LOG_DIR_ENV, os.path.join(os.getcwd(), ".fullshard-generate-logs"))
-        status = run_rank(lambda: generate_text(args.path, args.prompt, max_new_tokens=args.max_new_tokens,
-                                                do_sample=args.sample, temperature=args.temperature,
-                                                seed=args.seed), log_dir)
-        # a generating rank has nothing left to save: it leaves now. Its exit through static
-        # destructors sometimes died in C++'s "terminate called without an active exception" after
-        # printing every completion (thread not found; the process groups are destroyed by then)
-        sys.stdout.flush(), sys.stderr.flush()
-        os._exit(status)
+        return run_rank(lambda: generate_text(args.path, args.prompt, images=images,
+                                              max_new_tokens=args.max_new_tokens,
+                                              do_sample=args.sample, temperature=args.temperature,
+                                              seed=args.seed), log_dir)
     import tempfile
 
     # the ranks get the line without --nproc, which torchrun's own parser would take for its option
     rank_args = ["generate", args.path, "--max-new-tokens", str(args.max_new_tokens), "--temperature",
                  str(args.temperature), "--seed", str(args.seed), *(["--sample"] if args.sample else [])]
-    for prompt in args.prompt:
-        rank_args.append(f"--prompt={prompt}")
+    for prompt, files in zip(args.prompt, images):
+        rank_args += [f"--prompt={prompt}", *(f"--image={file}" for file in files)]
     with tempfile.TemporaryDirectory(prefix="fullshard-generate-") as log_dir:
         return launch(args.nproc or default_nproc(), rank_args, log_dir, stop_timeout_s=5.0)
 

@@ -48,79 +48,77 @@ from .plan.towers import freeze
 
 @dataclass
 class EngineConfig:
-    """Everything that decides how a model is sharded. LLaMA-Factory's FSDP2 `dist_config` dict maps onto it.
-
-    mixed_precision: compute dtype of the all-gathered weights (bf16 / fp16 / fp32); the sharded
-        master weights keep their own dtype and gradients are reduced in `reduce_dtype`.
-    reshard_after_forward: True frees the full weight after each unit's forward (least memory),
-        False keeps it until backward (no second all-gather), an int reshards to groups of that
-        many ranks (inside a node, say).
-    offload_params: keep sharded parameters, gradients and optimizer state on CPU.
-    pin_memory: pin the offloaded CPU memory; only honoured where an accelerator exists.
-    activation_checkpointing: recompute activations in backward (non-reentrant): `full` (or true)
-        every block whole, `selective` every block with the outputs of attention and of every other
-        matmul kept (torchtitan's per-op policy), `every_n` every `ac_every`-th block whole, `none`
-        (or false) nothing.
-    ac_every: with `every_n`, checkpoint the ac_every-th, 2 x ac_every-th, ... block.
-    activation_offload: move the tensors each block saves for backward to host memory during
-        forward and back one block ahead in backward (`fullshard.activation_offload`); with
-        checkpointing only the checkpoints move.
-    float8: none, tensorwise or rowwise: the blocks' Linear layers compute in float8 through
-        torchao (`fullshard.float8`; needs `fullshard[float8]` and an SM 8.9+ GPU or the CPU);
-        tensorwise also all-gathers their weights in float8. Weights stay in the model's dtype.
-    float8_skip: globs of further Linear layers to keep in high precision.
-    plan: "auto", a transformers `fsdp_plan` dict, or a `ShardingPlan`.
-    dp_replicate / dp_shard: the mesh (HSDP when dp_replicate > 1).
-    compile: `torch.compile` each block in place before sharding (`fullshard.compile`); True uses
-        inductor, a string names another `torch.compile` backend (torchtitan's `compile.backend`).
-    prefetch: explicit all-gather prefetch depth across block units (0: FSDP's default order;
-        `fullshard.compile.set_block_prefetch`).
-    tp_size: tensor-parallel ranks per layer; the mesh is dp_replicate x dp_shard x cp x tp.
-    tp_plan: "auto" (the model's transformers TP plan) or a dict of module glob -> style name.
-    cp_size: context-parallel ranks per sequence; FSDP shards over dp_shard x cp.
-    ep_size: expert-parallel ranks per MoE layer: each holds num_experts / ep_size whole experts,
-        sharded further over the dp_shard x cp / ep_size ranks holding the same ones (`parallel/ep.py`).
-    timeout_s: how long a collective waits for a rank that stopped calling it before every rank
-        fails (the process group's timeout), so a stalled rank ends the run instead of hanging it.
-    pp_size: pipeline stages over ranks; the mesh is pp x dp_replicate x dp_shard x cp x tp, each
-        stage sharded over its own sub-mesh (`fullshard.parallel.pp`).
-    pp_schedule: GPipe, 1F1B, Interleaved1F1B or LoopedBFS (the last two need pp_virtual_stages >= 2)
-    pp_microbatches: pipeline micro-batches per trainer micro-batch, dividing it (unset: pp_size)
-    pp_virtual_stages: stages per pp rank (stage s runs on pp rank s mod pp_size).
-    pp_layers_per_stage: decoder layers of each stage, in order; unset: balanced by parameter count.
-    freeze: parts left untrained, set before sharding (no gradients, no optimizer state): the words
-        vision / audio / projector / language, or globs over module and parameter names; "auto" freezes a
-        VLM's vision (and an Omni model's audio) tower and nothing of other models; [] or "none" trains
-        everything (`fullshard.plan.towers`).
-    """
+    """Everything that decides how a model is sharded, each setting documented under its field (what
+    `fullshard train --help` prints for `fsdp.*`). LLaMA-Factory's FSDP2 `dist_config` dict maps onto it."""
 
     mixed_precision: str = "fp32"
+    """compute dtype of the all-gathered weights (bf16 / fp16 / fp32); the sharded master weights keep their own dtype
+    and gradients are reduced in `reduce_dtype`"""
     reduce_dtype: str = "fp32"
+    """dtype gradients are reduced in"""
     reshard_after_forward: bool | int = True
+    """True frees the full weight after each unit's forward (least memory), False keeps it until backward (no second
+    all-gather), an int reshards to groups of that many ranks (inside a node, say)"""
     offload_params: bool = False
+    """keep sharded parameters, gradients and optimizer state on CPU"""
     pin_memory: bool = True
+    """pin the offloaded CPU memory; only honoured where an accelerator exists"""
     activation_checkpointing: bool | str = False
+    """recompute activations in backward (non-reentrant): `full` (or true) every block whole, `selective` every block
+    with the outputs of attention and of every other matmul kept (torchtitan's per-op policy), `every_n` every
+    `ac_every`-th block whole, `none` (or false) nothing"""
     ac_every: int = 2
+    """with `every_n`, checkpoint the ac_every-th, 2 x ac_every-th, ... block"""
     activation_offload: bool = False
+    """move the tensors each block saves for backward to host memory during forward and back one block ahead in
+    backward (`fullshard.activation_offload`); with checkpointing only the checkpoints move"""
     float8: str = "none"
+    """none, tensorwise or rowwise: the blocks' Linear layers compute in float8 through torchao (`fullshard.float8`;
+    needs `fullshard[float8]` and an SM 8.9+ GPU or the CPU); tensorwise also all-gathers their weights in float8.
+    Weights stay in the model's dtype"""
     float8_skip: list[str] = field(default_factory=list)
+    """globs of further Linear layers to keep in high precision"""
     plan: Any = "auto"
+    """auto, a transformers `fsdp_plan` dict, or a `ShardingPlan`"""
     dp_replicate: int = 1
+    """replicas of the sharded model over the mesh (HSDP when > 1)"""
     dp_shard: int = -1
+    """ranks each replica is sharded over; -1: the rest of the world"""
     tp_size: int = 1
+    """tensor-parallel ranks per layer; the mesh is dp_replicate x dp_shard x cp x tp"""
     tp_plan: Any = "auto"
+    """auto (the model's transformers TP plan) or a dict of module glob -> style name"""
     cp_size: int = 1
+    """context-parallel ranks per sequence; FSDP shards over dp_shard x cp"""
     ep_size: int = 1
+    """expert-parallel ranks per MoE layer: each holds num_experts / ep_size whole experts, sharded further over the
+    dp_shard x cp / ep_size ranks holding the same ones (`parallel/ep.py`)"""
     dcp_path: str | None = None
+    """a DCP checkpoint to load the weights from instead of model.name_or_path"""
     compile: bool | str = False
+    """`torch.compile` each block in place before sharding (`fullshard.compile`); True uses inductor, a string names
+    another `torch.compile` backend (torchtitan's `compile.backend`)"""
     prefetch: int = 0
+    """explicit all-gather prefetch depth across block units (0: FSDP's default order;
+    `fullshard.compile.set_block_prefetch`)"""
     timeout_s: float = 1800.0
+    """how long a collective waits for a rank that stopped calling it before every rank fails (the process group's
+    timeout), so a stalled rank ends the run instead of hanging it"""
     pp_size: int = 1
+    """pipeline stages over ranks; the mesh is pp x dp_replicate x dp_shard x cp x tp, each stage sharded over its own
+    sub-mesh (`fullshard.parallel.pp`)"""
     pp_schedule: str = "1F1B"
+    """GPipe, 1F1B, Interleaved1F1B or LoopedBFS (the last two need pp_virtual_stages >= 2)"""
     pp_microbatches: int | None = None
+    """pipeline micro-batches per trainer micro-batch, dividing it (unset: pp_size)"""
     pp_virtual_stages: int = 1
+    """stages per pp rank (stage s runs on pp rank s mod pp_size)"""
     pp_layers_per_stage: list[int] | None = None
+    """decoder layers of each stage, in order; unset: balanced by parameter count"""
     freeze: Any = "auto"
+    """parts left untrained, set before sharding (no gradients, no optimizer state): the words vision / audio /
+    projector / language, or globs over module and parameter names; "auto" freezes a VLM's vision (and an Omni
+    model's audio) tower and nothing of other models; [] or "none" trains everything (`fullshard.plan.towers`)"""
 
     def __post_init__(self) -> None:
         for key in ("mixed_precision", "reduce_dtype"):

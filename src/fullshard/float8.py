@@ -118,11 +118,11 @@ def convert_to_float8(model: nn.Module, recipe: str, skip=()) -> list[str]:
     chosen = set(converted)
     convert_to_float8_training(model, module_filter_fn=lambda module, name: name in chosen,
                                config=linear_config(recipe))
-    if kept:
-        said = "; ".join(f"{name} ({why})" for name, why in kept.items())
-        log_rank0(f"float8 {recipe}: {len(converted)} Linear layers in float8; kept in high precision: "
-                  f"{said}", once=True)
-    model._fullshard_float8 = recipe
+    said = "; ".join(f"{name} ({why})" for name, why in kept.items()) or "none"
+    log_rank0(f"float8 {recipe}: {len(converted)} Linear layers in float8; kept in high precision: {said}",
+              once=True)
+    for name in converted:  # marked on the layers: a pipeline rank's module shares them with its stages
+        model.get_submodule(name)._fullshard_float8 = recipe
     return converted
 
 
@@ -138,16 +138,19 @@ def float8_modules(model: nn.Module) -> list[str]:
 def precompute_scales(model: nn.Module) -> None:
     """tensorwise: every float8-gathered weight's scale for the next all-gather, in one all-reduce
     for the whole model (torchao's recommendation, after each optimizer step); otherwise nothing."""
-    roots = [m for m in model.modules() if getattr(m, "_fullshard_float8", None) == "tensorwise"]
-    if not roots:
+    if not gathers_float8(model):
         return
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
-    for root in roots:
-        precompute_float8_dynamic_scale_for_fsdp(root)
+    precompute_float8_dynamic_scale_for_fsdp(model)
+
+
+def gathers_float8(model: nn.Module) -> bool:
+    """Whether any layer of `model` was converted with the tensorwise recipe (float8 all-gather)."""
+    return any(getattr(m, "_fullshard_float8", None) == "tensorwise" for m in model.modules())
 
 
 def register_scale_precompute(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
     """Precompute the tensorwise float8 scales after every step of `optimizer` (a no-op otherwise)."""
-    if any(getattr(m, "_fullshard_float8", None) == "tensorwise" for m in model.modules()):
+    if gathers_float8(model):
         optimizer.register_step_post_hook(lambda *_: precompute_scales(model))

@@ -40,6 +40,8 @@ def gathered(model: nn.Module):
               for group in _param_groups(module._get_fsdp_state())]
     settings = [group.post_forward_mesh_info for group in groups]
     try:
+        if isinstance(model, FSDPModule):  # the root first: a VLM's generate runs its vision tower
+            model._get_fsdp_state()._lazy_init()  # before any forward of the root (its encoder outputs)
         for group in groups:
             group.post_forward_mesh_info = None  # what `set_reshard_after_forward(False)` sets
         for module in model.modules():
@@ -123,10 +125,31 @@ def prompt_text(tokenizer, prompt: str) -> str:
     return prompt
 
 
-def generate_text(path: str, prompts: list[str], *, max_new_tokens: int = 64, do_sample: bool = False,
-                  temperature: float = 1.0, seed: int = 0) -> list[str]:
+def vision_prompts(processor, prompts: list[str], images: list[list[str]]) -> dict:
+    """A vision-language model's inputs for `prompts`, each a user turn of the processor's chat
+    template holding its images (files) before its text, through the model's own processor: token
+    ids, mask, pixels and whatever else it gives (Qwen2-VL's `mm_token_type_ids`, without which its
+    positions are text positions and generation goes wrong without an error)."""
+    from PIL import Image
+
+    texts, pictures = [], []
+    for prompt, files in zip(prompts, images):
+        parts = [{"type": "image"} for _ in files] + [{"type": "text", "text": prompt}]
+        texts.append(processor.apply_chat_template([{"role": "user", "content": parts}], tokenize=False,
+                                                   add_generation_prompt=True))
+        for file in files:
+            with Image.open(file) as image:
+                pictures.append(image.convert("RGB"))
+    return dict(processor(text=texts, images=pictures or None, padding=True, add_special_tokens=False,
+                          return_tensors="pt"))
+
+
+def generate_text(path: str, prompts: list[str], *, images: list[list[str]] | None = None,
+                  max_new_tokens: int = 64, do_sample: bool = False, temperature: float = 1.0,
+                  seed: int = 0) -> list[str]:
     """Every rank: load `path` sharded, complete its share of `prompts`, and return (rank 0 also prints)
-    every completion, in the prompts' order."""
+    every completion, in the prompts' order. `images[i]` are image files for prompt i: the model's
+    processor (its image processor and chat template) reads them with the prompt."""
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
@@ -136,20 +159,33 @@ def generate_text(path: str, prompts: list[str], *, max_new_tokens: int = 64, do
     init_distributed()
     rank, world = get_rank(), get_world_size()
     torch.manual_seed(seed + rank)
+    images = images or [[] for _ in prompts]
+    processor = None
     with model_directory(path) as directory:
-        tokenizer = AutoTokenizer.from_pretrained(directory)
+        if any(images):
+            from .data.vision import load_processor
+
+            processor = load_processor(directory)  # image-only where its video half needs torchvision
+            tokenizer = processor.tokenizer
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(directory)
         model = from_pretrained(directory)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     mine = list(range(rank, len(prompts), world))
-    texts = [prompt_text(tokenizer, prompts[i]) for i in mine]
-    encoded = tokenizer(
-        texts or [""], return_tensors="pt", padding=True, add_special_tokens=not tokenizer.chat_template
-    )
-    ids, mask = (encoded["input_ids"], encoded["attention_mask"]) if texts else (encoded["input_ids"][:0], None)
+    if processor is not None and mine:
+        encoded = vision_prompts(processor, [prompts[i] for i in mine], [images[i] for i in mine])
+    else:
+        texts = [prompt_text(tokenizer, prompts[i]) for i in mine]
+        encoded = dict(tokenizer(texts or [""], return_tensors="pt", padding=True,
+                                 add_special_tokens=not tokenizer.chat_template))
+    ids, mask = encoded.pop("input_ids"), encoded.pop("attention_mask")
+    if not mine:
+        ids, mask, encoded = ids[:0], None, {}
     sampling = dict(do_sample=True, temperature=temperature) if do_sample else dict(do_sample=False)
-    output = generate(model, ids, mask, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, **sampling)
+    output = generate(model, ids, mask, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                      **sampling, **encoded)
     completions = tokenizer.batch_decode(output[:, ids.shape[1]:], skip_special_tokens=True)
     everyone: list = [None] * world
     dist.all_gather_object(everyone, list(zip(mine, completions)))

@@ -20,7 +20,7 @@ import torch
 
 from ..errors import ConfigError
 from .chat import IGNORE_INDEX
-from .pack import IMAGES, ROPE_COLUMNS
+from .pack import IMAGES, ROPE_COLUMNS, SPLIT_COLUMN
 from .vision import decode_images
 
 
@@ -152,5 +152,7 @@ def eval_batches(sequences, micro_batch_size: int, dp_rank: int, dp_size: int, n
         real = list(range(start, min(start + micro_batch_size, num_rows)))
         batch = rows.take(real + [0] * (micro_batch_size - len(real)))
         batch["labels"][len(real):] = IGNORE_INDEX
+        if SPLIT_COLUMN in batch:  # a filler holds no preference pair either
+            batch[SPLIT_COLUMN][len(real):] = 0
         batches.append(batch)
     return batches

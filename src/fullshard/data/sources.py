@@ -100,8 +100,8 @@ def _builder_kwargs(builder: str) -> dict:
 def load_records(source: Source, cache_dir: Path, layouts: tuple[tuple[str, ...], ...], streaming: bool = False,
                  optional: tuple[str, ...] = ()):
     """The source as one `datasets.Dataset` (or `IterableDataset` when streaming) holding only the
-    columns of the first of `layouts` (alternative column sets, e.g. messages or prompt+response)
-    that it has, and those of `optional` it has. A text file's one column is named after the first
+    columns of the `layouts` (alternative column sets, e.g. messages or prompt+response; each record
+    has one) that it has, and those of `optional` it has. A text file's one column is named after the first
     layout's first field."""
     import datasets
 
@@ -176,32 +176,46 @@ def _load_files(builder: str, files: tuple[Path, ...], cache_dir: Path, layouts,
 
 
 def _select_layout(part, where: str | None, files: tuple[Path, ...], layouts, optional: tuple[str, ...] = ()):
-    """Keep the columns of the first layout the part has (and the optional ones it has); a missing
-    field names the file and line."""
+    """Keep the columns of every layout the part has (a chat file may hold `messages` records and
+    prompt/response ones) and the optional ones it has; a record with none of its layouts' fields
+    names the file and line."""
     columns = list(part.column_names or next(iter(part), {}))  # a stream may know its fields only when read
-    layout = next((lay for lay in layouts if all(c in columns for c in lay)), None)
-    wanted = " or ".join("+".join(repr(c) for c in lay) for lay in layouts)
-    if layout is None:
+    present = [lay for lay in layouts if all(c in columns for c in lay)]
+    if not present:
         place = where or locate_row(files, 0)
+        wanted = " or ".join("+".join(repr(c) for c in lay) for lay in layouts)
         raise ConfigError(f"{place} has no field {wanted} (fields: {', '.join(columns)}; set data.text_field "
                           "or data.format)")
-    part = part.select_columns([*layout, *(c for c in optional if c in columns and c not in layout)])
+    kept = list(dict.fromkeys(c for lay in present for c in lay))
+    part = part.select_columns([*kept, *(c for c in optional if c in columns and c not in kept)])
     if not hasattr(part, "__len__"):
         return part  # streaming: a record missing a field is named when it is read
     if len(part) == 0:
         raise ConfigError(f"{where or ', '.join(str(f) for f in files)} holds no records")
-    import pyarrow.compute as pc
-
-    for column in layout:
-        nulls = pc.is_null(part.data.column(column))
-        if pc.any(nulls).as_py():
-            row = int(pc.index(nulls, True).as_py())
-            raise ConfigError(f"{locate_row(files, row) if files else f'row {row + 1} of {where}'} "
-                              f"has no field {column!r}")
+    row = _first_without(part, present)
+    if row is not None:
+        place = locate_row(files, row) if files else f"row {row + 1} of {where}"
+        if len(present) == 1:
+            record = part[row]
+            missing = next(c for c in present[0] if record[c] is None)
+            raise ConfigError(f"{place} has no field {missing!r}")
+        raise ConfigError(f"{place} has no field {' or '.join('+'.join(repr(c) for c in lay) for lay in present)}")
     return part
 
 
 # ---------------------------------------------------------------------------------------------- errors
+
+
+def _first_without(part, layouts) -> int | None:
+    """The first row whose fields of every one of `layouts` are not all set, if any."""
+    import functools
+
+    import pyarrow.compute as pc
+
+    table = part.data
+    complete = [functools.reduce(pc.and_, [pc.is_valid(table.column(c)) for c in lay]) for lay in layouts]
+    missing = pc.invert(functools.reduce(pc.or_, complete))
+    return int(pc.index(missing, True).as_py()) if pc.any(missing).as_py() else None
 
 
 def locate_read_error(builder: str, files, err: Exception, layouts=()) -> ConfigError:

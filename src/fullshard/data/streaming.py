@@ -75,7 +75,7 @@ class StreamReader:
             self.epoch, self.record, self._records = self.epoch + 1, 0, None
             self.dataset.load_state_dict(self.start_state)
             return
-        columns = {k: [r[k] for r in records] for k in records[0]}
+        columns = {k: [r.get(k) for r in records] for k in dict.fromkeys(k for r in records for k in r)}
         try:
             out = self.tokenize(columns, list(range(self.record, self.record + len(records))))
         except RecordError as err:

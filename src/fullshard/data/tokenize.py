@@ -10,7 +10,7 @@ OVERLONG = ("drop", "truncate")
 
 
 def layouts(section) -> tuple[tuple[str, ...], ...]:
-    """The alternative column sets a format reads, first match wins."""
+    """The alternative column sets a format reads: each record has one (a chat file may mix them)."""
     if section.format == "chat":
         return (section.messages_field,), (section.prompt_field, section.response_field)
     if section.format == "preference":
@@ -53,10 +53,11 @@ class Tokenize:
         out = {"input_ids": [], "labels": [], "truncated": []}
         messages, prompt, response = self.chat_fields
         for k, row in enumerate(indices):
-            if messages in batch:
+            if messages in batch and batch[messages][k] is not None:  # else a prompt/response record
                 turns = as_messages(row, messages=batch[messages][k])
             else:
-                turns = as_messages(row, prompt=batch[prompt][k], response=batch[response][k])
+                turns = as_messages(row, prompt=batch.get(prompt, [None] * len(indices))[k],
+                                    response=batch.get(response, [None] * len(indices))[k])
             tools = as_tools(row, batch[self.tools_field][k]) if self.tools_field in batch else None
             ids, labels = tokenize_chat(self.tokenizer, self.template, turns, row, tools)
             out["truncated"].append(self._truncates(ids))

@@ -2,7 +2,11 @@
 
 A record is a chat whose turns carry content parts, the form transformers' processors' chat
 templates take: `{"type": "image", "image": "path.png"}` beside `{"type": "text", "text": ...}`
-(a relative path is relative to the data file's directory). Each record is rendered with the
+(a relative path is relative to the data file's directory), and for a processor that takes videos
+`{"type": "video", "video": ["frame0.png", "frame1.png", ...]}`: a video as its decoded frames (no
+video file is decoded here: transformers decodes them with torchvision / PyAV). A processor whose
+video half needs torchvision, which is not installed, is built for images only (`load_processor`),
+and a record with a video is then one error saying so, never silently read without it. Each record is rendered with the
 processor's chat template; the processor then loads the images (PIL), expands each image
 placeholder to the image's tokens and tokenizes. The assistant turns are located by rendering
 prefixes (`chat.assistant_spans`) and moved past the expanded placeholders before them; a token
@@ -139,7 +143,8 @@ def decode_images(blobs) -> dict[str, torch.Tensor]:
     from safetensors.torch import load
 
     parts = [load(bytes(b)) for b in blobs if b is not None and len(b)]
-    return {k: torch.cat([p[k] for p in parts]) for k in parts[0]} if parts else {}
+    keys = list(dict.fromkeys(k for p in parts for k in p))  # images in some, videos in others
+    return {k: torch.cat([p[k] for p in parts if k in p]) for k in keys}
 
 
 class RopeIndex:
@@ -175,12 +180,16 @@ class RopeIndex:
         return positions[:, 0].numpy()
 
 
-def vision_messages(row: int, messages) -> tuple[list[dict], list[str]]:
-    """A record's turns with their content parts (text or image; a string content is one text part)
-    and the image paths in order, checked."""
+class UnreadableVideo(RecordError):
+    """A video this processor cannot read here: an error even under `data.bad_images=drop`."""
+
+
+def vision_messages(row: int, messages) -> tuple[list[dict], list[str], list[list[str]]]:
+    """A record's turns with their content parts (text, image or video; a string content is one text
+    part), the image paths and each video's frame paths in order, checked."""
     if not isinstance(messages, list) or not messages:
         raise RecordError(row, "has no messages (a list of {role, content})")
-    turns, paths = [], []
+    turns, paths, videos = [], [], []
     for turn in messages:
         if not isinstance(turn, dict) or turn.get("role") not in ROLES:
             raise RecordError(row, f"has a turn that is not {{role: {'/'.join(ROLES)}, content}}: {turn!r}")
@@ -194,10 +203,17 @@ def vision_messages(row: int, messages) -> tuple[list[dict], list[str]]:
         for part in content:
             # rows read through Arrow carry every part's fields, the absent ones as None
             part = {k: v for k, v in part.items() if v is not None} if isinstance(part, dict) else part
-            if not isinstance(part, dict) or part.get("type") not in ("text", "image"):
-                raise RecordError(row, f"has a content part that is neither {{type: text, text}} nor "
-                                       f"{{type: image, image: path}}: {part!r}")
-            if part["type"] == "image":
+            if not isinstance(part, dict) or part.get("type") not in ("text", "image", "video"):
+                raise RecordError(row, f"has a content part that is neither {{type: text, text}}, "
+                                       f"{{type: image, image: path}} nor {{type: video, video: [frame paths]}}: "
+                                       f"{part!r}")
+            if part["type"] == "video":
+                frames = part.get("video")
+                if not isinstance(frames, list) or not frames or not all(isinstance(f, str) for f in frames):
+                    raise UnreadableVideo(row, f"has a video part that is not a list of frame image paths: {part!r} "
+                                               "(no video file is decoded here: give its frames, decoded)")
+                videos.append(frames)
+            elif part["type"] == "image":
                 if not isinstance(part.get("image"), str):
                     raise RecordError(row, f"has an image part without a file path: {part!r}")
                 paths.append(part["image"])
@@ -207,7 +223,7 @@ def vision_messages(row: int, messages) -> tuple[list[dict], list[str]]:
         turns.append({"role": turn["role"], "content": parts})
     if not any(t["role"] == "assistant" for t in turns):
         raise RecordError(row, "is a conversation with no assistant turn (nothing to train on)")
-    return turns, paths
+    return turns, paths, videos
 
 
 def open_image(row: int, path: Path):
@@ -237,7 +253,8 @@ class VisionTokenize:
         self.drop_broken = getattr(section, "bad_images", "error") == "drop"
         self.template = chat_template_of(processor, section.chat_template)
         self.prefix_lm = answers_after_prefix(processor)
-        known = [i for i in getattr(processor, "image_token_ids", []) if i is not None]
+        known = [i for k in ("image_token_ids", "video_token_ids") for i in getattr(processor, k, None) or []
+                 if i is not None]
         self.image_ids = np.asarray(known, np.int64)
         probe = self._encode("ab", [(1, 2)], [])  # which per-token columns the processor gives
         self.columns = tuple(sorted([k for k, v in probe.items() if k not in TEXT_OUTPUTS and _per_token(v, None)]
@@ -250,8 +267,8 @@ class VisionTokenize:
         for k, row in enumerate(indices):
             try:
                 documents.append(self.document(row, batch[self.field][k]))
-            except RecordError:
-                if not self.drop_broken:
+            except RecordError as error:
+                if not self.drop_broken or isinstance(error, UnreadableVideo):
                     raise
                 documents.append(None)
         out = {"input_ids": [], "labels": [], "truncated": [], "broken": [], IMAGE_KEY: [],
@@ -268,17 +285,19 @@ class VisionTokenize:
         return {"input_ids": [], "labels": [], IMAGE_KEY: b"", "truncated": False, **{c: [] for c in self.columns}}
 
     def document(self, row: int, messages) -> dict:
-        turns, names = vision_messages(row, messages)
-        files = [Path(n).expanduser() if Path(n).expanduser().is_absolute() else self.base_dir / n for n in names]
+        turns, names, clips = vision_messages(row, messages)
+        files = [self._path(n) for n in names]
         images = [open_image(row, f) for f in files]
+        videos = self._videos(row, clips)
         text, spans = assistant_spans(self.processor, self.template, turns, row)
-        placeholder = getattr(self.processor, "image_token", None)
-        if placeholder and text.count(placeholder) != len(images):
-            raise RecordError(row, f"renders {text.count(placeholder)} image placeholder(s) {placeholder!r} for "
-                                   f"{len(images)} image(s) ({', '.join(map(str, files)) or 'none'}): image tokens "
-                                   "must not appear in the text")
+        for kind, count in (("image", len(images)), ("video", len(videos))):
+            placeholder = getattr(self.processor, f"{kind}_token", None)
+            if placeholder and text.count(placeholder) != count:
+                raise RecordError(row, f"renders {text.count(placeholder)} {kind} placeholder(s) {placeholder!r} "
+                                       f"for {count} {kind}(s) ({', '.join(map(str, files)) or 'none'}): {kind} "
+                                       "tokens must not appear in the text")
         try:
-            encoded = self._encode(text, spans, images)
+            encoded = self._encode(text, spans, images, videos)
         except (ValueError, IndexError, StopIteration) as err:
             raise RecordError(row, f"has image tokens that do not match its image(s) "
                                    f"({', '.join(map(str, files))}): {err}") from None
@@ -288,7 +307,7 @@ class VisionTokenize:
         image_tensors = {k: torch.as_tensor(np.asarray(v)) for k, v in encoded.items()
                          if k not in TEXT_OUTPUTS and k not in columns}
         is_image = self._image_tokens(ids, columns)
-        self._check_image_tokens(row, files, is_image, encoded, len(images))
+        self._check_image_tokens(row, files, is_image, encoded, len(images) + len(videos))
         labels = (self._answer_labels if self.prefix_lm else self._labels)(ids, text, spans, encoded, is_image)
         if self.rope is not None:
             types = columns.get("mm_token_type_ids", is_image.astype(np.int64))
@@ -300,14 +319,29 @@ class VisionTokenize:
             if self.overlong == "drop":
                 return self._empty()
             cut, kept = self._cut(is_image)
+            if videos and kept < len(images) + len(videos):  # a video's tensors are not re-made: cut
+                cut, kept = int(np.argmax(is_image)), 0     # before the first image or video
             doc = {k: v[:cut] for k, v in doc.items()}
-            image_tensors = self._first_images(images[:kept]) if kept < len(images) else image_tensors
+            image_tensors = self._first_images(images[:kept]) if kept < len(images) + len(videos) else image_tensors
             doc["truncated"] = True
         doc = {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in doc.items()}
         doc[IMAGE_KEY] = encode_images(image_tensors)
         return doc
 
-    def _encode(self, text: str, spans, images: list) -> dict:
+    def _path(self, name: str) -> Path:
+        return Path(name).expanduser() if Path(name).expanduser().is_absolute() else self.base_dir / name
+
+    def _videos(self, row: int, clips: list[list[str]]) -> list[list]:
+        """Each video's frames, decoded; a processor without a video half here is one error."""
+        if clips and getattr(self.processor, "video_processor", None) is None:
+            from transformers.utils import is_torchvision_available
+
+            why = "" if is_torchvision_available() else \
+                " (its video processor needs torchvision, which is not installed: pip install torchvision)"
+            raise UnreadableVideo(row, f"has a video, but this model's processor reads no videos here{why}")
+        return [[open_image(row, self._path(f)) for f in frames] for frames in clips]
+
+    def _encode(self, text: str, spans, images: list, videos: list = ()) -> dict:
         """The processor's encoding of a rendered conversation with its images: the whole text, or for a
         prefix LM the prompt (up to the first assistant turn) and the answer (the rest) as its processor
         takes them for training (it then puts its BOS after the last image, ends the prompt with a
@@ -315,7 +349,9 @@ class VisionTokenize:
         tokenizer makes the same prompt/answer pair then, with the answer marked the same way."""
         options = dict(add_special_tokens=False, return_offsets_mapping=True)
         if not self.prefix_lm:
-            return self.processor(text=[text], images=images or None, return_text_replacement_offsets=True, **options)
+            media = {"videos": list(videos)} if videos else {}
+            return self.processor(text=[text], images=images or None, return_text_replacement_offsets=True, **media,
+                                  **options)
         prompt, answer = text[:spans[0][0]], text[spans[0][0]:]
         if images:
             return self.processor(text=[prompt], images=images, suffix=[answer], return_text_replacement_offsets=True,
@@ -324,8 +360,9 @@ class VisionTokenize:
         return tokenizer(text=[prompt], text_pair=[answer + tokenizer.eos_token], return_token_type_ids=True, **options)
 
     def _image_tokens(self, ids: np.ndarray, columns: dict) -> np.ndarray:
-        """The image tokens: the processor's image token ids (what each image is expanded to and what the
-        model scatters its features onto); `mm_token_type_ids` for a processor that names none."""
+        """The image (and video) tokens: the processor's image and video token ids (what each is expanded
+        to and what the model scatters its features onto); `mm_token_type_ids` for a processor that
+        names none."""
         if len(self.image_ids):
             return np.isin(ids, self.image_ids)
         types = columns.get("mm_token_type_ids")

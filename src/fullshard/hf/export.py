@@ -23,7 +23,7 @@ import shutil
 import struct
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -90,6 +90,37 @@ def source_dtype(model: torch.nn.Module) -> torch.dtype:
     return floating[0] if floating else torch.float32
 
 
+@dataclass
+class ExportRecipe:
+    """What an export writes, from which state tensor: the one description the live export, the
+    offline export (recorded in every checkpoint's `model_meta.json`) and the weight stream follow.
+
+    `names`: Hub name -> state key (tied aliases left out). `views`: for a Hub tensor that is a
+    region of its state tensor (one expert of a fused tensor), [sizes, strides, offset] in it.
+    `merges`: Hub name -> {"terms": [[A key or None, B key, scaling], ...], "fan_in_fan_out": bool},
+    the LoRA terms merged into it. `fp32`: half dtype's name -> Hub names transformers keeps in fp32
+    at that dtype. `adapter`: a LoRA model's adapter name and its file names (state key by PEFT's
+    file name)."""
+
+    names: dict[str, str] = field(default_factory=dict)
+    views: dict[str, list] = field(default_factory=dict)
+    merges: dict[str, dict] = field(default_factory=dict)
+    fp32: dict[str, list[str]] = field(default_factory=dict)
+    adapter: dict | None = None
+
+    def to_json(self) -> dict:
+        """The form `model_meta.json` keeps (empty parts left out)."""
+        out = {"names": self.names, "merges": self.merges, "views": self.views}
+        out.update({key: value for key, value in (("fp32", self.fp32), ("adapter", self.adapter)) if value})
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict) -> "ExportRecipe":
+        """A recipe from its JSON form, as every fullshard since the recipe was recorded wrote it."""
+        return cls(names=dict(data["names"]), views=dict(data.get("views", {})), merges=dict(data.get("merges", {})),
+                   fp32=dict(data.get("fp32", {})), adapter=data.get("adapter"))
+
+
 def alias_names(model: torch.nn.Module) -> set[str]:
     """Parameter names that are the same tensor as another, canonical one: written once, under the
     canonical name, as `save_pretrained` does. The canonical name is the tie's target in the HF tie
@@ -103,7 +134,7 @@ def alias_names(model: torch.nn.Module) -> set[str]:
     return aliases
 
 
-def hub_recipe(model: torch.nn.Module, names: dict[str, str], merges: dict, shapes) -> dict:
+def hub_recipe(model: torch.nn.Module, names: dict[str, str], merges: dict, shapes) -> ExportRecipe:
     """A recipe in the Hub's layout: `names` (the model's own output name -> state key) and `merges`
     (output name -> LoRA terms) renamed and split as transformers' `save_pretrained` writes them
     (`fullshard.loading.convert.hub_views`); `views` gives, for a Hub tensor that is a region of its
@@ -112,16 +143,14 @@ def hub_recipe(model: torch.nn.Module, names: dict[str, str], merges: dict, shap
         views = hub_views(model, {out: tuple(shapes[key]) for out, key in names.items()})
     except ValueError as err:
         raise CheckpointError(f"cannot export {model_class_name(model)} in the Hub layout: {err}") from None
-    recipe: dict = {"names": {}, "merges": {}, "views": {}}
+    recipe = ExportRecipe()
     for hub_name, view in views.items():
-        recipe["names"][hub_name] = names[view.source]
+        recipe.names[hub_name] = names[view.source]
         if view.source in merges:
-            recipe["merges"][hub_name] = merges[view.source]
+            recipe.merges[hub_name] = merges[view.source]
         if view.view is not None:
-            recipe["views"][hub_name] = [list(view.view[0]), list(view.view[1]), view.view[2]]
-    kept = kept_in_fp32(model, {hub_name: view.source for hub_name, view in views.items()})
-    if kept:
-        recipe["fp32"] = kept
+            recipe.views[hub_name] = [list(view.view[0]), list(view.view[1]), view.view[2]]
+    recipe.fp32 = kept_in_fp32(model, {hub_name: view.source for hub_name, view in views.items()})
     return recipe
 
 
@@ -149,7 +178,7 @@ def kept_in_fp32(model: torch.nn.Module, own_names: dict[str, str]) -> dict[str,
     return kept
 
 
-def export_recipe(model: torch.nn.Module, shapes) -> dict:
+def export_recipe(model: torch.nn.Module, shapes) -> ExportRecipe:
     """What an export writes from a model's state (`shapes`: state key -> anything with a `.shape`, or
     the shape): Hub name -> state key (tied aliases left out), and where a Hub tensor is a region of
     its state tensor, the region. A LoRA model's recipe (`fullshard.lora.merge_recipe`) also merges
@@ -159,10 +188,10 @@ def export_recipe(model: torch.nn.Module, shapes) -> dict:
     return hub_recipe(model, {k: k for k in shapes if k not in aliases}, {}, shapes)
 
 
-def recipe_view(recipe: dict, name: str) -> HubView:
+def recipe_view(recipe: ExportRecipe, name: str) -> HubView:
     """Where the Hub tensor `name` of a recipe lies in its state tensor."""
-    view = recipe.get("views", {}).get(name)
-    return HubView(recipe["names"][name], None if view is None else (tuple(view[0]), tuple(view[1]), int(view[2])))
+    view = recipe.views.get(name)
+    return HubView(recipe.names[name], None if view is None else (tuple(view[0]), tuple(view[1]), int(view[2])))
 
 
 def merge_lora(base: torch.Tensor, terms: list[tuple[torch.Tensor | None, torch.Tensor, float]],
@@ -207,13 +236,13 @@ class Entry:
         return numel * self.dtype.itemsize
 
 
-def written_dtype(recipe: dict, name: str, stored: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
+def written_dtype(recipe: ExportRecipe, name: str, stored: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
     """What the recipe's Hub tensor `name`, stored as `stored`, is written as: floating point cast to
     `dtype` (None: as stored), except what transformers keeps in fp32 at that dtype (`kept_in_fp32`);
     the rest as stored. The export, the weight stream and the offline export all ask here."""
     if not stored.is_floating_point or dtype is None:
         return stored
-    return torch.float32 if name in recipe.get("fp32", {}).get(dtype_name(dtype), ()) else dtype
+    return torch.float32 if name in recipe.fp32.get(dtype_name(dtype), ()) else dtype
 
 
 def plan_files(entries: list[Entry], max_bytes: int) -> list[tuple[str, list[Entry]]]:
@@ -358,20 +387,20 @@ class Unit:
     merge: dict | None
 
 
-def export_units(recipe: dict, entries: list[Entry]) -> list[Unit]:
+def export_units(recipe: ExportRecipe, entries: list[Entry]) -> list[Unit]:
     """The entries grouped by the state tensor they come from, in the order of their first entry."""
     units: dict[str, Unit] = {}
     for entry in entries:
         view = recipe_view(recipe, entry.name)
-        unit = units.setdefault(view.source, Unit(view.source, [], recipe["merges"].get(entry.name)))
+        unit = units.setdefault(view.source, Unit(view.source, [], recipe.merges.get(entry.name)))
         unit.outputs.append((entry, view))
     return list(units.values())
 
 
-def recipe_entries(recipe: dict, state: dict, out_dtype: torch.dtype) -> list[Entry]:
+def recipe_entries(recipe: ExportRecipe, state: dict, out_dtype: torch.dtype) -> list[Entry]:
     """The Hub tensors a recipe writes from `state` (this rank's part of it): name, shape, dtype written."""
     entries = []
-    for name, key in recipe["names"].items():
+    for name, key in recipe.names.items():
         view = recipe_view(recipe, name)
         shape = view.view[0] if view.view is not None else tuple(state[key].shape)
         entries.append(Entry(name, tuple(shape), written_dtype(recipe, name, state[key].dtype, out_dtype)))
@@ -566,8 +595,9 @@ def export_hf(model: torch.nn.Module, output_dir: str | os.PathLike, tokenizer=N
     return write_export(model, output_dir, state, export_recipe(model, state), tokenizer, dtype, max_shard_size)
 
 
-def write_export(model: torch.nn.Module, output_dir: str | os.PathLike, state: dict, recipe: dict, tokenizer=None,
-                 dtype: torch.dtype | str | None = None, max_shard_size: int | str = DEFAULT_SHARD_SIZE) -> Path:
+def write_export(model: torch.nn.Module, output_dir: str | os.PathLike, state: dict, recipe: ExportRecipe,
+                 tokenizer=None, dtype: torch.dtype | str | None = None,
+                 max_shard_size: int | str = DEFAULT_SHARD_SIZE) -> Path:
     """`export_hf` of `state` (a state dict, sharded or not) following `recipe` (`export_recipe`, or
     `fullshard.lora.merge_recipe` for a LoRA model merged): every rank calls it."""
     output_dir = Path(output_dir)

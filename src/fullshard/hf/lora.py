@@ -23,7 +23,7 @@ from ..distributed import broadcast_from_rank0, get_rank, get_world_size, run_ag
 from ..errors import CheckpointError
 from ..fsdp import reshard_all
 from ..tensors import holds_part
-from .export import alias_names, first_holder, gather_full, hub_recipe, staging_dir, write_export
+from .export import ExportRecipe, alias_names, first_holder, gather_full, hub_recipe, staging_dir, write_export
 
 PEFT_PREFIX = "base_model.model."
 BASE_LAYER = ".base_layer"
@@ -152,7 +152,7 @@ def _lora_layers(peft_model) -> tuple[dict[str, dict], list[str]]:
     return layers, problems
 
 
-def merge_recipe(peft_model, state_keys: dict) -> dict:
+def merge_recipe(peft_model, state_keys: dict) -> ExportRecipe:
     """How to write the merged model from the PEFT model's state (`state_keys`: state key -> tensor
     or shape, live or in a checkpoint): `names` maps each output name (the base model's, in the
     Hub's layout, tied aliases left out) to its state key, `views` a Hub tensor's region of it, and
@@ -181,7 +181,8 @@ def merge_recipe(peft_model, state_keys: dict) -> dict:
     adapter = peft_model.active_adapter
     shapes = {k: tuple(getattr(v, "shape", v)) for k, v in state_keys.items()}
     recipe = hub_recipe(peft_model.get_base_model(), names, merges, shapes)
-    return {**recipe, "adapter": {"name": adapter, "files": adapter_file_names(state_keys, adapter)}}
+    recipe.adapter = {"name": adapter, "files": adapter_file_names(state_keys, adapter)}
+    return recipe
 
 
 def export_merged(peft_model, output_dir: str | os.PathLike, tokenizer=None, dtype=None,

@@ -25,6 +25,7 @@ from ..fsdp import model_class_name
 from .export import (
     DEFAULT_SHARD_SIZE,
     Entry,
+    ExportRecipe,
     SafetensorsStream,
     export_config,
     export_recipe,
@@ -45,14 +46,14 @@ def model_meta(model: torch.nn.Module, shapes: dict) -> dict:
     (`shapes`: every state key of the whole model -> its shape)."""
     base = model.get_base_model() if is_peft_model(model) else model
     try:
-        recipe = merge_recipe(model, shapes) if base is not model else export_recipe(model, shapes)
+        recipe = (merge_recipe(model, shapes) if base is not model else export_recipe(model, shapes)).to_json()
     except CheckpointError as err:  # training goes on; only the export is refused, by name
         recipe = {"refused": str(err)}
     return {"format": layout.FORMAT_VERSION, "class_name": model_class_name(base),
             "dtype": dtype_name(source_dtype(base)), "export": recipe}
 
 
-def _recipe(checkpoint: Path, meta: dict) -> dict:
+def _recipe(checkpoint: Path, meta: dict) -> ExportRecipe:
     recipe = meta.get("export")
     if not isinstance(recipe, dict):
         raise CheckpointError(f"{checkpoint / layout.MODEL_META} has no export recipe: the checkpoint was written by "
@@ -62,7 +63,7 @@ def _recipe(checkpoint: Path, meta: dict) -> dict:
     if not (checkpoint / layout.CONFIG).is_file():
         raise CheckpointError(f"{checkpoint / layout.CONFIG} is missing: the checkpoint was saved from a model "
                               "without a Hugging Face config, so there is nothing to export it as")
-    return recipe
+    return ExportRecipe.from_json(recipe)
 
 
 def _read(reader: CheckpointReader, keys: list[str]) -> dict[str, torch.Tensor]:
@@ -79,9 +80,9 @@ def _read(reader: CheckpointReader, keys: list[str]) -> dict[str, torch.Tensor]:
     return {key: state[f"model.{key}"] for key in keys}
 
 
-def _state_tensor(reader: CheckpointReader, recipe: dict, name: str) -> torch.Tensor:
+def _state_tensor(reader: CheckpointReader, recipe: ExportRecipe, name: str) -> torch.Tensor:
     """The whole state tensor the Hub tensor `name` comes from, its LoRA terms merged in."""
-    key, merge = recipe["names"][name], recipe["merges"].get(name)
+    key, merge = recipe.names[name], recipe.merges.get(name)
     if merge is None:
         return _read(reader, [key])[key]
     terms = merge["terms"]
@@ -89,12 +90,12 @@ def _state_tensor(reader: CheckpointReader, recipe: dict, name: str) -> torch.Te
     return merge_lora(read[key], [(read.get(a), read[b], s) for a, b, s in terms], merge["fan_in_fan_out"])
 
 
-def _hub_tensors(checkpoint: Path, recipe: dict, out_dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def _hub_tensors(reader: CheckpointReader, recipe: ExportRecipe, out_dtype: torch.dtype
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Every Hub tensor of the recipe, in its order, cast to `out_dtype` (`written_dtype`); a
     state tensor split into several (a fused MoE tensor, one per expert) is read once for all of them."""
-    reader = CheckpointReader(checkpoint)
     held: tuple[str | None, torch.Tensor | None] = (None, None)
-    for name in recipe["names"]:
+    for name in recipe.names:
         view = recipe_view(recipe, name)
         if held[0] != view.source:
             held = (None, None)  # the previous state tensor goes before the next is read
@@ -113,14 +114,15 @@ def checkpoint_hf_weights(path: str | os.PathLike, *, dtype: torch.dtype | str |
     checkpoint = layout.resolve_checkpoint(path)
     meta = layout.read_json(checkpoint / layout.MODEL_META)
     recipe = _recipe(checkpoint, meta)
-    yield from _hub_tensors(checkpoint, recipe, resolve_dtype(dtype) or resolve_dtype(meta["dtype"]))
+    out_dtype = resolve_dtype(dtype) or resolve_dtype(meta["dtype"])
+    yield from _hub_tensors(CheckpointReader(checkpoint), recipe, out_dtype)
 
 
-def _write_adapter(reader: CheckpointReader, recipe: dict, staging: Path) -> None:
+def _write_adapter(reader: CheckpointReader, recipe: ExportRecipe, staging: Path) -> None:
     """The PEFT adapter beside the merged model (`adapter/`), as `save_adapter` writes it."""
     from safetensors.torch import save_file
 
-    files = recipe["adapter"]["files"]
+    files = recipe.adapter["files"]
     read = _read(reader, list(files.values()))
     target = staging / layout.ADAPTER_DIR
     shutil.copytree(reader.checkpoint / layout.ADAPTER_DIR, target)
@@ -144,7 +146,7 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, output_dir: str | os.Pa
     out_dtype = resolve_dtype(dtype) or resolve_dtype(meta["dtype"])
     index = reader.metadata.state_dict_metadata
     entries = []
-    for name, key in recipe["names"].items():
+    for name, key in recipe.names.items():
         item = index.get(f"model.{key}")
         if item is None or not hasattr(item, "size"):
             raise CheckpointError(
@@ -158,14 +160,14 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, output_dir: str | os.Pa
     staging = staging_dir(output_dir)
     staging.mkdir(parents=True)
     try:
-        tensors = _hub_tensors(checkpoint, recipe, out_dtype)
+        tensors = _hub_tensors(reader, recipe, out_dtype)
         for fname, group in files:
             stream = SafetensorsStream(staging / fname, group)
             for entry in group:
                 name, tensor = next(tensors)
                 stream.write(name, tensor)
             stream.close()
-        if recipe.get("adapter"):
+        if recipe.adapter:
             _write_adapter(reader, recipe, staging)
         if (checkpoint / layout.TOKENIZER_DIR).is_dir():
             for item in (checkpoint / layout.TOKENIZER_DIR).iterdir():

@@ -35,7 +35,7 @@ from ..dtypes import resolve_dtype
 from ..errors import CheckpointError
 from ..fsdp import reshard_all
 from ..tensors import local_tensor
-from .export import HubView, export_recipe, merge_lora, recipe_entries, recipe_view, source_dtype
+from .export import ExportRecipe, HubView, export_recipe, merge_lora, recipe_entries, recipe_view, source_dtype
 from .lora import adapter_file_names, is_peft_model, merge_recipe
 from .offline import checkpoint_hf_weights
 
@@ -108,7 +108,7 @@ def _held_box(tensor: torch.Tensor) -> Box | None:
     return tuple(offset) if tensor.dim() else (), tuple(shape)
 
 
-def _recipe(model, lora: str) -> tuple[torch.nn.Module, dict, dict]:
+def _recipe(model, lora: str) -> tuple[torch.nn.Module, dict, ExportRecipe]:
     """The model whose config names the output, this rank's state, and the export's recipe."""
     if lora not in ("merge", "adapter"):
         raise ValueError(f"lora must be 'merge' or 'adapter', got {lora!r}")
@@ -120,16 +120,16 @@ def _recipe(model, lora: str) -> tuple[torch.nn.Module, dict, dict]:
         return model, state, export_recipe(model, state)
     if lora == "adapter":  # the adapter file's names, as `save_adapter` writes them, uncast
         files = adapter_file_names(state, model.active_adapter)
-        return model.get_base_model(), state, {"names": files, "merges": {}, "views": {}}
+        return model.get_base_model(), state, ExportRecipe(names=files)
     return model.get_base_model(), state, merge_recipe(model, state)
 
 
-def _local_units(state: dict, recipe: dict, out_dtype: torch.dtype | None) -> list[StreamUnit]:
+def _local_units(state: dict, recipe: ExportRecipe, out_dtype: torch.dtype | None) -> list[StreamUnit]:
     """This rank's units, from the recipe over the state tensors it holds."""
     units: dict[str, StreamUnit] = {}
     for entry in recipe_entries(recipe, state, out_dtype):
         view = recipe_view(recipe, entry.name)
-        merge = recipe["merges"].get(entry.name)
+        merge = recipe.merges.get(entry.name)
         if view.source not in units:
             tensor = state[view.source]
             if merge is None:
@@ -142,7 +142,7 @@ def _local_units(state: dict, recipe: dict, out_dtype: torch.dtype | None) -> li
     return list(units.values())
 
 
-def plan_stream(state: dict, recipe: dict, out_dtype: torch.dtype | None) -> list[StreamUnit]:
+def plan_stream(state: dict, recipe: ExportRecipe, out_dtype: torch.dtype | None) -> list[StreamUnit]:
     """Every unit of the whole model, the same list on every rank, each input's regions dealt to the
     first rank holding them (one object all-gather)."""
     units = _local_units(state, recipe, out_dtype)

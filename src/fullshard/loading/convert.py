@@ -126,6 +126,45 @@ class Transposed(Lazy):
 
 
 @dataclass
+class Chunked(Lazy):
+    """Chunk `index` of `torch.chunk(part, chunks, dim)`: one of several model tensors stored fused
+    (Qianfan-OCR's vision `qkv` split into `q_proj`, `k_proj`, `v_proj`), a region of the stored one."""
+
+    part: Lazy
+    dim: int
+    index: int
+    chunks: int
+
+    def __post_init__(self) -> None:
+        shape = list(self.part.shape)
+        self.dim %= len(shape)
+        self.size = -(-shape[self.dim] // self.chunks)  # torch.chunk's size
+        self.offset = self.index * self.size
+        shape[self.dim] = max(0, min(self.size, shape[self.dim] - self.offset))
+        self.shape, self.dtype, self.sources = tuple(shape), self.part.dtype, self.part.sources
+
+    def read_into(self, index, out):
+        start, stop, step = index[self.dim].indices(self.shape[self.dim])
+        moved = slice(start + self.offset, stop + self.offset, step)
+        self.part.read_into(index[: self.dim] + (moved,) + index[self.dim + 1:], out)
+
+
+def split_targets(converter, target: str, inputs: dict[str, list[Lazy]]) -> dict[str, Lazy] | None:
+    """The recipes of a one-to-many conversion (one stored tensor chunked into several model
+    tensors), each a region of the stored one; None for any other conversion."""
+    names = [type(op).__name__ for op in converter.operations]
+    parts = [p for ps in inputs.values() for p in ps]
+    op = converter.operations[0] if names == ["Chunk"] else None
+    if op is None or getattr(op, "num_shards_attribute", None) or len(parts) != 1:
+        return None
+    first, count = converter.target_patterns[0], len(converter.target_patterns)
+    if first not in target:
+        return None
+    return {target.replace(first, pattern, 1): Chunked(parts[0], op.dim, i, count)
+            for i, pattern in enumerate(converter.target_patterns)}
+
+
+@dataclass
 class Converted(Lazy):
     """A conversion with no sliceable form: the whole result is built once, then sliced."""
 
@@ -269,7 +308,11 @@ def plan_keys(reader: TensorReader, model_keys: dict[str, object], conversions: 
             inputs.setdefault(pattern, []).append(Stored(reader, key))
     recipes = dict(direct)
     for target, (converter, inputs) in grouped.items():
-        recipes[target] = plan_conversion(converter, inputs, target, model_keys)
+        split = split_targets(converter, target, inputs) if len(converter.target_patterns) > 1 else None
+        if split is not None and set(split) <= set(model_keys):
+            recipes.update(split)
+        else:
+            recipes[target] = plan_conversion(converter, inputs, target, model_keys)
     return KeyPlan(recipes, unexpected)
 
 
@@ -326,8 +369,9 @@ def hub_views(model, shapes: dict[str, tuple[int, ...]]) -> dict[str, HubView]:
 
     The reversal runs on meta tensors, where the split comes out as views: each Hub tensor's strides
     and offset inside its model tensor say which region it is, so an export writes (and a stream
-    gathers) the model's own rows without building the Hub tensors first. A conversion whose
-    result is not a region of one model tensor raises ValueError naming it."""
+    gathers) the model's own rows without building the Hub tensors first. A Hub tensor that is no
+    region of one model tensor (Qianfan-OCR's vision `qkv`, fused from three) is written as the model
+    tensors it is made of, under their own names, which transformers' loader takes as they are."""
     try:
         from transformers import PreTrainedModel
         from transformers.core_model_loading import revert_weight_conversion
@@ -343,10 +387,11 @@ def hub_views(model, shapes: dict[str, tuple[int, ...]]) -> dict[str, HubView]:
     for hub_name, tensor in reverted.items():
         base = tensor if tensor._base is None else tensor._base
         source = by_id.get(id(base))
-        if source is None:
-            raise ValueError(f"transformers' conversion gives the Hub tensor {hub_name!r} as a new tensor, "
-                             "not a region of one model tensor; fullshard cannot write it in place")
+        if source is None:  # made of several model tensors: they keep their own names (below)
+            continue
         whole = tensor is base
         views[hub_name] = HubView(source, None if whole else (tuple(tensor.shape), tuple(tensor.stride()),
                                                               tensor.storage_offset()))
+    covered = {view.source for view in views.values()}
+    views.update({name: HubView(name) for name in shapes if name not in covered})
     return views

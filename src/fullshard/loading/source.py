@@ -33,9 +33,11 @@ from .resolve import CheckpointFiles, find_checkpoint_files
 from .safetensors_reader import SafetensorsReader
 from .shards import local_region
 
-# slices are copied by this many threads (torch releases the GIL in `copy_`, and page faults on
-# the mapped files overlap); FULLSHARD_LOAD_THREADS overrides it
-LOAD_THREADS = max(1, int(os.environ.get("FULLSHARD_LOAD_THREADS", min(8, os.cpu_count() or 1))))
+
+def load_threads() -> int:
+    """Threads that copy slices (torch releases the GIL in `copy_`, and page faults on the mapped
+    files overlap); FULLSHARD_LOAD_THREADS overrides it, read at each load, not at import."""
+    return max(1, int(os.environ.get("FULLSHARD_LOAD_THREADS", min(8, os.cpu_count() or 1))))
 
 
 @dataclass
@@ -119,7 +121,7 @@ class HFSource:
     def read(self, targets: dict[str, torch.Tensor]) -> int:
         jobs = [(key, *local_region(target)) for key, target in targets.items()]
         jobs.sort(key=lambda job: -job[1].numel())  # largest first: the pool ends together
-        with ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="fullshard-load") as pool:
+        with ThreadPoolExecutor(load_threads(), thread_name_prefix="fullshard-load") as pool:
             for future in [pool.submit(self._read_one, key, local, region) for key, local, region in jobs]:
                 future.result()
         return self.reader.bytes_read

@@ -20,7 +20,8 @@ def build_objective(name: str, chunk_tokens: int, preference=None, lora: bool = 
     from .preference import AdapterReference, ModelReference, Preference
 
     strategy = preference.resolved_reference(lora)
-    reference = {"none": lambda: None, "adapter": AdapterReference,
+    # precompute: the table is read or computed once the run's starting weights are in (the trainer)
+    reference = {"none": lambda: None, "precompute": lambda: None, "adapter": AdapterReference,
                  "model": lambda: ModelReference(reference_model())}[strategy]()
     objective = Preference(preference, reference, chunk_tokens)
     objective.reference_strategy = strategy

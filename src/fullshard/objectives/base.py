@@ -17,6 +17,7 @@ class Objective:
     """What one training step optimises. `metrics` names the per-unit means it reports."""
 
     name = "objective"
+    unit = "tokens"  # what `count` counts, logged under this name when it is not the target tokens
     metrics: tuple[str, ...] = ()
 
     def count(self, batch: dict) -> int:

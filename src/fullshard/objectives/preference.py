@@ -9,7 +9,8 @@ formulas are TRL's `DPOTrainer._compute_loss` (sigmoid, hinge, ipo normalised by
 length, robust) and SimPO's (CPO's `simpo`: length-normalised, no reference, a margin gamma).
 
 Reference strategies (`preference.reference`): `model`, a frozen sharded copy of the starting
-weights (no gradients, no optimizer state); `adapter`, under LoRA the same model with its adapters
+weights (no gradients, no optimizer state); `precompute`, their log-probs computed once before
+training and cached (`precompute.py`); `adapter`, under LoRA the same model with its adapters
 disabled; `none`, reference-free losses.
 """
 
@@ -76,10 +77,15 @@ class Preference(Objective):
     """The preference section's loss over the pairs of each micro-batch."""
 
     name = "dpo"
+    unit = "pairs"
     metrics = METRICS
 
     def __init__(self, section, reference, chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS):
         self.section, self.reference, self.chunk_tokens = section, reference, chunk_tokens
+
+    @property
+    def reference_free(self) -> bool:
+        return self.section.loss_type == "simpo"
 
     def count(self, batch: dict) -> int:
         return pair_count(batch)
@@ -95,15 +101,15 @@ class Preference(Objective):
         s = self.section
         logps, lengths = self.sequence_logps(model, batch)
         chosen, rejected = logps[0::2], logps[1::2]
-        if self.reference is None:
+        if self.reference_free:
             ref_chosen = ref_rejected = torch.zeros_like(chosen)
         else:
-            ref = self.reference(model, batch, self)
+            ref = self.reference(model, batch, self).to(chosen.device)
             ref_chosen, ref_rejected = ref[0::2], ref[1::2]
         losses = preference_losses(s.loss_type, s.beta, chosen, rejected, ref_chosen, ref_rejected, lengths[0::2],
                                    lengths[1::2], s.label_smoothing, s.simpo_gamma)
         with torch.no_grad():
-            if self.reference is None:  # SimPO's implicit rewards: beta times the mean log-prob
+            if self.reference_free:  # SimPO's implicit rewards: beta times the mean log-prob
                 chosen_r, rejected_r = s.beta * chosen / lengths[0::2], s.beta * rejected / lengths[1::2]
             else:
                 chosen_r, rejected_r = s.beta * (chosen - ref_chosen), s.beta * (rejected - ref_rejected)

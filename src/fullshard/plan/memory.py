@@ -70,6 +70,7 @@ class MemoryEstimate:
     pipeline_gradients: int = 0  # a pipeline stage: its whole gradients, unsharded until the last micro-batch
     gradients_between_forwards: bool = False  # 1F1B: a later micro-batch's forward runs beside them
     offloaded: bool = False  # offload_params: the shards, their gradients and optimizer state live in host memory
+    host_activations: int = 0  # activation offload: the layers' saved tensors waiting in host memory
 
     @property
     def device_gradients(self) -> int:
@@ -115,6 +116,7 @@ class MemoryEstimate:
                 ("loss: logits (all, or a chunk's) and gradients", self.loss),
                 ("one unit's unsharded gradients", self.unit_gradients),
                 ("recomputed layer and its gradients", self.recompute), ("allocator rounding", self.allocator),
+                *([("activations offloaded (host memory)", self.host_activations)] if self.host_activations else []),
                 ("at the end of the forward", self.forward_peak), ("in the backward", self.backward_peak),
                 ("total (parameters, optimizer, rounding, larger moment)" if not self.offloaded else
                  "total on the device (offloaded: gathered units, activations, rounding)", self.total)]
@@ -223,7 +225,8 @@ def estimate_memory(model: nn.Module, plan: ShardingPlan, shard_size: int, micro
                     tp_assignments: dict[str, str] | None = None, tp_size: int = 1, cp_size: int = 1,
                     ep_size: int = 1, loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS,
                     stage_rows: int | None = None, in_flight: int = 1,
-                    all_forwards_first: bool = False, ac_every: int = 2) -> MemoryEstimate:
+                    all_forwards_first: bool = False, ac_every: int = 2, activation_offload: bool = False,
+                    float8: str = "none", float8_skip=()) -> MemoryEstimate:
     """The estimate for `model` (real or on meta) sharded by `plan` over `shard_size` (dp_shard) x
     `cp_size` ranks, after the modules of `tp_assignments` (name -> TP style) are split `tp_size` ways.
     With `ep_size` > 1 each MoE experts module is a unit of its own that gathers only this rank's
@@ -232,14 +235,18 @@ def estimate_memory(model: nn.Module, plan: ShardingPlan, shard_size: int, micro
     compute dtype if it differs.
 
     `accumulation_steps` None (unknown) counts the gradients through the forward; `device_type`
-    "cpu" has no allocator rounding. A pipeline stage (`estimate_run`) is `stage_rows` x `seq_len`."""
+    "cpu" has no allocator rounding. A pipeline stage (`estimate_run`) is `stage_rows` x `seq_len`.
+    `float8` tensorwise gathers the converted layers' weights in float8 (1 byte each, and a scale);
+    `activation_offload` keeps on the device two layers' saved tensors of all (the one computing and
+    the one prefetched), the rest on the host (`host_activations`; on a CPU nothing moves)."""
     from ..fsdp import ac_mode
 
     activation_checkpointing = ac_mode(activation_checkpointing)
     split = TensorParallelSplit(model, tp_assignments or {}, tp_size)
     units = _unit_bytes(model, plan, shard_size * cp_size, compute_dtype, optimizer,
                         ALLOCATOR_BLOCK if device_type != "cpu" else 1, split,
-                        expert_units(model, ep_size, shard_size * cp_size))
+                        expert_units(model, ep_size, shard_size * cp_size),
+                        float8_gathered(model, float8, float8_skip))
     seq_len = -(-seq_len // cp_size)  # this rank's part of each sequence
     config, compute_bytes = text_config(model.config), compute_dtype.itemsize
     stage = getattr(model, "fullshard_stage", None)  # a pipeline stage: its layers, ends and micro-batches
@@ -256,6 +263,13 @@ def estimate_memory(model: nn.Module, plan: ShardingPlan, shard_size: int, micro
     activations += in_flight * tokens * compute_bytes * layout_values(
         model, config, expert_units(model, ep_size, shard_size * cp_size), activation_checkpointing, layers,
         first, last, stage is not None, head is None)
+    host = 0
+    if activation_offload and device_type != "cpu":
+        count = layers or config.num_hidden_layers
+        moved = in_flight * tokens * offloaded_layer_bytes(config, compute_bytes, activation_checkpointing,
+                                                           ac_every, count, layer_tp, cp_size)
+        host = moved
+        activations -= moved - moved * min(2, count) // max(count, 1)
     loss, saved_loss = loss_bytes(config, head, tokens, compute_bytes, loss_chunk_tokens, in_flight) if last else (0, 0)
     recompute = recompute_bytes(config, tokens, compute_bytes, layer_tp, cp_size, layers, activation_checkpointing,
                                 ac_every)
@@ -275,6 +289,7 @@ def estimate_memory(model: nn.Module, plan: ShardingPlan, shard_size: int, micro
         in_flight=in_flight if stage is not None else 0,
         pipeline_gradients=units["trainable_numel"] * compute_bytes if stage is not None else 0,
         gradients_between_forwards=stage is not None and not all_forwards_first,
+        host_activations=host,
     )
 
 
@@ -388,7 +403,8 @@ def expert_units(model: nn.Module, ep_size: int, shard_size: int) -> dict[str, t
 
 def _unit_bytes(model: nn.Module, plan: ShardingPlan, shard_size: int, compute_dtype: torch.dtype, optimizer: str,
                 block: int, split: TensorParallelSplit,
-                experts: dict[str, tuple[str, int, bool]] | None = None) -> dict:
+                experts: dict[str, tuple[str, int, bool]] | None = None,
+                float8_weights: set[str] = frozenset()) -> dict:
     """Per FSDP unit: its all-gathered bytes in the compute dtype (a tp rank gathers its 1/tp), its
     element count and this rank's gradient shard; over the model: this rank's parameter shard and
     the allocator's rounding."""
@@ -402,10 +418,12 @@ def _unit_bytes(model: nn.Module, plan: ShardingPlan, shard_size: int, compute_d
             unit, ep, kept_whole = experts[name]
             gathered = 0 if kept_whole and param.dtype == compute_dtype else gathered // ep
         out["shard"] += per_rank
-        out["full"][unit] = out["full"].get(unit, 0) + gathered * compute_dtype.itemsize
+        # a float8-gathered weight: a byte per value and its fp32 scale
+        gathered_bytes = gathered + 4 if name in float8_weights else gathered * compute_dtype.itemsize
+        out["full"][unit] = out["full"].get(unit, 0) + gathered_bytes
         out["numel"][unit] = out["numel"].get(unit, 0) + gathered
         if type(modules.get(name.rpartition(".")[0])) is not nn.Embedding:  # FSDP does not gather those for backward
-            out["backward_full"][unit] = out["backward_full"].get(unit, 0) + gathered * compute_dtype.itemsize
+            out["backward_full"][unit] = out["backward_full"].get(unit, 0) + gathered_bytes
         if full_param.requires_grad:
             out["trainable_numel"] += param.numel()
             out["grad"][unit] = out["grad"].get(unit, 0) + per_rank
@@ -413,6 +431,25 @@ def _unit_bytes(model: nn.Module, plan: ShardingPlan, shard_size: int, compute_d
         copies = 1 + (1 + OPTIMIZER_STATES[optimizer]) * full_param.requires_grad
         out["rounding"] += copies * (-(-per_rank // block) * block - per_rank)
     return out
+
+
+def float8_gathered(model: nn.Module, float8: str, skip=()) -> set[str]:
+    """The weights FSDP all-gathers in float8: the converted layers' under `tensorwise`."""
+    if float8 != "tensorwise":
+        return set()
+    from ..float8 import float8_choices
+
+    return {f"{name}.weight" for name in float8_choices(model, skip)[0]}
+
+
+def offloaded_layer_bytes(config, compute_bytes: int, mode: str, every: int, layers: int, tp: int,
+                          cp: int) -> int:
+    """Bytes per token one layer's offload moves to the host, averaged over the layers: a plain
+    layer's saved tensors, a checkpointed layer's input only (selective's kept outputs stay)."""
+    recomputed = checkpointed_layers(layers, mode, every)
+    plain = (compute_bytes * layer_activation_values(config, tp, cp)
+             + 2 * norm_upcast_bytes(config, compute_bytes))
+    return ((layers - recomputed) * plain + recomputed * compute_bytes * config.hidden_size) // max(layers, 1)
 
 
 def measured_activation_bytes(model: nn.Module, run) -> int:
@@ -506,7 +543,8 @@ def estimate_run(model: nn.Module, engine, world_size: int, micro_batch_size: in
         estimate = estimate_memory(
             module, build_plan(module, engine.plan), dims.dp_shard, micro_batch_size, seq_len, compute,
             engine.activation_checkpointing, optimizer, accumulation_steps=accumulation_steps,
-            ac_every=engine.ac_every,
+            ac_every=engine.ac_every, activation_offload=engine.activation_offload, float8=engine.float8,
+            float8_skip=engine.float8_skip,
             device_type=device_type, reduce_dtype=reduce,
             tp_assignments=tp_assignments(module, engine.tp_plan, dims.tp), tp_size=dims.tp, cp_size=dims.cp,
             ep_size=dims.ep, loss_chunk_tokens=loss_chunk_tokens, **stage)

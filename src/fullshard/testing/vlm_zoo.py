@@ -28,7 +28,8 @@ SIZES = (
           "text_hidden_size", "projector_hidden_size", "moe_intermediate_size", "shared_expert_intermediate_size",
           "out_hidden_size", "output_dim", "projection_dim", "mm_hidden_size", "output_channels",
           "codebook_dim", "downsample_hidden_size", "vision_output_dim", "projector_input_dim",
-          "projector_output_dim", "mm_embed_dim", "output_proj_dims")),
+          "projector_output_dim", "mm_embed_dim", "output_proj_dims", "latent_channels",
+          "image_token_embed_dim")),  # the last two: a VQ image generator's (Janus)
     (64, ("intermediate_size", "ffn_dim", "d_ff", "max_position_embeddings", "n_positions", "mlp_dim",
           "dense_intermediate_size", "shared_intermediate_size", "num_position_embeddings", "mm_posemb_size",
           "encoder_ffn_dim",
@@ -44,6 +45,9 @@ SIZES = (
          "linear_key_head_dim", "linear_value_head_dim", "index_head_dim", "linear_head_dim")),
     (16, ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "ssm_state_size")),  # qk: nope + rope head dims
     (IMAGE, ("image_size", "max_img_size")),
+    (64, ("num_embeddings",)),  # a VQ image generator's codebook, channels, blocks (Janus)
+    (32, ("base_channels",)),  # GroupNorm over 32 groups
+    (1, ("num_res_blocks", "channel_multiplier")),
     ((IMAGE // 8) ** 2, ("mm_tokens_per_image", "num_image_tokens", "image_seq_length")),  # one per patch
 )
 SIZE = {key: value for value, keys in SIZES for key in keys}
@@ -180,12 +184,23 @@ def features_holder(model: nn.Module, function: str = "get_image_features") -> t
     return holder, keys
 
 
+def feature_params(model: nn.Module, function: str) -> set[str]:
+    """The inputs a layout is made for: the model's own function's (its optional extras as the outer
+    class takes them: LLaVA's inner `image_sizes` is Pixtral's), and those the one the forward calls
+    requires (VideoLLaMA3's `image_merge_sizes`)."""
+    holder = features_holder(model, function)[0]
+    params = set(inspect.signature(getattr(model, function)).parameters) \
+        if callable(getattr(type(model), function, None)) else set()
+    inner = inspect.signature(getattr(holder, function)).parameters.items()
+    return params | {k for k, p in inner if p.default is p.empty and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+
+
 def candidate_image_inputs(model: nn.Module, images: int, generator: torch.Generator,
                            video: bool = False) -> list[dict]:
     """The image layouts `get_image_features` may take, for `images` random images, most likely first;
     `video`: the video layouts `get_video_features` may take (two frames each)."""
     vision = vision_config(model.config)
-    params = set(features_holder(model, "get_video_features" if video else "get_image_features")[1])
+    params = feature_params(model, "get_video_features" if video else "get_image_features")
     channels = _first(vision, ("num_channels", "in_channels", "in_chans"), 3)
     size = _first(vision, ("image_size",), IMAGE)
     patch = _first(vision, ("patch_size",), 8)
@@ -313,7 +328,7 @@ class VLMInputs:
             labels[r - rows.start, 2:2 + self.video_tokens] = -100
         batch = {"input_ids": input_ids, "labels": labels}
         if self.mm_token_type:  # text 0, image 1, video 2
-            video = (input_ids == self.video_id).long()
+            video = (input_ids == (-1 if self.video_id is None else self.video_id)).long()
             batch["mm_token_type_ids"] = (input_ids == self.image_id).long() + 2 * video
         if self.token_types == "image":
             batch["token_type_ids"] = (input_ids == self.image_id).long()

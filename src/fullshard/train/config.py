@@ -136,7 +136,7 @@ class TrainSection:
     """tokens whose logits exist at once: the loss goes through the output head this many tokens at a time (same loss
     and gradients, far less memory for large vocabularies); 0 computes all logits at once"""
     log_every: PositiveInt = 10
-    """steps between metric lines"""
+    """steps between metric lines (step 1 and the last step are always logged)"""
     eval_every: NonNegativeInt = 0
     """steps between evaluations; 0 evaluates at the end only"""
     eval_batches: NonNegativeInt = 4
@@ -213,11 +213,7 @@ class CheckpointSection:
 
 @dataclass
 class FsdpSection(EngineConfig):
-    """How the model is sharded (the engine's settings).
-
-    reduce_dtype: dtype gradients are reduced in
-    dcp_path: a DCP checkpoint to load the weights from instead of model.name_or_path
-    """
+    """How the model is sharded (the engine's settings, each documented under its field in `EngineConfig`)."""
 
 
 @dataclass
@@ -262,9 +258,13 @@ class PreferenceSection:
     """robust: the assumed share of flipped labels"""
     simpo_gamma: float = 0.5
     """simpo: the target reward margin"""
-    reference: Literal["auto", "model", "adapter", "none"] = "auto"
-    """model: a frozen sharded copy of the starting weights; adapter: under LoRA the same model with its adapters
-    disabled; none: reference-free losses; auto: adapter under LoRA, none for simpo, else model"""
+    reference: Literal["auto", "model", "precompute", "adapter", "none"] = "auto"
+    """model: a frozen sharded copy of the starting weights; precompute: their log-probs of every pair computed once
+    before training and cached beside the tokenized rows (no reference held while training); adapter: under LoRA the
+    same model with its adapters disabled; none: reference-free losses; auto: adapter under LoRA, none for simpo,
+    else model"""
+    offload_reference: bool = False
+    """reference=model: keep its shards on the host, gathered to the device for its forwards (FSDP's CPU offload)"""
 
     def resolved_reference(self, lora: bool) -> str:
         """The reference strategy `auto` stands for, or the one set, checked against the loss and LoRA."""
@@ -277,6 +277,9 @@ class PreferenceSection:
         if not free and self.reference == "none":
             raise ConfigError(f"preference.loss_type={self.loss_type} needs a reference: set preference.reference to "
                               "model, adapter (LoRA) or auto")
+        if self.offload_reference and self.reference not in ("model", "auto"):
+            raise ConfigError(f"preference.offload_reference offloads a reference model, and preference.reference="
+                              f"{self.reference} holds none")
         if self.reference == "adapter" and not lora:
             raise ConfigError("preference.reference=adapter disables the LoRA adapters, and lora.r is unset: "
                               "use preference.reference=model or set lora.r")
@@ -289,7 +292,7 @@ SECTIONS = {"model": ModelSection, "data": DataSection, "train": TrainSection, "
 ALIASES = {"engine": "fsdp"}  # old name -> canonical name; a file may not use both
 PATH_KEYS = ("model.name_or_path", "data.path", "data.eval_path", "data.cache_dir", "train.output_dir",
              "checkpoint.dir", "checkpoint.resume", "fsdp.dcp_path")
-for _section in SECTIONS.values():  # key descriptions for --help come from the docstring under each key
+for _section in (*SECTIONS.values(), EngineConfig):  # --help: the docstring under each key, read by pydantic
     _section.__pydantic_config__ = ConfigDict(use_attribute_docstrings=True)
 
 
@@ -558,15 +561,24 @@ def _check_objective(config: TrainConfig) -> None:
 def key_rows(name: str) -> list[tuple[str, str, str, str]]:
     """(flag, type, default, one line) for every key of section `name`, from its definition."""
     cls = SECTIONS[name]
-    schema = TypeAdapter(cls).json_schema(mode="serialization")["properties"]
-    fallback = _docstring_keys(cls)
+    descriptions = key_descriptions(cls)
     hints = typing.get_type_hints(cls, include_extras=True)
     rows = []
     for f in dataclasses.fields(cls):
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        about = " ".join((schema.get(f.name, {}).get("description") or fallback.get(f.name, "")).split())
+        about = " ".join(descriptions.get(f.name, "").split())
         rows.append((f"--{name}.{f.name}", _type_label(hints[f.name]), _yaml_value(default), about))
     return rows
+
+
+def key_descriptions(cls) -> dict[str, str]:
+    """Each key's description: the docstring under it, in the section's class or a class it extends
+    (the fsdp section's keys are `EngineConfig`'s), as pydantic reads them."""
+    found = {}
+    for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):
+        properties = TypeAdapter(klass).json_schema(mode="serialization")["properties"]
+        found.update({key: value["description"] for key, value in properties.items() if "description" in value})
+    return found
 
 
 def describe_keys() -> str:
@@ -645,9 +657,3 @@ def docstring_entries(cls) -> dict[str, str]:
                 for key in match.group(2).replace("`", "").split("/"):
                     found[key.strip()] = entry
     return {key: " ".join(parts) for key, parts in found.items()}
-
-
-def _docstring_keys(cls) -> dict[str, str]:
-    """The first sentence of each docstring entry (`docstring_entries`): the help of keys defined
-    in a class whose source we do not own."""
-    return {key: first_sentence(text) for key, text in docstring_entries(cls).items()}

@@ -29,6 +29,7 @@ def check_before_launch(config: TrainConfig, world_size: int):
     _check_resume(config.checkpoint.resume)
     _check_data(config)
     model = use_attention(build_meta_model(config), config.model.attn_implementation)
+    _check_head(config, model)
     if config.fsdp.cp_size == 1:  # under cp the all-to-all attention replaces it
         attention_path(model, config.data.packing)
     if config.lora.enabled:
@@ -48,6 +49,20 @@ def check_before_launch(config: TrainConfig, world_size: int):
     return model
 
 
+HEADS_WITHOUT_TOKENS = ("ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering")
+
+
+def _check_head(config: TrainConfig, model) -> None:
+    """The next-token objectives need a language-model head: a classification checkpoint (a reward
+    model's `score` head) would fail inside the ranks on mismatched batch and target shapes."""
+    kind = type(model).__name__
+    if config.train.objective in ("sft", "dpo") and kind.endswith(HEADS_WITHOUT_TOKENS):
+        raise ConfigError(f"model.name_or_path={config.model.name_or_path!r} is a {kind} checkpoint (a score head, "
+                          f"no language-model head), which train.objective={config.train.objective} cannot train: "
+                          "it trains with the reward objective (train.objective=reward); for "
+                          f"{config.train.objective} use a causal-LM checkpoint (architectures: *ForCausalLM)")
+
+
 def _check_init_from(config: TrainConfig, model) -> None:
     """`checkpoint.init_from` names a complete checkpoint that fits the model (weights by name and
     shape, optimizer state when `init_optimizer` asks for it), read from its index alone."""
@@ -64,7 +79,7 @@ def _check_init_from(config: TrainConfig, model) -> None:
         if checkpoint.resolve().parent == config.checkpoint_dir.resolve():
             raise ConfigError(f"{key} is a checkpoint of this run's own directory: continue it with "
                               "checkpoint.resume=auto, or write this run to another train.output_dir")
-        index = CheckpointReader(checkpoint).metadata
+        index = CheckpointReader(checkpoint, share=None).metadata
         fit_to_index(checkpoint, index, {"model": model.state_dict()}, strict=True, model=model)
     except CheckpointError as err:
         raise ConfigError(f"{key}: {err}") from None

@@ -17,15 +17,16 @@ from ..objectives.base import Objective
 from ..objectives.logprobs import DEFAULT_LOSS_CHUNK_TOKENS
 from ..objectives.sft import SFT
 from ..optim import StepResult
-from .loss import PendingTargetCount, normalized_loss, sum_over_ranks
+from .loss import PendingTargetCount, normalized_loss, sum_over_ranks, target_count
 
 
 @dataclass
 class StepOutput:
     loss: float  # mean over every unit (target token, pair) of the step, all ranks
-    tokens: int  # units in the step, all ranks
+    tokens: int  # target tokens in the step, all ranks
     result: StepResult
     metrics: dict = field(default_factory=dict)  # the objective's means over the step's units
+    units: int | None = None  # what the loss is a mean over (pairs for preference losses), all ranks
 
 
 def train_step(strategy, model: torch.nn.Module, optimizer, scheduler, micro_batches: list[dict],
@@ -45,17 +46,20 @@ def train_step(strategy, model: torch.nn.Module, optimizer, scheduler, micro_bat
                          f"{strategy.accumulated_gradient}")
     dims = strategy.parallel_dims
     count = PendingTargetCount(micro_batches, repeats=dims.tp, count=objective.count)
-    total, tokens, result = None, None, None
+    total, units, result = None, None, None
     for index, batch in enumerate(micro_batches):
         loss_sum, metric_sums = objective.loss_sum(model, batch)
-        tokens = count.wait() if tokens is None else tokens
-        strategy.backward(normalized_loss(loss_sum, tokens, dims.dp_size * dims.cp), model, optimizer, normalized=True)
+        units = count.wait() if units is None else units
+        strategy.backward(normalized_loss(loss_sum, units, dims.dp_size * dims.cp), model, optimizer, normalized=True)
+        # the loss, the metrics and the target tokens (throughput) ride along in the grad norm's all_reduce
         sums = loss_sum.detach().to("cpu", torch.float64).reshape(1)
         if metric_sums is not None:
             sums = torch.cat([sums, metric_sums])
+        sums = torch.cat([sums, torch.tensor([float(target_count(batch))], dtype=torch.float64)])
         total = sums if total is None else total + sums
         last = index == len(micro_batches) - 1
         result = strategy.optimizer_step(optimizer, model, scheduler, values=total if last else None)
     summed = result.sums if result is not None and result.sums is not None else sum_over_ranks(total.cpu())
-    means = (summed.double() / dims.tp / max(tokens, 1)).tolist()
-    return StepOutput(means[0], tokens, result, dict(zip(objective.metrics, means[1:])))
+    summed = summed.double() / dims.tp
+    means = (summed[:-1] / max(units, 1)).tolist()
+    return StepOutput(means[0], int(round(float(summed[-1]))), result, dict(zip(objective.metrics, means[1:])), units)

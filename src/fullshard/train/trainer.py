@@ -7,9 +7,10 @@ continues with the next unseen batch and refuses other data), evaluation, metric
 
 from __future__ import annotations
 
+import json
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -143,6 +144,19 @@ def rope_index(config: TrainConfig, tokenizer):
     from transformers import AutoConfig
 
     return RopeIndex.of(AutoConfig.from_pretrained(name, trust_remote_code=config.model.trust_remote_code))
+
+
+def quiet_image_feature_views() -> None:
+    """Silence torch's "FSDP2-wrapped module returned a view tensor" for a VLM's root module. The
+    views are its per-image features (transformers' `get_image_features` returns `torch.split` of the
+    vision tower's output, and the model output carries them beside the loss); the warning is about
+    an in-place op on such a view dropping FSDP's pre-backward hook, and the step never changes a
+    model output in place (it reads the loss or the logits), so training is exact (the VLM parity
+    tests compare it with one process)."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDP\w+For\w+\) returned a "
+                            "view tensor", category=UserWarning)
 
 
 def text_tokenizer(tokenizer):
@@ -303,6 +317,8 @@ class Trainer:
             raise ConfigError("image-text data is not split over context- or pipeline-parallel ranks yet: "
                               "set fsdp.cp_size=1 and fsdp.pp_size=1")
         data = load_data(config.data, tokenizer, rope_index(config, tokenizer))
+        if is_multimodal(tokenizer):
+            quiet_image_feature_views()
         model = build_model(config, strategy, tokenizer)
         objective = build_objective(config.train.objective, config.train.loss_chunk_tokens, config.preference,
                                     config.lora.enabled, lambda: build_reference(config, strategy, tokenizer))
@@ -319,6 +335,8 @@ class Trainer:
         batches = data.step_batches(config.train.global_batch_size, config.train.micro_batch_size, dp_rank, dp_size,
                                     seed=config.train.seed, shuffle=config.data.shuffle)
         start = self._resume(manager, model, optimizer, scheduler, strategy, data, batches)
+        if getattr(objective, "reference_strategy", None) == "precompute":
+            objective.reference = self._precomputed_reference(model, objective, data, dp_rank, dp_size, start)
         end = config.train.steps
         if config.train.stop_after is not None:
             end = min(end, start + config.train.stop_after)
@@ -334,6 +352,20 @@ class Trainer:
         checkpoint = manager.last_load_info["path"] if start else None
         return Run(strategy, tokenizer, data, model, optimizer, scheduler, manager, logger, start, end, batches,
                    evals, split, last_saved=start, checkpoint=checkpoint, stop=stop, objective=objective)
+
+    def _precomputed_reference(self, model, objective, data, dp_rank: int, dp_size: int, start: int):
+        """`preference.reference=precompute`: the reference log-probs of every pair, from the starting
+        weights (the model as built, or `checkpoint.init_from`'s), cached beside the tokenized rows."""
+        from ..objectives.precompute import cache_file, compute_table, precomputed_reference
+        from .data import cache_dir_of
+
+        config = self.config
+        model_id = json.dumps([config.model.name_or_path, config.model.dtype, config.checkpoint.init_from,
+                               config.train.seed, config.lora.peft_fields() if config.lora.enabled else None])
+        path = cache_file(cache_dir_of(config.data), data.fingerprint(), model_id)
+        return precomputed_reference(path, lambda: compute_table(model, objective, [data.train, data.eval],
+                                                                 config.train.micro_batch_size, dp_rank, dp_size),
+                                     resumed=start > 0)
 
     def _extra_state(self, run: "Run", step: int) -> dict:
         return {"data": {"position": step, "fingerprint": run.data.fingerprint(), **run.batches.state_dict()},
@@ -360,9 +392,10 @@ class Trainer:
             losses[step], hashes[step] = out.loss, batches.step_hash(step)
             done = step + 1
             logger.step()
-            if done % config.train.log_every == 0 or done == run.end:
+            if done % config.train.log_every == 0 or done == run.end or done == 1:  # the loss it starts from
                 logger.log({"kind": "train", "step": done, "loss": out.loss, "lr": scheduler.get_last_lr()[0],
                             "grad_norm": out.result.grad_norm, "skipped": out.result.skipped, "tokens": out.tokens,
+                            **({run.objective.unit: out.units} if run.objective.unit != "tokens" else {}),
                             "batch": hashes[step], **out.metrics, **throughput.tick(),
                             "peak_mem_gb": peak_memory_gb()}, show=TRAIN_SHOWN + tuple(out.metrics)[2:4])
             if config.train.eval_every and done % config.train.eval_every == 0 and done < config.train.steps:
@@ -446,13 +479,30 @@ def eval_shown(evaluated) -> tuple[str, ...]:
     return ("eval_loss", "eval_rewards/accuracies") if isinstance(evaluated, tuple) else ("eval_loss", "eval_ppl")
 
 
+class OffloadedEngine:
+    """What `build_model` asks of a session, with FSDP's CPU offload on: the reference model's shards
+    live on the host and are gathered to the device for each forward."""
+
+    def __init__(self, session: TrainingSession):
+        from ..engine import FSDP2Engine
+
+        self._engine = FSDP2Engine(replace(session.engine().config, offload_params=True))
+
+    def engine(self):
+        return self._engine
+
+    def prepare_model(self, model: torch.nn.Module, is_training: bool = False) -> torch.nn.Module:
+        return self._engine.shard_model(model).train(is_training)
+
+
 def build_reference(config: TrainConfig, strategy: TrainingSession, tokenizer) -> torch.nn.Module:
     """The frozen reference of `preference.reference=model`: the starting weights (the model, or
     `checkpoint.init_from`'s), sharded like the policy, without LoRA, never in the optimizer."""
     from dataclasses import replace
 
     plain = replace(config, lora=replace(config.lora, r=None))
-    reference = build_model(plain, strategy, tokenizer)
+    reference = build_model(plain, OffloadedEngine(strategy) if config.preference.offload_reference else strategy,
+                            tokenizer)
     if config.checkpoint.init_from:
         CheckpointManager(config.checkpoint_dir).init_from(config.checkpoint.init_from, reference, None)
     return reference.eval().requires_grad_(False)
