@@ -317,7 +317,7 @@ class VLMInputs:
             labels[r - rows.start, 2:2 + self.video_tokens] = -100
         batch = {"input_ids": input_ids, "labels": labels}
         if self.mm_token_type:  # text 0, image 1, video 2
-            video = (input_ids == self.video_id).long()
+            video = (input_ids == self.video_id).long() if self.video_id is not None else torch.zeros_like(input_ids)
             batch["mm_token_type_ids"] = (input_ids == self.image_id).long() + 2 * video
         if self.token_types == "image":
             batch["token_type_ids"] = (input_ids == self.image_id).long()
