@@ -10,7 +10,14 @@ Peers, each on the same model size, sequence length, batch and optimizer (AdamW,
 - fully_shard: transformers' model with plain `fully_shard` per decoder layer and on the root, the
   loop a user writes by hand from the FSDP2 tutorial; also with each layer compiled first;
 - torchtitan: its llama3 model with its own FSDP2 wrapping, when torchtitan can be imported
-  (installed from PyPI first when missing; a machine with no registry reports why it is absent).
+  (installed from PyPI first when missing; a machine with no registry reports why it is absent);
+- the speed levers, compiled, each against the hand-written loop with the same levers: float8
+  tensorwise and rowwise (torchao's recipes: `fsdp.float8` against `convert_to_float8_training`
+  with torchao's float8 all-gather and scale precompute by hand) with no, selective or full
+  activation checkpointing (`fsdp.activation_checkpointing` against torch's `checkpoint_wrapper`
+  per layer, selective with torchtitan's per-op policy); `fullshard-compiled-float8-tensorwise-ac-
+  selective` and `fully_shard-compiled-float8-tensorwise-ac-selective`, say. MFU stays against the
+  bf16 peak. The dry run compiles with `aot_eager` (no C++ toolchain needed on CPU).
 
 MFU is tokens/s x (6N + 12 L H S) / peak bf16 FLOP/s (`fullshard.train.metrics`). Each peer runs in
 the same process one after another, with the allocator's peak reset between them. For fullshard's rows
@@ -21,6 +28,7 @@ prints) stands beside `torch.cuda.max_memory_allocated` over the timed steps.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import importlib
 import json
@@ -42,7 +50,18 @@ FULL = dict(model=dict(hidden_size=2048, intermediate_size=5632, num_hidden_laye
 DRY = dict(model=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=256, max_position_embeddings=64, tie_word_embeddings=False),
            micro=2, seq=32, warmup=1, steps=2)
-PEERS = ("fullshard", "fullshard-compiled", "fully_shard", "fully_shard-compiled", "torchtitan")
+BASE_PEERS = ("fullshard", "fullshard-compiled", "fully_shard", "fully_shard-compiled", "torchtitan")
+LEVERS = [(recipe, ac) for recipe in ("none", "tensorwise", "rowwise") for ac in ("none", "selective", "full")
+          if (recipe, ac) != ("none", "none")]  # ("none", "none") is the compiled row above
+
+
+def lever_peer(who: str, recipe: str, ac: str) -> str:
+    return f"{who}-compiled" + (f"-float8-{recipe}" if recipe != "none" else "") + f"-ac-{ac}"
+
+
+PEERS = BASE_PEERS + tuple(lever_peer(who, recipe, ac) for recipe, ac in LEVERS
+                           for who in ("fullshard", "fully_shard"))
+COMPILE_BACKEND = {"backend": "inductor"}  # the dry run sets aot_eager
 
 
 def _llama(shape: dict, device: torch.device) -> torch.nn.Module:
@@ -53,10 +72,11 @@ def _llama(shape: dict, device: torch.device) -> torch.nn.Module:
     return model.to(device)
 
 
-def _fullshard(shape: dict, device: torch.device, compile: bool):
+def _fullshard(shape: dict, device: torch.device, compile: bool, float8: str = "none", ac: str = "none"):
     from fullshard import FSDP2Engine, create_optimizer
 
-    engine = FSDP2Engine({"mixed_precision": "bf16", **({"compile": True} if compile else {})})
+    engine = FSDP2Engine({"mixed_precision": "bf16", "float8": float8, "activation_checkpointing": ac,
+                          **({"compile": COMPILE_BACKEND["backend"]} if compile else {})})
     model = _llama(shape, device)
     estimate = _memory_estimate(model, engine, shape, device)
     model = engine.prepare_model(model)
@@ -71,17 +91,37 @@ def _memory_estimate(model, engine, shape: dict, device: torch.device) -> int:
                                device_type=device.type, loss_chunk_tokens=0)
 
 
-def _plain_fully_shard(shape: dict, device: torch.device, compile: bool):
+def _plain_fully_shard(shape: dict, device: torch.device, compile: bool, float8: str = "none", ac: str = "none"):
+    """The loop by hand: torchao's float8 conversion (torchtitan's filter: the decoder's Linears whose
+    dimensions divide by 16, not the head), torch's checkpoint wrapper per layer, compile, fully_shard."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     model = _llama(shape, device)
+    if float8 != "none":
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        config = (Float8LinearConfig(enable_fsdp_float8_all_gather=True) if float8 == "tensorwise"
+                  else Float8LinearConfig.from_recipe_name(float8))
+        convert_to_float8_training(model.model.layers, config=config, module_filter_fn=lambda m, name: (
+            isinstance(m, torch.nn.Linear) and m.in_features % 16 == 0 and m.out_features % 16 == 0))
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in model.model.layers:
+    for index, layer in enumerate(model.model.layers):
+        if ac != "none":
+            from fullshard.fsdp import selective_context  # torchtitan's per-op policy
+
+            layer = checkpoint_wrapper(layer, **({"context_fn": selective_context} if ac == "selective" else {}))
+            model.model.layers[index] = layer
         if compile:
-            layer.compile()
+            layer.compile(**COMPILE_BACKEND)
         fully_shard(layer, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda"), None
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    if float8 == "tensorwise":
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+        optimizer.register_step_post_hook(lambda *_: precompute_float8_dynamic_scale_for_fsdp(model))
+    return model, optimizer, None
 
 
 def _torchtitan(shape: dict, device: torch.device, compile: bool):
@@ -139,6 +179,9 @@ BUILDERS = {
     "fully_shard-compiled": lambda s, d: _plain_fully_shard(s, d, compile=True),
     "torchtitan": lambda s, d: _torchtitan(s, d, compile=False),
 }
+for _recipe, _ac in LEVERS:
+    for _who, _build in (("fullshard", _fullshard), ("fully_shard", _plain_fully_shard)):
+        BUILDERS[lever_peer(_who, _recipe, _ac)] = functools.partial(_build, compile=True, float8=_recipe, ac=_ac)
 
 
 def measure(peer: str, shape: dict, device: torch.device) -> dict:
@@ -208,14 +251,24 @@ def table(results: list[dict]) -> str:
     rows = []
     for r in results:
         if "error" in r:
-            rows.append([r["peer"], "-", "-", "-", "-", "-", "-", r["error"]])
+            rows.append([r["peer"], "-", "-", "-", "-", "-", "-", "-", r["error"]])
             continue
         ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}" if base else "-"
         rows.append([r["peer"], f"{r['params'] / 1e9:.2f}B", f"{r['tokens_per_s']:,.0f}", ratio,
+                     _against_hand_written(r, results),
                      f"{100 * r['mfu']:.1f}%" if r["mfu"] else "n/a",
                      f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else "n/a", _estimate_cell(r), ""])
-    return markdown_table(["peer", "params", "tokens/s", "x fullshard", "MFU", "peak GiB",
+    return markdown_table(["peer", "params", "tokens/s", "x fullshard", "x by hand", "MFU", "peak GiB",
                            "plan's estimate GiB (/ peak)", "note"], rows)
+
+
+def _against_hand_written(r: dict, results: list[dict]) -> str:
+    """A fullshard row's tokens/s over the hand-written loop's with the same levers (same run)."""
+    if not r["peer"].startswith("fullshard"):
+        return "-"
+    twin = next((t for t in results if t["peer"] == "fully_shard" + r["peer"][len("fullshard"):]
+                 and "error" not in t), None)
+    return f"{r['tokens_per_s'] / twin['tokens_per_s']:.2f}" if twin else "-"
 
 
 def _estimate_cell(r: dict) -> str:
@@ -229,7 +282,7 @@ def _estimate_cell(r: dict) -> str:
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="tiny model on CPU; writes nothing")
-    parser.add_argument("--peers", default=",".join(PEERS), help=f"comma-separated subset of {','.join(PEERS)}")
+    parser.add_argument("--peers", default=",".join(PEERS), help="comma-separated subset of the peers above")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args(argv)
     peers = [p for p in args.peers.split(",") if p]
@@ -238,6 +291,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         parser.error(f"unknown peers {unknown}; known: {list(PEERS)}")
     if not args.dry_run and not torch.cuda.is_available():
         sys.exit("bench/gpu.py needs a CUDA GPU (use --dry-run to check it end to end on CPU)")
+    if args.dry_run:
+        COMPILE_BACKEND["backend"] = "aot_eager"
     results = run(peers, args.dry_run)
     print(table(results))
     if args.json:

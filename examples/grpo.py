@@ -11,8 +11,9 @@ rendezvous and a queue of rollouts (a framework would use its own transport).
 
 The task is a verifiable toy: after a prompt of random tokens, a completion scores the fraction of
 its tokens that belong to a 20-token answer alphabet (a random policy scores about 0.2, the best 1). The
-loss is GRPO's: advantages normalised within each prompt's group of samples, the policy-gradient
-term per token, and the k3 KL estimate against the reference model. The mean reward of every step
+update is `fullshard.rl`'s: GRPO advantages within each prompt's group (`group_advantages`), the
+reference's log-probs (`reference_logprobs`), and one `policy_update` (the clipped policy-gradient
+term per token plus the k3 KL estimate, globally aggregated over both ranks). The mean reward of every step
 goes to `rewards.json` and `rewards.png`.
 """
 
@@ -53,22 +54,16 @@ def reward(prompt: torch.Tensor, completion: torch.Tensor) -> torch.Tensor:
     return (completion < ALPHABET).float().mean(dim=1)
 
 
-def token_logprobs(model, sequences: torch.Tensor) -> torch.Tensor:
-    """log p(token) of each completion token under `model` (the prompt conditions, is not scored)."""
-    logits = model(input_ids=sequences).logits[:, PROMPT_LEN - 1:-1].float()
-    return torch.log_softmax(logits, dim=-1).gather(-1, sequences[:, PROMPT_LEN:, None]).squeeze(-1)
+def rollouts(sequences: torch.Tensor, rewards: torch.Tensor, group: int, reference):
+    """The update's input: whole sequences, the completion positions scored (entry t of the log-probs
+    scores token t + 1), GRPO advantages within each prompt's group, the reference's log-probs (its
+    weights brought from the host for the call and sent back)."""
+    from fullshard import rl
 
-
-def grpo_loss(logprobs, ref_logprobs, rewards, group: int, kl_coef: float) -> tuple[torch.Tensor, float]:
-    """GRPO with one update per batch (so the ratio is exp(logp - logp.detach()) = 1 with its gradient):
-    advantages normalised within each prompt's group, the k3 KL estimate against the reference."""
-    grouped = rewards.view(-1, group)
-    advantages = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-4)).view(-1, 1)
-    ratio = torch.exp(logprobs - logprobs.detach())
-    log_ref_ratio = ref_logprobs - logprobs
-    kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1
-    loss = (-advantages * ratio + kl_coef * kl).mean()
-    return loss, float(kl.detach().mean())
+    attention = torch.ones_like(sequences)
+    response = (torch.arange(sequences.shape[1] - 1) >= PROMPT_LEN - 1).float().expand(len(sequences), -1)
+    return rl.Rollouts(sequences, attention, response, rl.group_advantages(rewards, group),
+                       ref_logprobs=rl.reference_logprobs(reference, sequences, attention))
 
 
 # ----------------------------------------------------------------------------------------- the engine
@@ -101,14 +96,14 @@ def engine_main(args, sync_port: int, queues) -> None:
 
 
 def prepare(args):
-    from fullshard import FSDPStrategy
+    from fullshard import FSDPStrategy, rl
 
     strategy = FSDPStrategy(seed=args.seed, max_norm=1.0, micro_train_batch_size=1, train_batch_size=2, bf16=False)
     strategy.setup_distributed(timeout=args.timeout_s)
     actor = strategy.prepare_model(build_policy(), is_training=True)
     reference = strategy.prepare_model(build_policy(), is_training=False)  # the initial policy, frozen
     reference.requires_grad_(False)
-    strategy.offload_model(reference)
+    rl.offload(reference)  # on the host between its forwards (`rl.reference_logprobs`)
     optimizer = strategy.create_optimizer(actor, lr=args.lr, weight_decay=0.0)
     return strategy, actor, reference, optimizer
 
@@ -116,7 +111,7 @@ def prepare(args):
 def trainer_main(rank: int, args, ports: dict, queue, results) -> None:
     import torch.distributed as dist
 
-    from fullshard import WeightSync
+    from fullshard import WeightSync, rl
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
                       MASTER_ADDR=HOST, MASTER_PORT=str(ports["torch"]))
@@ -124,19 +119,16 @@ def trainer_main(rank: int, args, ports: dict, queue, results) -> None:
     strategy, actor, reference, optimizer = prepare(args)
     sync = WeightSync.trainer(HOST, ports["sync"], num_engines=1, timeout_s=args.timeout_s)
     sync.push(actor)  # the engine samples the first rollouts from the initial weights
+    config = rl.UpdateConfig(kl_coef=args.kl_coef, kl_kind="k3", max_norm=1.0)
     history = []
     for step in range(args.steps):
         sequences = torch.tensor(queue.get(timeout=args.timeout_s))
         rewards = reward(sequences[:, :PROMPT_LEN], sequences[:, PROMPT_LEN:])
-        strategy.reload_model(reference)
-        with torch.no_grad():
-            ref_logprobs = token_logprobs(reference, sequences)
-        strategy.offload_model(reference)  # off the device while the actor trains
-        loss, kl = grpo_loss(token_logprobs(actor, sequences), ref_logprobs, rewards, args.group, args.kl_coef)
-        strategy.backward(loss, actor, optimizer)
-        strategy.optimizer_step(optimizer, actor)
+        batch = rollouts(sequences, rewards, args.group, reference)
+        update = rl.policy_update(actor, optimizer, batch, config, dp_size=2)  # on-policy: ratio 1
         report = sync.push(actor)
-        mean_reward, mean_kl = strategy.all_reduce(torch.tensor([rewards.mean(), kl]), op="mean").tolist()
+        mean_reward = float(strategy.all_reduce(rewards.mean(), op="mean"))
+        mean_kl = update["kl"]
         history.append({"step": step + 1, "reward": mean_reward, "kl": mean_kl, "sync_version": report.version,
                         "sync_seconds": report.seconds})
         strategy.print(f"step {step + 1:3d}  reward {mean_reward:.3f}  kl {mean_kl:.4f}  "

@@ -7,7 +7,7 @@ import pytest
 from fullshard import FSDP2Engine
 from fullshard.errors import ConfigError
 from fullshard.testing import build_model, run_distributed
-from fullshard.testing.compare import largest_gap, train_on_padded_batches
+from harness.compare import largest_gap, train_on_padded_batches
 
 MODES = ("none", "full", "selective", "every_n")
 CELLS = {"none": "dp 2", "full": "activation checkpointing", "selective": "selective checkpointing",
@@ -16,7 +16,7 @@ CELLS = {"none": "dp 2", "full": "activation checkpointing", "selective": "selec
 
 def _runs() -> dict:
     from fullshard.fsdp import checkpointed_blocks
-    from fullshard.testing.memory_matrix import measure_cell
+    from harness.memory_matrix import measure_cell
 
     def make(mode, offload, name="llama"):
         engine = FSDP2Engine({"mixed_precision": "fp32", "activation_checkpointing": mode,
@@ -81,3 +81,25 @@ def test_an_unknown_mode_is_one_line():
     assert "selective" in str(err.value)
     with pytest.raises(ConfigError, match="ac_every"):
         load_config(None, ["--fsdp.ac_every=0"])
+
+
+def test_the_plan_counts_offloaded_activations_on_the_host():
+    """On a GPU the offloaded layers' saved tensors leave the device for the host; on a CPU nothing moves."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fullshard.plan.memory import estimate_run
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=16,
+                                             num_attention_heads=16, vocab_size=32000))
+    runs = {(mode, offload, device): estimate_run(model, {"activation_checkpointing": mode,
+                                                          "activation_offload": offload}, 8, 4, 4096,
+                                                  device_type=device).stages[0].estimate
+            for mode in ("none", "full") for offload in (False, True) for device in ("cuda", "cpu")}
+    for mode in ("none", "full"):
+        plain, offloaded = runs[(mode, False, "cuda")], runs[(mode, True, "cuda")]
+        assert offloaded.host_activations > 0 and offloaded.total < plain.total, mode
+        assert plain.activations - offloaded.activations < offloaded.host_activations
+        assert runs[(mode, True, "cpu")].total == runs[(mode, False, "cpu")].total
+    assert runs[("none", True, "cuda")].host_activations > 10 * runs[("full", True, "cuda")].host_activations

@@ -510,6 +510,32 @@ def _replace_file(relative: str, data=None, payload: Path | None = None):
     return mutate
 
 
+def _resummed(mutate):
+    """A crafted checkpoint carries sums that match its crafted files: the checks behind them must hold."""
+    from fullshard.checkpoint import checksums
+
+    def crafted(checkpoint: Path) -> None:
+        mutate(checkpoint)
+        record = json.loads((checkpoint / layout.CHECKSUMS).read_text())
+        record["files"] = {name: list(checksums.file_checksum(checkpoint / name)) for name in record["files"]}
+        (checkpoint / layout.CHECKSUMS).write_text(json.dumps(record))
+
+    return crafted
+
+
+def _nan_in_place(checkpoint: Path) -> None:
+    """Overwrite 16 bytes in the middle of the largest model tensor of a shard with 0xff (float NaNs):
+    the file keeps its size and DCP reads it without complaint."""
+    from fullshard.safe_dcp import read_dcp_metadata
+
+    index = read_dcp_metadata(checkpoint / "state", CheckpointError)
+    info = max((info for key, info in index.storage_data.items() if key.fqn.startswith("model.")),
+               key=lambda info: info.length)
+    with open(checkpoint / "state" / info.relative_path, "r+b") as handle:
+        handle.seek(info.offset + info.length // 2)
+        handle.write(b"\xff" * 16)
+
+
 def _first_shard(checkpoint: Path) -> str:
     return "state/" + sorted(p.name for p in (checkpoint / "state").glob("*.distcp"))[0]
 
@@ -527,10 +553,11 @@ def _hardening(tmp: str) -> bytes:
         return _error_of(lambda: CheckpointManager(tmp / name).load(model, optimizer, scheduler, **load))
 
     # nothing read from a checkpoint runs code: metadata, side files, DCP byte entries
-    out["crafted_metadata"] = error_loading("crafted_metadata", _craft_metadata(payload))
+    out["crafted_metadata"] = error_loading("crafted_metadata", _resummed(_craft_metadata(payload)))
     out["crafted_metadata_load_ckpt"] = _error_of(lambda: load_ckpt(model, tmp / "crafted_metadata" / "step_3"))
-    out["crafted_scheduler"] = error_loading("crafted_scheduler", _replace_file("scheduler.pt", payload=payload))
-    out["crafted_rng"] = error_loading("crafted_rng", _replace_file("rng/rank_00001.pt", payload=payload))
+    out["crafted_scheduler"] = error_loading("crafted_scheduler", _resummed(_replace_file("scheduler.pt", payload=payload)))
+    out["crafted_rng"] = error_loading("crafted_rng", _resummed(_replace_file("rng/rank_00001.pt",
+                                                                                  payload=payload)))
     CheckpointManager(tmp / "crafted_entry").save(1, model, states={"counter": _Counter(payload=payload)})
     out["crafted_entry"] = _error_of(lambda: CheckpointManager(tmp / "crafted_entry").load(
         model, states={"counter": _Counter()}))
@@ -541,6 +568,22 @@ def _hardening(tmp: str) -> bytes:
     shard = _first_shard(source)
     out["garbled_shard_name"] = shard
     out["garbled_shard"] = error_loading("garbled_shard", _replace_file(shard, lambda b: b"\x00" * len(b)))
+
+    # a shard overwritten in place at its own size (NaN weights) is refused by its recorded CRC32, and
+    # "auto" falls back past it; a checkpoint saved without sums (an older fullshard) still loads
+    out["nan_shard"] = error_loading("nan_shard", _nan_in_place)
+    nan_fallback = CheckpointManager(tmp / "nan_fallback")
+    nan_fallback.save(1, model, optimizer, scheduler, states={"counter": _Counter(5)})
+    nan_fallback.save(2, model, optimizer, scheduler, states={"counter": _Counter(6)})
+    if get_rank() == 0:
+        _nan_in_place(tmp / "nan_fallback" / "step_2")
+    dist.barrier()
+    restored = _Counter()
+    with _captured_warnings() as warned:
+        out["nan_fallback_step"] = nan_fallback.load(model, optimizer, scheduler, states={"counter": restored})["step"]
+    out["nan_fallback_counter"], out["nan_fallback_warning"] = restored.n, warned
+    _copy_checkpoint(source, tmp / "unsummed" / "step_3", lambda c: (c / layout.CHECKSUMS).unlink())
+    out["unsummed_step"] = CheckpointManager(tmp / "unsummed").load(model, optimizer, scheduler)["step"]
 
     # "auto" falls back past an unreadable newest checkpoint, naming both; "does not fit" never falls back
     counter = _Counter(5)
@@ -689,6 +732,31 @@ def test_damaged_files_are_one_error_naming_checkpoint_and_file(hardening):
         with pytest.raises(CheckpointError, match=re.escape(str(tmp / damaged / "step_3"))):
             export_checkpoint(tmp / damaged, tmp / f"{damaged}_export")
         assert not (tmp / f"{damaged}_export").exists()
+
+
+def test_a_shard_overwritten_at_its_own_size_is_refused_by_its_checksum(hardening):
+    """Every file's CRC32 is recorded at save: a shard holding NaNs where the weights were, at its
+    own size, is refused by resume (falling back to the checkpoint before), export and
+    checkpoint_hf_weights, naming the file (before: NaN weights, exported as a success)."""
+    from fullshard.checkpoint import checkpoint_hf_weights
+
+    tmp, results = hardening
+    for r in results:
+        message = r["nan_shard"]
+        assert message.startswith("UnreadableCheckpoint") and str(tmp / "nan_shard" / "step_3") in message, message
+        assert ".distcp does not hold the bytes it was saved with" in message, message
+        assert r["nan_fallback_step"] == 1 and r["nan_fallback_counter"] == 5, r
+        assert r["unsummed_step"] == 3
+    warning = " ".join(results[0]["nan_fallback_warning"])
+    assert str(tmp / "nan_fallback" / "step_2") in warning and "does not hold the bytes" in warning, warning
+    assert len({r["nan_shard"] for r in results}) == 1
+    for read in (lambda: export_checkpoint(tmp / "nan_shard", tmp / "nan_export"),
+                 lambda: list(checkpoint_hf_weights(tmp / "nan_shard"))):
+        with pytest.raises(CheckpointError, match=r"\.distcp does not hold the bytes it was saved with"):
+            read()
+    assert not (tmp / "nan_export").exists()
+    export_checkpoint(tmp / "unsummed", tmp / "unsummed_export")  # saved without sums: exports as before
+    assert (tmp / "unsummed_export" / "config.json").is_file()
 
 
 def test_auto_resume_falls_back_past_an_unreadable_checkpoint(hardening):

@@ -32,7 +32,7 @@ def _train(config: dict, steps: int, mesh=None, halves: bool = False, lora: bool
 
     from fullshard import FSDP2Engine
     from fullshard.optim import create_optimizer
-    from fullshard.testing.compare import data_slice, full_state
+    from harness.compare import data_slice, full_state
     from fullshard.testing.zoo import make_batch
 
     from fullshard.lora import apply_lora
@@ -74,7 +74,7 @@ def _group(tmp: str) -> dict:
     from fullshard.checkpoint import CheckpointManager, export_hf
     from fullshard.float8 import float8_modules
     from fullshard.optim import create_optimizer
-    from fullshard.testing.compare import full_state
+    from harness.compare import full_state
 
     one_rank = init_device_mesh("cpu", (2, 1), mesh_dim_names=("ranks", "alone"))["alone"]
     out = {"world_gap": {}, "bf16_track": {}}
@@ -235,3 +235,19 @@ def test_a_refusal_before_launch_does_not_import_torchao():
     assert lines[-1] == "False" and len(lines) == 3, done.stdout + done.stderr
     assert lines[0].startswith("fsdp.float8 must be one of none, tensorwise, rowwise"), lines
     assert lines[1].startswith("fsdp.float8 with tp_size > 1"), lines
+
+
+def test_the_plan_gathers_tensorwise_weights_in_float8():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fullshard.plan.memory import estimate_run
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=4,
+                                             num_attention_heads=16, vocab_size=1024))
+    gathered = {recipe: estimate_run(model, {"mixed_precision": "bf16", "float8": recipe, "plan": "auto"}, 8, 1,
+                                     2048).stages[0].estimate for recipe in ("none", "tensorwise", "rowwise")}
+    assert gathered["rowwise"].gathered == gathered["none"].gathered  # gathered in bf16, cast per matmul
+    # the two largest units are two layers: their Linear weights at a byte each, not two
+    layer = sum(p.numel() for p in model.model.layers[0].parameters() if p.dim() == 2)
+    assert gathered["none"].gathered - gathered["tensorwise"].gathered == pytest.approx(2 * layer, rel=0.01)

@@ -213,7 +213,46 @@ def test_fullshard_generate_with_images_equals_transformers(tmp_path):
     for (prompt, _), completion in zip(VLM_PROMPTS, expected):
         assert f"### {prompt}\n{completion}\n" in done.stdout, (prompt, completion, done.stdout[-2000:])
 
-    missing = subprocess.run([*args[:6], "--prompt", "x", "--image", "nowhere.png"], env=env, capture_output=True,
+    missing = subprocess.run([*args[:7], "--prompt", "x", "--image", "nowhere.png"], env=env, capture_output=True,
                              text=True, timeout=60, cwd=tmp_path)
     assert missing.returncode != 0 and "--image " in missing.stderr and "nowhere.png: no such file" in missing.stderr
     assert len(missing.stderr.strip().splitlines()) == 1, missing.stderr
+
+
+USER_SCRIPT = """
+import sys
+import torch
+import torch.distributed as dist
+import fullshard
+
+engine = fullshard.FSDP2Engine({"mixed_precision": "fp32"})
+model = fullshard.from_pretrained(sys.argv[1], engine=engine)
+prompts = torch.tensor([[5, 6, 7, 8]])
+out = fullshard.generate(model, prompts, torch.ones_like(prompts), max_new_tokens=4, do_sample=False)
+# collectives still queued at the end, their tensors already dropped (a metric all-reduce never
+# waited for): what gloo's worker threads are still releasing while the interpreter shuts down
+for _ in range(3000):
+    dist.all_reduce(torch.ones(64), async_op=True)
+print("done", flush=True)
+"""
+
+
+def test_a_script_from_the_readme_exits_cleanly_under_torchrun_without_teardown(tmp_path):
+    """README's snippets as a user's script (FSDP2Engine, from_pretrained, generate, then collectives left in
+    flight), under torchrun, no destroy_process_group: every rank exits 0, run after run (before: a gloo
+    worker freed a tensor during interpreter shutdown and the rank died in C++'s terminate, SIGABRT)."""
+    import os
+    import subprocess
+    import sys
+
+    build_model(NAME).save_pretrained(tmp_path / "model")
+    (tmp_path / "user.py").write_text(USER_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src"), OMP_NUM_THREADS="1",
+               CUDA_VISIBLE_DEVICES="")
+    for attempt in range(5):
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                               "user.py", str(tmp_path / "model")], env=env, capture_output=True, text=True,
+                              timeout=300, cwd=tmp_path)
+        output = done.stdout + done.stderr
+        assert done.returncode == 0 and "terminate called" not in output, (attempt, output[-3000:])
+        assert done.stdout.count("done") == 2, (attempt, output[-3000:])

@@ -77,7 +77,7 @@ def trl_losses(base, data, out, loss_type: str) -> list[float]:
 def _fullshard_runs(root: str) -> dict:
     from fullshard.train import load_config, train
 
-    def run(name, *extra):
+    def run(name, *extra, summary=False):
         config = load_config(None, [
             f"--model.name_or_path={root}/base", f"--data.path={root}/pairs.jsonl", "--data.format=preference",
             "--train.objective=dpo", "--data.seq_len=48", f"--train.steps={STEPS}", "--train.micro_batch_size=1",
@@ -87,7 +87,8 @@ def _fullshard_runs(root: str) -> dict:
             "--optim.eps=1e-8", "--optim.betas=[0.9,0.999]", "--train.max_norm=1.0", "--train.loss_chunk_tokens=16",
             "--data.packing=false",
             *extra])
-        return [summary_loss for _, summary_loss in sorted(train(config)["losses"].items())]
+        result = train(config)
+        return result if summary else [loss for _, loss in sorted(result["losses"].items())]
 
     out = {loss: run(loss, f"--preference.loss_type={loss}") for loss in ("sigmoid", "ipo", "hinge")}
     # packed: two whole pairs per row, two rows per step: the same pairs per step as one per row
@@ -95,6 +96,10 @@ def _fullshard_runs(root: str) -> dict:
     out["offloaded_reference"] = run("offloaded", "--preference.offload_reference=true")
     out["precompute"] = run("precompute", "--preference.reference=precompute")
     out["tp2"] = run("tp2", "--fsdp.tp_size=2")  # dp 1: each step's four pairs one after another
+    # learning: held-out pairs' implicit rewards rank chosen above rejected
+    learned = run("learn", f"--data.path={root}/learn.jsonl", "--data.eval_fraction=0.25", "--train.steps=12",
+                  "--optim.lr=3e-3", "--train.global_batch_size=8", "--data.packing=true", summary=True)
+    out["learn"] = {k: v for k, v in learned.items() if k.startswith("eval_")}
     lora = ("--lora.r=4", "--lora.target_modules=[q_proj,v_proj]", "--lora.save_adapter=false")
     out["lora_adapter"] = run("lora_adapter", *lora, "--preference.reference=adapter")
     out["lora_model"] = run("lora_model", *lora, "--preference.reference=model")
@@ -106,6 +111,7 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("preference")
     write_base(root / "base")
     write_pairs(root / "pairs.jsonl")
+    write_pairs(root / "learn.jsonl", n=128, seed=1)
     ours = run_distributed(_fullshard_runs, 2, str(root))[0]
     theirs = {loss: trl_losses(root / "base", root / "pairs.jsonl", root / f"trl-{loss}", loss)
               for loss in ("sigmoid", "ipo", "hinge")}
@@ -127,7 +133,73 @@ def test_layouts_and_reference_placement_equal_the_plain_run(runs, layout):
     assert max(abs(a - b) for a, b in zip(ours[layout], ours["sigmoid"])) <= TOL, (ours[layout], ours["sigmoid"])
 
 
+def test_dpo_learns_held_out_preferences(runs):
+    ours, _ = runs
+    assert ours["learn"]["eval_rewards/accuracies"] >= 0.9, ours["learn"]
+
+
 def test_lora_adapter_reference_equals_a_frozen_base_copy(runs):
     ours, _ = runs
     assert max(abs(a - b) for a, b in zip(ours["lora_adapter"], ours["lora_model"])) <= TOL
     assert abs(ours["lora_adapter"][0] - 0.6931472) <= TOL  # step 1: policy = reference, loss log 2
+
+
+# ---------------------------------------------------------------------------------------------- data, refusals
+
+TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def _tokenize(records: list[dict], **section):
+    from types import SimpleNamespace
+
+    from fullshard.data.builtin import byte_tokenizer
+    from fullshard.data.preference import PreferenceTokenize
+
+    defaults = dict(seq_len=512, prompt_field="prompt", tools_field="tools", chat_template=TEMPLATE)
+    tokenize = PreferenceTokenize(byte_tokenizer(), SimpleNamespace(**{**defaults, **section}))
+    batch = {k: [r.get(k) for r in records] for k in ("prompt", "chosen", "rejected")}
+    return tokenize(batch, list(range(len(records)))), byte_tokenizer()
+
+
+def test_preference_formats_label_only_the_completions():
+    user, good, bad = ({"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"},
+                       {"role": "assistant", "content": "5"})
+    out, tok = _tokenize([{"prompt": [user], "chosen": [good], "rejected": [bad]},
+                          {"chosen": [user, good], "rejected": [user, bad]},  # implicit prompt
+                          {"prompt": "2+2=", "chosen": "4", "rejected": "5"}])
+    assert out["input_ids"][0] == out["input_ids"][1]  # the shared leading turns are the prompt
+    for ids, labels, roles in zip(out["input_ids"], out["labels"], out["pair_role"]):
+        trained = [tok.decode([t]) for t, label in zip(ids, labels) if label != -100]
+        assert set(roles) == {1, 2} and roles.index(2) > 0  # chosen, then rejected
+        assert "".join(trained).replace("<|endoftext|>", "").replace("\n", "") in ("45", "45")
+    assert out["input_ids"][2][-1] == tok.eos_token_id  # plain text: EOS after each completion
+
+
+def test_bad_preference_records_name_file_and_line(tmp_path):
+    from fullshard.data.prepare import prepare
+    from fullshard.data.builtin import byte_tokenizer
+    from fullshard.train import ConfigError, load_config
+
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(json.dumps({"prompt": "a", "chosen": "b", "rejected": "c"}) + "\n"
+                    + json.dumps({"prompt": "a", "chosen": "b", "rejected": ""}) + "\n")
+    section = load_config(None, ["--data.format=preference", "--train.objective=dpo", f"--data.path={path}"]).data
+    with pytest.raises(ConfigError, match=r"pairs\.jsonl.*2.*no rejected completion"):
+        prepare(section, byte_tokenizer(), str(path), tmp_path / "cache")
+    assert not list((tmp_path / "cache").glob("*tmp*"))  # nothing left behind
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["--train.objective=dpo"], "set data.format=preference"),
+    (["--data.format=preference"], "not sft"),
+    (["--train.objective=dpo", "--data.format=preference", "--preference.loss_type=simpo",
+      "--preference.reference=model"], "reference-free"),
+    (["--train.objective=dpo", "--data.format=preference", "--preference.reference=adapter"], "lora.r is unset"),
+    (["--train.objective=dpo", "--data.format=preference", "--fsdp.pp_size=2"], "fsdp.pp_size is not supported"),
+])
+def test_combinations_that_do_not_fit_are_one_line(overrides, message):
+    from fullshard.train import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)

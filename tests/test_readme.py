@@ -57,6 +57,24 @@ def shell_commands() -> list[str]:
     return commands
 
 
+def test_every_train_command_in_the_docs_has_its_own_run_directory():
+    """A `fullshard train` line in any block (bash or text) writes where no other one does: one into
+    `runs/demo` after `make demo` is refused (a directory holds one run)."""
+    owners: dict[str, list[str]] = {}
+    for block in code_blocks(r"\w*"):
+        for line in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(line.split("  #")[0].strip(), comments=True) if "fullshard train" in line else []
+            if words[:2] != ["fullshard", "train"] or {"--help", "--print-config"} & set(words):
+                continue
+            if any(w.endswith((".yaml", ".yml")) for w in words):
+                continue  # its config names where it writes
+            named = [w.split("=", 1)[1] for w in words if w.startswith("--train.output_dir=")]
+            owners.setdefault(named[0] if named else "runs/demo", []).append(" ".join(words))
+    assert "runs/demo" in owners and len(owners) >= 3, owners
+    shared = {d: lines for d, lines in owners.items() if len(lines) > 1}
+    assert not shared, shared
+
+
 def test_the_two_setup_commands_are_what_ci_and_make_run():
     first = code_blocks("bash", [ROOT / "README.md"])[0]
     assert "make demo" in first and "make test" in first

@@ -1,8 +1,8 @@
 """Token-budget micro-batches, and a policy update from fixed rollouts that does not depend on the
 split: the ranks agree on the number of micro-batches; offload + onload between steps changes
 nothing; log-probs without gradients (the policy's, an offloaded reference's, LoRA's adapter-off
-reference's) equal one process's; the same rollouts at world 4 (dp 4 with a 64-token and a 4096-token budget, dp 2 x tp 2)
-give one process's losses, grad norms and weights (fp32, AdamW eps 1e-5, two steps: the second
+reference's) equal one process's; the same rollouts at world 4 (dp 4 with a 64-token and a 4096-token budget, dp 2 x tp 2, LoRA,
+Qwen3-MoE at ep 2) give one process's losses, grad norms and weights (fp32, AdamW eps 1e-5, two steps: the second
 with the ratio away from 1, so the clips act; losses within 1e-5 relative to max(1, |loss|), as
 `token-sum` losses are sums of ~100 terms). One spawned group runs every layout."""
 
@@ -80,7 +80,22 @@ CASES = {  # name -> (layout, UpdateConfig)
     "dp2tp2_gspo": ("tp", UpdateConfig(max_tokens=48, loss_type="gspo", agg="seq-mean-token-mean",
                                        clip_ratio_low=3e-4, clip_ratio_high=4e-4)),
     "dp2tp2_ppo_sum": ("tp", UpdateConfig(max_tokens=64, agg="token-sum", max_norm=0.5)),
+    "lora_dp4": ("lora", UpdateConfig(max_tokens=64, kl_coef=0.1)),
+    "qwen3_moe_ep2": ("ep", UpdateConfig(max_tokens=64, kl_coef=0.1, agg="seq-mean-token-sum")),
 }
+LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+
+
+def _model(layout):
+    """The case's starting model, the same in every process: LoRA adapters drawn from the seed."""
+    from fullshard import apply_lora
+    from fullshard.testing.zoo import build_model
+
+    if layout == "lora":
+        model = build_model("llama")
+        torch.manual_seed(5)
+        return apply_lora(model, LORA)
+    return build_model("qwen3_moe" if layout == "ep" else "llama")
 
 
 def _optimizer(model):
@@ -94,25 +109,23 @@ def _run(model, rollouts, config, steps=2, **kwargs):
     return [policy_update(model, optimizer, rollouts, config, **kwargs) for _ in range(steps)]
 
 
-def _reference(config):
-    from fullshard.testing.zoo import build_model
-
-    model = build_model("llama")
+def _reference(config, layout="dp"):
+    model = _model(layout)
     results = _run(model, _rollouts(), config)
     return results, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def _sharded_cases(cases):
     from fullshard import FSDP2Engine
-    from fullshard.testing.compare import full_state
-    from fullshard.testing.zoo import build_model
+    from harness.compare import full_state
 
     rank, world = dist.get_rank(), dist.get_world_size()
     out = {}
     for name, (layout, config) in cases.items():
         tp = 2 if layout == "tp" else 1
         dp, dp_rank = world // tp, rank // tp
-        model = FSDP2Engine({"mixed_precision": "fp32", "tp_size": tp}).shard_model(build_model("llama"))
+        engine = {"mixed_precision": "fp32", "tp_size": tp, "ep_size": 2 if layout == "ep" else 1}
+        model = FSDP2Engine(engine).shard_model(_model(layout))
         rollouts = _rollouts()
         mine = list(range(dp_rank, SEQUENCES, dp))  # every dp-th row: uneven lengths per rank
         results = _run(model, rollouts.rows(mine), config, dp_size=dp, repeats=tp)
@@ -131,12 +144,12 @@ def test_update_at_world_4_equals_one_process():
     per_rank = [r["cases"] for r in per_rank]
     problems, gaps = [], {}
     for name, (results, weights) in per_rank[0].items():
-        reference, ref_weights = _reference(CASES[name][1])
+        reference, ref_weights = _reference(CASES[name][1], CASES[name][0])
         gap = max(abs(a[k] - b[k]) / max(1.0, abs(b[k])) for a, b in zip(results, reference)
                   for k in ("loss", "pg_loss", "kl", "entropy", "grad_norm", "approx_kl"))
         weight_gap = max(float((weights[n] - w).abs().max()) for n, w in ref_weights.items())
-        moved = max(float((w - p).abs().max()) for (n, w), p in
-                    zip(ref_weights.items(), _start_weights().values()))
+        start = {n: p.detach() for n, p in _model(CASES[name][0]).named_parameters()}
+        moved = max(float((w - start[n]).abs().max()) for n, w in ref_weights.items())
         gaps[name] = (gap, weight_gap)
         if gap > 1e-5 or weight_gap > 1e-5 or moved < 1e-3:
             problems.append(f"{name}: loss/norm gap {gap:.1e}, weights {weight_gap:.1e}, moved {moved:.1e}")
@@ -155,12 +168,6 @@ def _check_balanced(per_rank):
     assert sorted(i for b in per_rank[1] for i in b) == [0, 1, 2] and per_rank[1].count([]) == 2
     assert per_rank[2] == [[0], [], [], [], []]
     assert sorted(len(b) for b in per_rank[3]) == [0, 1, 1, 1, 1]
-
-
-def _start_weights():
-    from fullshard.testing.zoo import build_model
-
-    return {n: p.detach().clone() for n, p in build_model("llama").named_parameters()}
 
 
 def reference_clips() -> bool:
@@ -183,8 +190,8 @@ def _phases():
     log-probs without gradients, the offloaded reference's, the adapter-off reference's."""
     from fullshard import FSDPStrategy
     from fullshard.rl.phases import offload, reference_logprobs, sequence_logprobs
-    from fullshard.testing.compare import full_state
     from fullshard.testing.zoo import build_model
+    from harness.compare import full_state
 
     rank, world = dist.get_rank(), dist.get_world_size()
     rollouts = _rollouts().rows(list(range(rank, SEQUENCES, world)))

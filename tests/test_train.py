@@ -14,12 +14,12 @@ from fullshard.train.metrics import read_metrics
 
 # a non-default value for every EngineConfig field: the trainer must hand each one to its engine
 FSDP_SET = {"mixed_precision": "bf16", "reduce_dtype": "bf16", "reshard_after_forward": False, "offload_params": True,
-            "pin_memory": False, "activation_checkpointing": True, "plan": {"mode": "auto"}, "dp_replicate": 2,
+            "pin_memory": False, "activation_checkpointing": "selective", "plan": {"mode": "auto"}, "dp_replicate": 2,
             "dp_shard": 1, "dcp_path": "/nowhere/dcp", "timeout_s": 77.0, "compile": True, "prefetch": 2,
             "tp_plan": {"model.layers.*.mlp.up_proj": "colwise"}, "tp_size": 2, "cp_size": 2, "ep_size": 2,
             "pp_size": 2, "pp_schedule": "Interleaved1F1B", "pp_microbatches": 2, "pp_virtual_stages": 2,
             "pp_layers_per_stage": [1, 1, 1, 1], "freeze": "none", "ac_every": 3, "activation_offload": True,
-            "float8_skip": ["model.layers.0.*"]}
+            "float8": "none", "float8_skip": ["model.layers.0.*"]}
 # float8 is refused with tp_size > 1: its non-default value is checked in a second set
 FLOAT8_SET = {**FSDP_SET, "float8": "tensorwise", "tp_size": 1}
 # the mesh these ask for has 16 ranks: the 2-rank engine is built with them at 1, and the strategy's

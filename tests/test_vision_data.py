@@ -356,10 +356,11 @@ def test_video_parts_are_read_as_frames_or_refused_in_one_line(tmp_path):
     video_id = processor.video_token_id
     assert (batch["input_ids"] == video_id).sum() == 2 * 4  # two clips of one temporal patch, 2 x 2 merged
     assert not (batch["labels"][batch["input_ids"] == video_id] != IGNORE).any()
-    assert [b["video_grid_thw"].tolist() for b in batch["images"] if "video_grid_thw" in b] == [[[1, 4, 4], [1, 4, 4]]]
+    grids = [g for b in batch["images"] if "video_grid_thw" in b for g in b["video_grid_thw"].tolist()]
+    assert grids == [[1, 4, 4], [1, 4, 4]]
 
 
-def test_bad_images_are_one_error_naming_record_and_file_or_dropped(tmp_path):
+def test_bad_images_are_one_error_naming_record_and_file_or_dropped(tmp_path, caplog):
     processor = tiny_vlm_processor()
     missing = write_records(tmp_path, [RECORDS[0], chat(image("images/nowhere.png"))])
     with pytest.raises(ConfigError) as err:
@@ -380,6 +381,20 @@ def test_bad_images_are_one_error_naming_record_and_file_or_dropped(tmp_path):
     rows, info = rows_of(processor, write_records(tmp_path / "drop", [*RECORDS, chat(image("images/gone.png"))]),
                          tmp_path / "drop", bad_images="drop")
     assert info["broken"] == 1 and info["documents"] == len(RECORDS) and info["dropped"] == 0
+    # the count said names every record of the file, the dropped one included
+    import logging
+
+    from fullshard.data.prepare import report_overlong
+    from fullshard.log import logger
+    from fullshard.train.config import DataSection
+
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.WARNING, logger="fullshard"):
+            report_overlong(info, DataSection(format="chat"), "data.jsonl")
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert f"data.jsonl: 1 of {len(RECORDS) + 1} conversations dropped for a missing" in caplog.text, caplog.text
 
 
 def test_images_are_decoded_once_into_the_cache(tmp_path):

@@ -200,7 +200,7 @@ def test_every_vlm_type_trains_sharded_like_one_process():
     assert len(tested) + len(skipped) == len(model_types)
     for required in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gemma3", "llava", "idefics3",
                      "smolvlm", "mistral3", "internvl", "paligemma", "llava_next", "llava_next_video",
-                     "llava_onevision"):
+                     "llava_onevision", "deepseek_vl", "janus", "video_llava", "qianfan_ocr", "video_llama_3"):
         assert required in tested, f"{required} left out: {skipped.get(required)}"
 
 

@@ -320,15 +320,10 @@ def cmd_generate(argv: list[str]) -> int:
         from .generation import generate_text
 
         log_dir = os.environ.get(LOG_DIR_ENV, os.path.join(os.getcwd(), ".fullshard-generate-logs"))
-        status = run_rank(lambda: generate_text(args.path, args.prompt, images=images,
-                                                max_new_tokens=args.max_new_tokens,
-                                                do_sample=args.sample, temperature=args.temperature,
-                                                seed=args.seed), log_dir)
-        # a generating rank has nothing left to save: it leaves now. Its exit through static
-        # destructors sometimes died in C++'s "terminate called without an active exception" after
-        # printing every completion (thread not found; the process groups are destroyed by then)
-        sys.stdout.flush(), sys.stderr.flush()
-        os._exit(status)
+        return run_rank(lambda: generate_text(args.path, args.prompt, images=images,
+                                              max_new_tokens=args.max_new_tokens,
+                                              do_sample=args.sample, temperature=args.temperature,
+                                              seed=args.seed), log_dir)
     import tempfile
 
     # the ranks get the line without --nproc, which torchrun's own parser would take for its option

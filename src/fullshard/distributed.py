@@ -100,14 +100,65 @@ def init_distributed(device_type: str | None = None, timeout_s: float | None = N
         # believe it runs under torchrun.
         dist.init_process_group(backend=backend, timeout=timeout, rank=0, world_size=1,
                                 init_method=f"tcp://127.0.0.1:{find_free_port()}")
-        return device
-    store = _restarted_workers_store(timeout or timedelta(minutes=10))
-    if store is None:
-        dist.init_process_group(backend=backend, timeout=timeout)
     else:
-        dist.init_process_group(backend=backend, timeout=timeout, store=store,
-                                rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+        store = _restarted_workers_store(timeout or timedelta(minutes=10))
+        if store is None:
+            dist.init_process_group(backend=backend, timeout=timeout)
+        else:
+            dist.init_process_group(backend=backend, timeout=timeout, store=store,
+                                    rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    _close_at_exit(dist.distributed_c10d._get_default_group())
     return device
+
+
+# how long a closing process lets torch's gloo worker threads take the GIL to drop their last work
+WORKERS_DRAIN_S = 0.05
+
+
+def close_process_groups() -> None:
+    """Destroy every process group, then let their worker threads finish with the GIL free.
+
+    A gloo worker thread drops each collective's work after running it; the work holds the
+    collective's tensors, and a tensor Python has already let go of needs the GIL to be freed.
+    When that happens after the interpreter started finalizing, Python ends the thread
+    (`pthread_exit` in `take_gil`), the unwind meets gloo's `noexcept` run loop, and the process
+    dies in C++'s "terminate called without an active exception" (SIGABRT) after a run that
+    succeeded. `destroy_process_group` waits for the queued works; the pause lets the worker that
+    ran the last one drop it while this thread holds no GIL."""
+    import time
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+        time.sleep(WORKERS_DRAIN_S)
+
+
+_started_groups: list = []  # the default group fullshard started (torch's registry may hold others)
+
+
+def _close_at_exit(group) -> None:
+    """At exit, the default group fullshard started is destroyed (`close_process_groups`), so a script
+    that ends without `destroy_process_group()` exits cleanly. Registered with `atexit` at the
+    first start, so it runs after handlers registered later (an async save's commit among them)."""
+    import atexit
+
+    if not _started_groups:
+        atexit.register(_close_started_groups)
+    _started_groups[:] = [group]
+
+
+def _close_started_groups() -> None:
+    import sys
+
+    if getattr(sys, "last_value", None) is not None:
+        return  # an uncaught exception: peers may be inside a collective this rank will never join
+    if not _started_groups or not dist.is_initialized():
+        return
+    if dist.distributed_c10d._get_default_group() is not _started_groups[0]:
+        return  # the script destroyed ours and started its own: it is the script's to close
+    try:
+        close_process_groups()
+    except Exception:  # noqa: BLE001 - the script's outcome is decided; exit with it
+        pass
 
 
 def _restarted_workers_store(timeout: timedelta) -> dist.Store | None:

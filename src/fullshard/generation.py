@@ -40,6 +40,8 @@ def gathered(model: nn.Module):
               for group in _param_groups(module._get_fsdp_state())]
     settings = [group.post_forward_mesh_info for group in groups]
     try:
+        if isinstance(model, FSDPModule):  # the root first: a VLM's generate runs its vision tower
+            model._get_fsdp_state()._lazy_init()  # before any forward of the root (its encoder outputs)
         for group in groups:
             group.post_forward_mesh_info = None  # what `set_reshard_after_forward(False)` sets
         for module in model.modules():

@@ -102,22 +102,19 @@ def run_rank(fn, log_dir: str | os.PathLike, debug: bool = False) -> int:
 
 
 def _close_process_groups(after_failure: bool) -> None:
-    """Destroy the process groups before the interpreter exits: left to static destructors, gloo's
-    worker threads can be torn down still joinable, and the rank then dies with C++'s
-    "terminate called without an active exception" after a run that succeeded. After a failure
+    """Destroy the process groups before the interpreter exits (`distributed.close_process_groups`
+    says why: a rank could die in C++'s terminate after a run that succeeded). After a failure
     with an async save pending, destroying would first wait on peers that may be gone: the exit
     handler reports that save instead."""
-    import torch.distributed as dist
-
     from .checkpoint.async_exit import saves_pending
+    from .distributed import close_process_groups
 
     if after_failure and saves_pending():
         return
-    if dist.is_available() and dist.is_initialized():
-        try:
-            dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - the run's outcome is already decided; exit with it
-            pass
+    try:
+        close_process_groups()
+    except Exception:  # noqa: BLE001 - the run's outcome is already decided; exit with it
+        pass
 
 
 # ---------------------------------------------------------------------------------------------- launcher

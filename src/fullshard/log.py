@@ -11,6 +11,20 @@ logger = logging.getLogger("fullshard")
 _seen: set[str] = set()
 
 
+def _not_torchao_import_noise(record: logging.LogRecord) -> bool:
+    """Importing torchao (PEFT imports it when installed) logs lines that bury fullshard's one-line
+    errors in every process: a warning per CUDA kernel library a CPU build cannot load (mxfp8, CUTLASS
+    sm90a; float8 training needs none of them), and torch's deprecation notice for each Enum torchao
+    registers as a pytree constant."""
+    message = record.getMessage()
+    return not ((message.startswith("Failed to load") and ".so" in message)
+                or "is an Enum subclass and is now natively supported by torch.compile" in message)
+
+
+for _name in ("torchao", "torch.utils._pytree"):
+    logging.getLogger(_name).addFilter(_not_torchao_import_noise)
+
+
 def _ensure_handler() -> None:
     # library code only logs; a handler is added once so messages show without the user configuring logging
     if not logger.handlers:

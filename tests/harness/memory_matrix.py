@@ -48,6 +48,8 @@ CELLS = {
     "selective checkpointing": Cell(2, {"activation_checkpointing": "selective"}),
     "every 2nd block checkpointed": Cell(2, {"activation_checkpointing": "every_n", "ac_every": 2}),
     "activation offload": Cell(2, {"activation_offload": True}),
+    "float8 tensorwise": Cell(2, {"float8": "tensorwise"}),
+    "float8 rowwise": Cell(2, {"float8": "rowwise"}),
     "bf16 compute": Cell(2, {"mixed_precision": "bf16"}),
     "config torch_dtype bfloat16": Cell(2, stored_dtype="bfloat16"),
     "config without torch_dtype": Cell(2, stored_dtype="none"),

@@ -39,6 +39,7 @@ class PendingSave:
     rank: int  # at save time: after the group is destroyed, get_rank() says 0 everywhere
     world_size: int
     metadata: object = None  # the DCP index the save returned (every rank gets the global one)
+    writer: object = None  # the DCP writer (`checksums.SummingWriter`): the shards' sums, on the coordinator
 
 
 _pending: set = set()  # managers with a save in flight (held, so none is collected before it commits)

@@ -9,6 +9,7 @@ the one place that finishes a save a crash interrupted.
     trainer_state.json      step, world size, base seed, the caller's extra_state
     model_meta.json         class name, source dtype, the export recipe (output name -> state key, LoRA merges)
     config.json, generation_config.json, scheduler.pt, adapter/, tokenizer/   (when present)
+    checksums.json          size and CRC32 of every other file (`checksums`), written just before COMPLETE
     COMPLETE                written last, after every rank finished: {"step", "time_ns", "world_size"}
 <save_dir>/.fullshard-tmp-<tag>-<id>     a save in progress (or killed); with COMPLETE: killed while committing
 <save_dir>/.fullshard-trash-*            a checkpoint being deleted (renamed first, so it is never half-there)
@@ -37,6 +38,7 @@ SCHEDULER = "scheduler.pt"
 ADAPTER_DIR = "adapter"
 TOKENIZER_DIR = "tokenizer"
 COMPLETE = "COMPLETE"
+CHECKSUMS = "checksums.json"
 LATEST = "latest"
 TMP_PREFIX = ".fullshard-tmp-"
 TRASH_PREFIX = ".fullshard-trash-"

@@ -42,6 +42,7 @@ from ..hf.offline import model_meta
 from ..log import log_rank0, logger, warn_rank0
 from ..tensors import holds_part
 from . import async_exit, layout
+from .checksums import SummingWriter, write_manifest
 from .fit import few, fit_to_index
 from .read import CheckpointReader, UnreadableCheckpoint, failure_summary, read_side_file
 from .rng import capture_rng_state, rederive_rng_state, restore_rng_state
@@ -118,11 +119,13 @@ class CheckpointManager:
         try:
             with agreed(CheckpointError, f"saving checkpoint {final}"):
                 state = self._write_side_files(tmp, step, model, optimizer, scheduler, states, extra_state, tokenizer)
+            writer = SummingWriter(str(tmp / layout.STATE_DIR))
             if self.async_save:
-                self._start_async(state, tmp, final, step, optimizer)
+                self._start_async(state, tmp, final, step, optimizer, writer)
                 return final
             with _without_zip_crc():
-                metadata = dcp.save(state, checkpoint_id=str(tmp / layout.STATE_DIR), planner=_planner())
+                metadata = dcp.save(state, checkpoint_id=str(tmp / layout.STATE_DIR), storage_writer=writer,
+                                    planner=_planner())
         except CheckpointException as err:
             self._abandon(tmp)
             raise CheckpointError(f"saving checkpoint {final} failed; nothing already on disk was changed: "
@@ -130,10 +133,10 @@ class CheckpointManager:
         except BaseException:
             self._abandon(tmp)
             raise
-        self._commit(async_exit.PendingSave(None, tmp, final, step, get_rank(), get_world_size(), metadata))
+        self._commit(async_exit.PendingSave(None, tmp, final, step, get_rank(), get_world_size(), metadata, writer))
         return final
 
-    def _start_async(self, state: dict, tmp: Path, final: Path, step: int, optimizer) -> None:
+    def _start_async(self, state: dict, tmp: Path, final: Path, step: int, optimizer, writer) -> None:
         if self._async_group is None and dist.is_initialized():
             # DCP's background thread runs collectives; on its own group they cannot interleave
             # with the training loop's collectives on the default group
@@ -142,10 +145,10 @@ class CheckpointManager:
             self._stager = _reusing_stager()
         if torch.cuda.is_available():  # the stager copies on its own stream: the last step's writes must be done
             torch.cuda.current_stream().synchronize()
-        response = dcp.async_save(state, checkpoint_id=str(tmp / layout.STATE_DIR), process_group=self._async_group,
-                                  planner=_planner(), async_stager=self._stager)
+        response = dcp.async_save(state, checkpoint_id=str(tmp / layout.STATE_DIR), storage_writer=writer,
+                                  process_group=self._async_group, planner=_planner(), async_stager=self._stager)
         self._pending = async_exit.PendingSave(response.upload_completion, tmp, final, step, get_rank(),
-                                               get_world_size())
+                                               get_world_size(), writer=writer)
         async_exit.track(self)
         self._staging = response.staging_completion
         if hasattr(optimizer, "register_step_pre_hook"):
@@ -228,6 +231,7 @@ class CheckpointManager:
             raise CheckpointError(f"the DCP index of {tmp} does not cover {', '.join(gaps[:4])}: not every rank's "
                                   "shards were written; not committing it")
         layout.fsync_side_files(tmp)
+        write_manifest(tmp, pending.writer.files if pending.writer is not None else {})
         marker = {"time_ns": time.time_ns(), "step": pending.step, "world_size": pending.world_size}
         layout.write_durably(tmp / layout.COMPLETE, json.dumps(marker))
         layout.fsync_dir(tmp)
@@ -324,7 +328,7 @@ class CheckpointManager:
             if (found := trainer_state.get("format")) != layout.FORMAT_VERSION:
                 raise CheckpointError(f"checkpoint {checkpoint} has format {found}; this fullshard reads format "
                                       f"{layout.FORMAT_VERSION} (export it with the fullshard that wrote it)")
-            reader = CheckpointReader(checkpoint)
+            reader = CheckpointReader(checkpoint, share=(get_rank(), get_world_size()))
             options = _options(reader.metadata)
             if optimizer is not None and holds_part(model) and not options.flatten_optimizer_state_dict:
                 raise CheckpointError(f"checkpoint {checkpoint} keeps its optimizer groups by index (an older "

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.metadata import StorageMeta
 
 from ..errors import CheckpointError
 from ..safe_dcp import SafeFileSystemReader, SafeLoadPlanner, load_pt, read_dcp_metadata
-from . import layout
+from . import checksums, layout
 
 
 class UnreadableCheckpoint(CheckpointError):
@@ -44,11 +44,18 @@ class CheckpointReader:
     needs no coordination (each rank's reads follow from the index alone), so the collective
     exchange of plans and the gather after reading are skipped; callers agree on failure."""
 
-    def __init__(self, checkpoint: Path) -> None:
+    def __init__(self, checkpoint: Path, share: tuple[int, int] | None = (0, 1)) -> None:
+        """`share` (index, count): this process checks every `count`-th of the checkpoint's files
+        against their recorded sums (`checksums.verify`), the others' share checked by the other
+        ranks reading it; None checks none (the index alone is wanted)."""
         self.checkpoint = checkpoint
         self.state_dir = checkpoint / layout.STATE_DIR
+        if share is not None:
+            checksums.verify(checkpoint, UnreadableCheckpoint, only_index=True)
         self.metadata = read_dcp_metadata(self.state_dir, UnreadableCheckpoint)
         layout.check_storage_files(self.state_dir, self.metadata, UnreadableCheckpoint)
+        if share is not None:
+            checksums.verify(checkpoint, UnreadableCheckpoint, share)
         self._reader = _IndexedReader(self.state_dir, self.metadata)
 
     def read(self, state: dict, partial: bool = False) -> None:

@@ -120,7 +120,7 @@ def report_overlong(info: dict, section, path: str) -> None:
     data.seq_len and what became of them, on every run (the counts are kept with the cache);
     refuse data of which nothing would be left."""
     dropped, truncated = info["dropped"], info.get("truncated", 0)
-    total = info["documents"] + dropped
+    total = info["documents"] + dropped + info.get("broken", 0)  # every record read
     records = {"chat": "conversations", "preference": "pairs"}.get(section.format, "documents")
     rule = f"longer than data.seq_len={section.seq_len}"
     if dropped and not info["documents"]:

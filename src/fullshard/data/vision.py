@@ -143,7 +143,8 @@ def decode_images(blobs) -> dict[str, torch.Tensor]:
     from safetensors.torch import load
 
     parts = [load(bytes(b)) for b in blobs if b is not None and len(b)]
-    return {k: torch.cat([p[k] for p in parts]) for k in parts[0]} if parts else {}
+    keys = list(dict.fromkeys(k for p in parts for k in p))  # images in some, videos in others
+    return {k: torch.cat([p[k] for p in parts if k in p]) for k in keys}
 
 
 class RopeIndex:

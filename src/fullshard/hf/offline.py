@@ -90,10 +90,10 @@ def _state_tensor(reader: CheckpointReader, recipe: ExportRecipe, name: str) -> 
     return merge_lora(read[key], [(read.get(a), read[b], s) for a, b, s in terms], merge["fan_in_fan_out"])
 
 
-def _hub_tensors(checkpoint: Path, recipe: ExportRecipe, out_dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def _hub_tensors(reader: CheckpointReader, recipe: ExportRecipe, out_dtype: torch.dtype
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Every Hub tensor of the recipe, in its order, cast to `out_dtype` (`written_dtype`); a
     state tensor split into several (a fused MoE tensor, one per expert) is read once for all of them."""
-    reader = CheckpointReader(checkpoint)
     held: tuple[str | None, torch.Tensor | None] = (None, None)
     for name in recipe.names:
         view = recipe_view(recipe, name)
@@ -114,7 +114,8 @@ def checkpoint_hf_weights(path: str | os.PathLike, *, dtype: torch.dtype | str |
     checkpoint = layout.resolve_checkpoint(path)
     meta = layout.read_json(checkpoint / layout.MODEL_META)
     recipe = _recipe(checkpoint, meta)
-    yield from _hub_tensors(checkpoint, recipe, resolve_dtype(dtype) or resolve_dtype(meta["dtype"]))
+    out_dtype = resolve_dtype(dtype) or resolve_dtype(meta["dtype"])
+    yield from _hub_tensors(CheckpointReader(checkpoint), recipe, out_dtype)
 
 
 def _write_adapter(reader: CheckpointReader, recipe: ExportRecipe, staging: Path) -> None:
@@ -159,7 +160,7 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, output_dir: str | os.Pa
     staging = staging_dir(output_dir)
     staging.mkdir(parents=True)
     try:
-        tensors = _hub_tensors(checkpoint, recipe, out_dtype)
+        tensors = _hub_tensors(reader, recipe, out_dtype)
         for fname, group in files:
             stream = SafetensorsStream(staging / fname, group)
             for entry in group:

@@ -26,7 +26,10 @@ def print_estimate(config, run, device: str, capacity: int | None, micro: int, s
     fsdp = config.fsdp
     stored = stored_dtype(config)
     print(f"\nper-rank memory estimate (micro batch {micro} x {seq_len} tokens over cp {config.parallel.cp_size}, "
-          f"activation checkpointing {fsdp.activation_checkpointing}, "
+          f"activation checkpointing {fsdp.activation_checkpointing}"
+          f"{f' (every {fsdp.ac_every})' if fsdp.activation_checkpointing == 'every_n' else ''}, "
+          f"{'activation offload, ' if fsdp.activation_offload else ''}"
+          f"{f'float8 {fsdp.float8}, ' if fsdp.float8 != 'none' else ''}"
           f"loss chunks of {config.train.loss_chunk_tokens or 'all the'} tokens, "
           f"{accumulation or 'unknown'} micro-batch(es) per step, {device}):\n"
           f"assumed: {run.assumptions} (model.dtype={config.model.dtype}, fsdp.mixed_precision={fsdp.mixed_precision}"

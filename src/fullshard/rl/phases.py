@@ -82,9 +82,8 @@ def sequence_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask:
     `max_tokens` (padded) tokens, every rank of `group` running as many (a collective on a
     sharded model). Returns `[n, T - 1]` (and the entropies with `return_entropy`), 0 past each
     sequence's end."""
-    from .update import _token_logprobs
+    from ..objectives.logprobs import token_logprobs as compute
 
-    compute = _token_logprobs()
     n, width = input_ids.shape
     out = torch.zeros(n, width - 1, dtype=torch.float32, device=input_ids.device)
     entropy = torch.zeros_like(out) if return_entropy else None

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..objectives.logprobs import token_logprobs
 from ..optim import clip_and_step
 from .batches import token_batches
 from .counts import global_counts
@@ -87,26 +88,10 @@ STAT_NAMES = ("approx_kl", "clip_fraction", "clip_fraction_lower", "clip_ratio/l
 SUMMED = ("loss", "pg_loss", "kl", "entropy") + STAT_NAMES
 
 
-def _token_logprobs():
-    try:
-        from .. import token_logprobs
-    except (ImportError, AttributeError):  # before the chunked primitive exists
-        return _whole_logits_logprobs
-    return token_logprobs
-
-
-def _whole_logits_logprobs(model, input_ids, labels=None, *, attention_mask=None, temperature=1.0,
-                           chunk_tokens=0, return_entropy=False, **model_inputs):
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, **model_inputs).logits
-    logp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
-    out = logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
-    return (out, -(logp.exp() * logp).sum(-1)) if return_entropy else out
-
-
 def micro_batch_loss(model, batch: Rollouts, config: UpdateConfig, counts, dp_size: int):
     """The globally normalised loss of one micro-batch and its terms' sums (weighted to add up,
     over micro-batches and ranks, to the mini-batch's means)."""
-    logprobs, entropy = _token_logprobs()(
+    logprobs, entropy = token_logprobs(
         model, batch.input_ids, attention_mask=batch.attention_mask, temperature=config.temperature,
         chunk_tokens=config.chunk_tokens, return_entropy=True, **batch.model_inputs)
     mask = batch.response_mask.to(logprobs.dtype)
@@ -138,7 +123,7 @@ def _stand_in(model, like: Rollouts) -> torch.Tensor:
     """A forward whose loss is 0 for a rank with fewer sequences than micro-batches: FSDP's
     collectives need every rank to run each one."""
     ids = like.input_ids[:1, :2]
-    logprobs = _token_logprobs()(model, ids, attention_mask=torch.ones_like(ids))
+    logprobs = token_logprobs(model, ids, attention_mask=torch.ones_like(ids))
     return logprobs.sum() * 0.0
 
 

@@ -184,12 +184,23 @@ def features_holder(model: nn.Module, function: str = "get_image_features") -> t
     return holder, keys
 
 
+def feature_params(model: nn.Module, function: str) -> set[str]:
+    """The inputs a layout is made for: the model's own function's (its optional extras as the outer
+    class takes them: LLaVA's inner `image_sizes` is Pixtral's), and those the one the forward calls
+    requires (VideoLLaMA3's `image_merge_sizes`)."""
+    holder = features_holder(model, function)[0]
+    params = set(inspect.signature(getattr(model, function)).parameters) \
+        if callable(getattr(type(model), function, None)) else set()
+    inner = inspect.signature(getattr(holder, function)).parameters.items()
+    return params | {k for k, p in inner if p.default is p.empty and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+
+
 def candidate_image_inputs(model: nn.Module, images: int, generator: torch.Generator,
                            video: bool = False) -> list[dict]:
     """The image layouts `get_image_features` may take, for `images` random images, most likely first;
     `video`: the video layouts `get_video_features` may take (two frames each)."""
     vision = vision_config(model.config)
-    params = set(features_holder(model, "get_video_features" if video else "get_image_features")[1])
+    params = feature_params(model, "get_video_features" if video else "get_image_features")
     channels = _first(vision, ("num_channels", "in_channels", "in_chans"), 3)
     size = _first(vision, ("image_size",), IMAGE)
     patch = _first(vision, ("patch_size",), 8)
@@ -317,7 +328,7 @@ class VLMInputs:
             labels[r - rows.start, 2:2 + self.video_tokens] = -100
         batch = {"input_ids": input_ids, "labels": labels}
         if self.mm_token_type:  # text 0, image 1, video 2
-            video = (input_ids == self.video_id).long()
+            video = (input_ids == (-1 if self.video_id is None else self.video_id)).long()
             batch["mm_token_type_ids"] = (input_ids == self.image_id).long() + 2 * video
         if self.token_types == "image":
             batch["token_type_ids"] = (input_ids == self.image_id).long()

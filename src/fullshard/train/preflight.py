@@ -79,7 +79,7 @@ def _check_init_from(config: TrainConfig, model) -> None:
         if checkpoint.resolve().parent == config.checkpoint_dir.resolve():
             raise ConfigError(f"{key} is a checkpoint of this run's own directory: continue it with "
                               "checkpoint.resume=auto, or write this run to another train.output_dir")
-        index = CheckpointReader(checkpoint).metadata
+        index = CheckpointReader(checkpoint, share=None).metadata
         fit_to_index(checkpoint, index, {"model": model.state_dict()}, strict=True, model=model)
     except CheckpointError as err:
         raise ConfigError(f"{key}: {err}") from None
