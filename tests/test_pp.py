@@ -19,7 +19,7 @@ from fullshard.testing import build_model, make_batch, reported_by_every_rank, r
 from harness.compare import data_slice, full_tensor, reference_gaps
 from fullshard.train.loss import aligned_targets, causal_lm_loss_sum, target_count, token_loss_sum
 from fullshard.lora import apply_lora
-from fullshard.train.chunked_loss import _RETURNS_HEAD_OUTPUT
+from fullshard.objectives.logprobs import _RETURNS_HEAD_OUTPUT
 from fullshard.train.metrics import model_flops_per_token
 
 TOL = 1e-5

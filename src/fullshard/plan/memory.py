@@ -34,7 +34,7 @@ Under context parallelism a rank's activations are those of its 1/cp of each seq
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from torch import nn
@@ -222,8 +222,12 @@ def norm_upcast_bytes(config, compute_bytes: int) -> int:
 class EstimateSetup:
     """What one estimate assumes besides the model and its plan, as the configs give it
     (`EstimateSetup.of`): the shard size (dp_shard), the micro-batch, the dtypes, checkpointing,
-    the optimizer, the tp / cp / ep split and, for a pipeline stage (`estimate_run`), its rows of
-    `seq_len` tokens and micro-batches in flight. The fields keep `estimate_memory`'s old positional order."""
+    the optimizer, the tp / cp / ep split, offload and float8 and, for a pipeline stage
+    (`estimate_run`), its rows of `seq_len` tokens and micro-batches in flight. The fields keep
+    `estimate_memory`'s old positional order. `float8` tensorwise gathers the converted layers'
+    weights in float8 (1 byte each, and a scale); `activation_offload` keeps on the device two
+    layers' saved tensors of all (the one computing and the one prefetched), the rest on the host
+    (`host_activations`; on a CPU nothing moves)."""
 
     shard_size: int
     micro_batch_size: int
@@ -249,87 +253,79 @@ class EstimateSetup:
 
     @classmethod
     def of(cls, model: nn.Module, engine, dims, micro_batch_size: int, seq_len: int, **run) -> EstimateSetup:
-        """From an `EngineConfig` (dtypes, checkpointing, the tp plan) and its mesh (`ParallelDims`);
-        `run`: the train config's optimizer, accumulation_steps, device_type, loss_chunk_tokens, and
-        a pipeline stage's stage_rows / in_flight / all_forwards_first (and the whole model's dtypes
-        for a stage of it: `training_dtypes` of `model` otherwise)."""
+        """From an `EngineConfig` (dtypes, checkpointing, the tp plan, offload, float8) and its mesh
+        (`ParallelDims`); `run`: the train config's optimizer, accumulation_steps, device_type,
+        loss_chunk_tokens, and a pipeline stage's stage_rows / in_flight / all_forwards_first (and
+        the whole model's dtypes for a stage of it: `training_dtypes` of `model` otherwise)."""
         _, compute, reduce = training_dtypes(model, engine)
         values = dict(compute_dtype=compute, reduce_dtype=reduce, ac_every=engine.ac_every,
                       activation_checkpointing=engine.activation_checkpointing,
-                      activation_offload=engine.activation_offload, float8=engine.float8,
-                      float8_skip=engine.float8_skip,
-                      tp_assignments=tp_assignments(model, engine.tp_plan, dims.tp),
-                      tp_size=dims.tp, cp_size=dims.cp, ep_size=dims.ep)
+                      tp_assignments=tp_assignments(model, engine.tp_plan, dims.tp), tp_size=dims.tp,
+                      cp_size=dims.cp, ep_size=dims.ep, activation_offload=engine.activation_offload,
+                      float8=engine.float8, float8_skip=engine.float8_skip)
         return cls(dims.dp_shard, micro_batch_size, seq_len, **{**values, **run})
 
 
 def estimate_memory(model: nn.Module, plan: ShardingPlan, setup: EstimateSetup | int | None = None, *args,
                     **kwargs) -> MemoryEstimate:
-    """The estimate for `model` (real or on meta) sharded by `plan` as `setup` says (its fields in the
-    old positional / keyword form are read as `EstimateSetup(...)`). Each MoE experts module at ep > 1
-    is a unit gathering this rank's experts only (none where ep = dp_shard x cp); float8 tensorwise
-    gathers converted weights at 1 byte; `activation_offload` leaves two layers' saved tensors on the device."""
+    """The estimate for `model` (real or on meta) sharded by `plan` under `setup` (an `EstimateSetup`;
+    its fields given instead, the old form `estimate_memory(model, plan, 2, 2, 16, cp_size=2)`, are
+    read as one). Under ep > 1 each MoE experts module is a unit of its own gathering only this rank's
+    experts (1 / (dp_shard x cp) of them); where no other rank holds them they are not gathered."""
+    s = setup if isinstance(setup, EstimateSetup) else EstimateSetup(*(setup, *args)[setup is None:], **kwargs)
+    (shard_size, micro_batch_size, seq_len, compute_dtype, activation_checkpointing, optimizer, accumulation_steps,
+     device_type, reduce_dtype, tp_assignments, tp_size, cp_size, ep_size, loss_chunk_tokens, stage_rows, in_flight,
+     all_forwards_first, ac_every, activation_offload, float8, float8_skip) = (getattr(s, f.name) for f in fields(s))
     from ..fsdp import ac_mode
 
-    old_form = () if setup is None else (setup, *args)
-    s = setup if isinstance(setup, EstimateSetup) else EstimateSetup(*old_form, **kwargs)
-    activation_checkpointing, cp_size = ac_mode(s.activation_checkpointing), s.cp_size
-    assignments = s.tp_assignments or {}
-    split = TensorParallelSplit(model, assignments, s.tp_size)
-    experts = expert_units(model, s.ep_size, s.shard_size * cp_size)
-    units = _unit_bytes(model, plan, s.shard_size * cp_size, s.compute_dtype, s.optimizer,
-                        ALLOCATOR_BLOCK if s.device_type != "cpu" else 1, split, experts,
-                        float8_gathered(model, s.float8, s.float8_skip))
-    seq_len = -(-s.seq_len // cp_size)  # this rank's part of each sequence
-    config, compute_bytes = text_config(model.config), s.compute_dtype.itemsize
+    activation_checkpointing = ac_mode(activation_checkpointing)
+    split = TensorParallelSplit(model, tp_assignments or {}, tp_size)
+    units = _unit_bytes(model, plan, shard_size * cp_size, compute_dtype, optimizer,
+                        ALLOCATOR_BLOCK if device_type != "cpu" else 1, split,
+                        expert_units(model, ep_size, shard_size * cp_size),
+                        float8_gathered(model, float8, float8_skip))
+    seq_len = -(-seq_len // cp_size)  # this rank's part of each sequence
+    config, compute_bytes = text_config(model.config), compute_dtype.itemsize
     stage = getattr(model, "fullshard_stage", None)  # a pipeline stage: its layers, ends and micro-batches
     layers, first, last = (len(stage.layers), stage.first, stage.last) if stage else (None, True, True)
-    micro_batch_size = (s.stage_rows or s.micro_batch_size) if stage is not None else s.micro_batch_size
-    tokens, in_flight = micro_batch_size * seq_len, s.in_flight
+    if stage is not None:
+        micro_batch_size = stage_rows or micro_batch_size  # one pipeline micro-batch
+    tokens = micro_batch_size * seq_len
     # the layers' projections split over tp (the auto plan's are): their activations are split too
-    layer_tp = s.tp_size if any(".layers." in f".{name}." for name in assignments) else 1
-    head = chunked_head(model, s.loss_chunk_tokens, assignments) if last else None
+    layer_tp = tp_size if any(".layers." in f".{name}." for name in (tp_assignments or {})) else 1
+    head = chunked_head(model, loss_chunk_tokens, tp_assignments or {}) if last else None
     activations = in_flight * activation_bytes(
         config, micro_batch_size, seq_len, compute_bytes, activation_checkpointing, chunked_loss=head is not None,
-        layers=layers, first=first, last=last, tp=layer_tp, cp=cp_size, ac_every=s.ac_every)
+        layers=layers, first=first, last=last, tp=layer_tp, cp=cp_size, ac_every=ac_every)
     activations += in_flight * tokens * compute_bytes * layout_values(
-        model, config, experts, activation_checkpointing, layers, first, last, stage is not None, head is None)
-    count = layers or config.num_hidden_layers
-    host = offloaded_activations(s, config, count, in_flight * tokens, compute_bytes, layer_tp,
-                                 activation_checkpointing)
-    activations -= host - host * min(2, count) // max(count, 1)  # two layers' stay: computing, prefetched
-    loss, saved_loss = (loss_bytes(config, head, tokens, compute_bytes, s.loss_chunk_tokens, in_flight) if last
-                        else (0, 0))
+        model, config, expert_units(model, ep_size, shard_size * cp_size), activation_checkpointing, layers,
+        first, last, stage is not None, head is None)
+    host = 0
+    if activation_offload and device_type != "cpu":
+        host, kept = offloaded_bytes(config, in_flight * tokens, compute_bytes, activation_checkpointing, ac_every,
+                                     layers or config.num_hidden_layers, layer_tp, cp_size)
+        activations -= host - kept
+    loss, saved_loss = loss_bytes(config, head, tokens, compute_bytes, loss_chunk_tokens, in_flight) if last else (0, 0)
     recompute = recompute_bytes(config, tokens, compute_bytes, layer_tp, cp_size, layers, activation_checkpointing,
-                                s.ac_every)
+                                ac_every)
     full = sorted(units["full"].values(), reverse=True)
     largest = max(units["full"], key=units["full"].get)
-    reduce_copy = s.reduce_dtype.itemsize if s.reduce_dtype != s.compute_dtype else 0
+    reduce_copy = reduce_dtype.itemsize if reduce_dtype != compute_dtype else 0
     trainable = sum(units["grad"].values())
     return MemoryEstimate(
-        parameters=units["shard"], gradients=trainable, optimizer=OPTIMIZER_STATES[s.optimizer] * trainable,
+        parameters=units["shard"], gradients=trainable, optimizer=OPTIMIZER_STATES[optimizer] * trainable,
         gathered=sum(full[:2]), activations=activations, loss=loss,
         unit_gradients=units["numel"][largest] * reduce_copy + full[0] + units["grad"].get(largest, 0),
-        allocator=units["rounding"], gradients_in_forward=s.accumulation_steps is None or s.accumulation_steps > 1,
+        allocator=units["rounding"], gradients_in_forward=accumulation_steps is None or accumulation_steps > 1,
         largest_unit=full[0], saved_loss=saved_loss,
         first_unit_gradients=max(units["grad"].values(), default=0), recompute=recompute,
         input_unit_gradients=next(iter(units["grad"].values()), 0),
         backward_gathered=sum(sorted(units["backward_full"].values(), reverse=True)[:2]),
         in_flight=in_flight if stage is not None else 0,
         pipeline_gradients=units["trainable_numel"] * compute_bytes if stage is not None else 0,
-        gradients_between_forwards=stage is not None and not s.all_forwards_first,
+        gradients_between_forwards=stage is not None and not all_forwards_first,
         host_activations=host,
     )
-
-
-def offloaded_activations(s: EstimateSetup, config, layers: int, tokens: int, compute_bytes: int,
-                          layer_tp: int, activation_checkpointing: str) -> int:
-    """What `activation_offload` moves to the host for `tokens` tokens in flight over `layers` layers:
-    every layer's saved tensors (only the checkpoints under checkpointing); on a CPU nothing moves."""
-    if not s.activation_offload or s.device_type == "cpu":
-        return 0
-    return tokens * offloaded_layer_bytes(config, compute_bytes, activation_checkpointing, s.ac_every, layers,
-                                          layer_tp, s.cp_size)
 
 
 def recompute_bytes(config, tokens: int, compute_bytes: int, tp: int, cp: int, layers: int | None,
@@ -479,6 +475,13 @@ def float8_gathered(model: nn.Module, float8: str, skip=()) -> set[str]:
     from ..float8 import float8_choices
 
     return {f"{name}.weight" for name in float8_choices(model, skip)[0]}
+
+
+def offloaded_bytes(config, tokens: int, compute_bytes: int, mode: str, every: int, layers: int, tp: int,
+                    cp: int) -> tuple[int, int]:
+    """(bytes the offload moves to the host, of them the two layers' kept on the device)."""
+    moved = tokens * offloaded_layer_bytes(config, compute_bytes, mode, every, layers, tp, cp)
+    return moved, moved * min(2, layers) // max(layers, 1)
 
 
 def offloaded_layer_bytes(config, compute_bytes: int, mode: str, every: int, layers: int, tp: int,
