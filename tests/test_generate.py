@@ -249,7 +249,7 @@ def test_a_script_from_the_readme_exits_cleanly_under_torchrun_without_teardown(
     (tmp_path / "user.py").write_text(USER_SCRIPT)
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src"), OMP_NUM_THREADS="1",
                CUDA_VISIBLE_DEVICES="")
-    for attempt in range(5):
+    for attempt in range(4):
         done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                                "user.py", str(tmp_path / "model")], env=env, capture_output=True, text=True,
                               timeout=300, cwd=tmp_path)

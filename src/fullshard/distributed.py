@@ -115,7 +115,7 @@ def init_distributed(device_type: str | None = None, timeout_s: float | None = N
 WORKERS_DRAIN_S = 0.05
 
 
-def close_process_groups() -> None:
+def close_process_groups(drain: bool = True) -> None:
     """Destroy every process group, then let their worker threads finish with the GIL free.
 
     A gloo worker thread drops each collective's work after running it; the work holds the
@@ -123,13 +123,20 @@ def close_process_groups() -> None:
     When that happens after the interpreter started finalizing, Python ends the thread
     (`pthread_exit` in `take_gil`), the unwind meets gloo's `noexcept` run loop, and the process
     dies in C++'s "terminate called without an active exception" (SIGABRT) after a run that
-    succeeded. `destroy_process_group` waits for the queued works; the pause lets the worker that
-    ran the last one drop it while this thread holds no GIL."""
+    succeeded. A barrier on each group first runs every collective still queued there (gloo's
+    barrier waits for all prior work; a group a model still references is not freed, so destroying
+    it does not wait); the pause lets the worker that ran the last one drop it while this thread
+    holds no GIL. `drain=False` (after a failure: peers may never reach a barrier) only destroys."""
     import time
 
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-        time.sleep(WORKERS_DRAIN_S)
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    rank = dist.get_rank()
+    for group in list(dist.distributed_c10d._world.pg_map) if drain else []:  # creation order
+        if rank in dist.get_process_group_ranks(group):
+            dist.barrier(group=group)
+    dist.destroy_process_group()
+    time.sleep(WORKERS_DRAIN_S)
 
 
 _started_groups: list = []  # the default group fullshard started (torch's registry may hold others)

@@ -112,7 +112,7 @@ def _close_process_groups(after_failure: bool) -> None:
     if after_failure and saves_pending():
         return
     try:
-        close_process_groups()
+        close_process_groups(drain=not after_failure)
     except Exception:  # noqa: BLE001 - the run's outcome is already decided; exit with it
         pass
 
