@@ -14,12 +14,12 @@ from __future__ import annotations
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.report import markdown_table, write_section  # noqa: E402
+from bench.variants import largest_peaks, time_interleaved  # noqa: E402
 from fullshard.testing import run_distributed  # noqa: E402
 
 MODEL = dict(vocab_size=128_256, hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=4,
@@ -55,26 +55,14 @@ def _run() -> dict:
         step(0)  # warm-up: the optimizer state exists from here on
         runs[chunk] = {"step": step, "measure": lambda m=model, o=optimizer, st=step: measured_peak_bytes(
             m, o, lambda: st(1), batch(1)), "estimate": estimate.total, "times": []}
-    for round_ in range(ROUNDS):  # interleaved: each round times one step of every variant
-        for chunk, run in runs.items():
-            torch.distributed.barrier()
-            start = time.perf_counter()
-            out = run["step"](2 + round_)
-            torch.distributed.barrier()
-            run["times"].append(time.perf_counter() - start)
-            run["last_loss"] = out.loss
-    for run in runs.values():  # last: the tracker leaves its hooks on the model
-        run["peak"] = run["measure"]()
-    return {chunk: {k: v for k, v in run.items() if k not in ("step", "measure")} for chunk, run in runs.items()}
+    return time_interleaved(runs, ROUNDS, lambda run, out: run.update(last_loss=out.loss))
 
 
 def main() -> None:
     load_before = os.getloadavg()
     per_rank = run_distributed(_run, WORLD)
     load_after = os.getloadavg()
-    runs = per_rank[0]
-    for chunk, run in runs.items():
-        run["peak"] = max(r[chunk]["peak"] for r in per_rank)
+    runs = largest_peaks(per_rank)
     whole = runs[0]
     tokens = WORLD * MICRO * SEQ
     rows = []

@@ -1,0 +1,39 @@
+"""Timing several variants of one step side by side in one process group, for the benchmarks that
+compare a setting's values (bench_loss: loss chunk sizes; bench_rl: log-prob chunk sizes).
+
+Each variant is a dict with `step(seed) -> out` and `measure() -> peak bytes`. The rounds are
+interleaved (each round times one step of every variant), so a change in the machine's load falls
+on all of them alike; the peak is measured last, since the memory tracker leaves its hooks on the
+model.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def time_interleaved(runs: dict, rounds: int, keep: Callable[[dict, object], None]) -> dict:
+    """Time `rounds` steps of every run in `runs` (seeds 2, 3, ...), `keep(run, out)` recording what
+    a step returned; then each run's peak. Returns the runs without their callables."""
+    for round_ in range(rounds):
+        for run in runs.values():
+            torch.distributed.barrier()
+            start = time.perf_counter()
+            out = run["step"](2 + round_)
+            torch.distributed.barrier()
+            run["times"].append(time.perf_counter() - start)
+            keep(run, out)
+    for run in runs.values():
+        run["peak"] = run["measure"]()
+    return {name: {k: v for k, v in run.items() if k not in ("step", "measure")} for name, run in runs.items()}
+
+
+def largest_peaks(per_rank: list[dict]) -> dict:
+    """Rank 0's runs, each with the largest peak any rank measured."""
+    runs = per_rank[0]
+    for name, run in runs.items():
+        run["peak"] = max(r[name]["peak"] for r in per_rank)
+    return runs
