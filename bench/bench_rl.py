@@ -15,15 +15,13 @@ the median of interleaved timed steps.
 from __future__ import annotations
 
 import os
-import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.report import markdown_table, write_section  # noqa: E402
-from bench.variants import largest_peaks, time_interleaved  # noqa: E402
-from fullshard.testing import run_distributed  # noqa: E402
+from bench.variants import run_variants, time_interleaved  # noqa: E402
 
 MODEL = dict(vocab_size=128_256, hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False)
@@ -67,16 +65,12 @@ def _run() -> dict:
 
 
 def main() -> None:
-    load_before = os.getloadavg()
-    per_rank = run_distributed(_run, WORLD)
-    load_after = os.getloadavg()
-    runs = largest_peaks(per_rank)
+    runs, load_before, load_after = run_variants(_run, WORLD)
     whole = runs[0]
     tokens = WORLD * ROWS * SEQ
     rows = []
     for chunk, run in runs.items():
-        speed = tokens / statistics.median(run["times"])
-        base_speed = tokens / statistics.median(whole["times"])
+        speed, base_speed = run["speed"](tokens), whole["speed"](tokens)
         name = "whole logits, log-softmax" if chunk == 0 else f"token_logprobs, {chunk}-token chunks"
         loss, entropy, norm = run["last"]
         rows.append([name, f"{run['peak'] / 2**20:,.0f}", f"{run['peak'] / whole['peak']:.2f}",

@@ -9,6 +9,8 @@ model.
 
 from __future__ import annotations
 
+import os
+import statistics
 import time
 from collections.abc import Callable
 
@@ -31,9 +33,16 @@ def time_interleaved(runs: dict, rounds: int, keep: Callable[[dict, object], Non
     return {name: {k: v for k, v in run.items() if k not in ("step", "measure")} for name, run in runs.items()}
 
 
-def largest_peaks(per_rank: list[dict]) -> dict:
-    """Rank 0's runs, each with the largest peak any rank measured."""
+def run_variants(body: Callable[[], dict], world: int) -> tuple[dict, tuple, tuple]:
+    """`body` (which returns `time_interleaved`'s runs) on `world` ranks: rank 0's runs, each with the
+    largest peak any rank measured and its tokens/s (`speed(tokens)`), and the load before and after."""
+    from fullshard.testing import run_distributed
+
+    load_before = os.getloadavg()
+    per_rank = run_distributed(body, world)
+    load_after = os.getloadavg()
     runs = per_rank[0]
     for name, run in runs.items():
         run["peak"] = max(r[name]["peak"] for r in per_rank)
-    return runs
+        run["speed"] = lambda tokens, times=run["times"]: tokens / statistics.median(times)
+    return runs, load_before, load_after
