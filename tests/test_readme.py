@@ -117,6 +117,14 @@ def _chat_jsonl(path: Path) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
+def _data_the_docs_write(work: Path) -> None:
+    """Run, in `work`, the Python blocks that write a JSONL file a shell command then trains on
+    (docs/preference.md's `pairs.jsonl`)."""
+    for block in code_blocks("python"):
+        if re.search(r'open\("[\w.-]+\.jsonl", "w"\)', block):
+            subprocess.run([sys.executable, "-c", block], cwd=work, check=True, timeout=60, env=_env())
+
+
 @pytest.fixture(scope="module")
 def scratch(tmp_path_factory):
     work = tmp_path_factory.mktemp("readme")
@@ -126,6 +134,7 @@ def scratch(tmp_path_factory):
         "train: {steps: 1000, micro_batch_size: 2, global_batch_size: 4, log_every: 1, output_dir: runs/yaml}\n")
     _tiny_model_dir(work / "my-model")
     _chat_jsonl(work / "chat.jsonl")
+    _data_the_docs_write(work)
     (work / "stage2.txt").write_text("".join(f"Stage two document {i}: {i} and {i} make {2 * i}.\n" for i in range(300)))
     return work
 

@@ -152,7 +152,8 @@ def verify(checkpoint: Path, error_type: type[Exception] = CheckpointError,
     """Check the recorded files of `checkpoint`: the `share[0]`-th of every `share[1]` files in name
     order, so ranks reading the same checkpoint each read a part (the DCP index, which every
     reader unpickles, is checked by each: `only_index`). A file missing, of another size or another
-    CRC32 is one error naming it."""
+    CRC32 is one error naming it; a missing per-rank RNG file is not (its rank re-derives its RNG, as
+    on a resume at another world size), while one that is there must hold its bytes."""
     files = recorded(checkpoint, error_type)
     if files is None:
         return
@@ -164,6 +165,8 @@ def verify(checkpoint: Path, error_type: type[Exception] = CheckpointError,
         try:
             actual = file_checksum(path)
         except FileNotFoundError:
+            if name.startswith(f"{layout.RNG_DIR}/"):
+                continue
             raise error_type(f"{path} is missing (the checkpoint's {CHECKSUMS} lists it)") from None
         except OSError as err:
             raise error_type(f"{path} is unreadable: {err}") from None
