@@ -194,6 +194,9 @@ def test_stop_request_first_signal_asks_second_acts(tmp_path):
         signal.raise_signal(signal.SIGINT)
         time.sleep(0.1)
     assert signal.getsignal(signal.SIGINT) is before  # handlers restored by the second signal
+    from fullshard.distributed import STOP_ASKED
+
+    assert not STOP_ASKED.is_set()  # and the process-wide flag cleared: a later run here starts unstopped
 
     by_file = StopRequest(stop_file=tmp_path / "stop")
     assert not by_file.requested()

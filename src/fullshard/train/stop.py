@@ -86,6 +86,9 @@ class StopRequest:
             log_rank0(f"stopped at step {step} of {total}; {where}; run the same command to resume")
 
     def restore(self) -> None:
+        """Put back the signal handlers this request replaced; the process-wide stop flag goes with them
+        (a later run in the same process, a test's or a notebook's, starts unstopped)."""
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
         self._previous = {}
+        STOP_ASKED.clear()
