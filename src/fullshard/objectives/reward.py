@@ -148,7 +148,7 @@ def position_scores(model: nn.Module, batch: dict) -> torch.Tensor:
         kept.append(output)
 
     def per_position(module, args, output):
-        output.logits = kept[-1][..., 0]
+        output.logits = kept[-1][..., 0].clone()  # not a view: FSDP's hook on it must not be dropped
         return output
 
     handles = [score_head(model).register_forward_hook(keep), model.register_forward_hook(per_position, prepend=True)]
