@@ -25,6 +25,11 @@ class Objective:
         """Units of `batch` the loss is a mean over."""
         raise NotImplementedError
 
+    def begin_step(self, batches: list[dict]) -> None:
+        """Called with this rank's micro-batches of a step (or of an evaluation) before their first
+        `loss_sum`, on every rank: for a term that is a mean over other units than `count`'s, whose
+        step-wide count it gathers (a collective). Nothing by default."""
+
     def loss_sum(self, model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The loss summed over the batch's units (differentiable, fp32) and the sums of `metrics`
         over them (detached, a float64 vector on the host; None without metrics)."""

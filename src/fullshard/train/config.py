@@ -276,26 +276,32 @@ class LoraSection:
 class PreferenceSection:
     """The preference loss of train.objective=dpo (TRL's DPOTrainer names and defaults)."""
 
-    loss_type: Literal["sigmoid", "ipo", "hinge", "robust", "simpo"] = "sigmoid"
+    loss_type: Literal["sigmoid", "ipo", "hinge", "robust", "simpo", "orpo"] = "sigmoid"
     """sigmoid (DPO), ipo (length-normalised, as TRL), hinge, robust (label_smoothing), simpo (reference-free, length-
-    normalised, simpo_gamma)"""
+    normalised, simpo_gamma), orpo (reference-free: the chosen sequence's NLL plus beta times the odds-ratio term)"""
     beta: PositiveFloat = 0.1
     """the strength of the implicit KL to the reference (IPO's tau)"""
     label_smoothing: Annotated[float, Field(ge=0, lt=0.5)] = 0.0
     """robust: the assumed share of flipped labels"""
     simpo_gamma: float = 0.5
     """simpo: the target reward margin"""
+    sft_weight: NonNegativeFloat = 0.0
+    """the weight of an NLL term on the chosen completions, a mean over the step's chosen completion tokens (RPO;
+    TRL's loss_type=[..., sft] with this loss weight)"""
     reference: Literal["auto", "model", "precompute", "adapter", "none"] = "auto"
     """model: a frozen sharded copy of the starting weights; precompute: their log-probs of every pair computed once
     before training and cached beside the tokenized rows (no reference held while training); adapter: under LoRA the
-    same model with its adapters disabled; none: reference-free losses; auto: adapter under LoRA, none for simpo,
-    else model"""
+    same model with its adapters disabled; none: reference-free losses; auto: adapter under LoRA, none for simpo and
+    orpo, else model"""
     offload_reference: bool = False
     """reference=model: keep its shards on the host, gathered to the device for its forwards (FSDP's CPU offload)"""
 
     def resolved_reference(self, lora: bool) -> str:
         """The reference strategy `auto` stands for, or the one set, checked against the loss and LoRA."""
-        free = self.loss_type == "simpo"
+        free = self.loss_type in ("simpo", "orpo")
+        if self.sft_weight and self.loss_type == "orpo":
+            raise ConfigError("preference.loss_type=orpo has its NLL term on the chosen sequence built in: "
+                              "leave preference.sft_weight at 0")
         if self.reference == "auto":
             return "none" if free else "adapter" if lora else "model"
         if free and self.reference != "none":

@@ -214,6 +214,7 @@ def evaluate(model: torch.nn.Module, batches: list[dict], loss_chunk_tokens: int
     model.eval()
     # tp ranks repeat their data rank's sums: they cancel in the ratio
     totals = torch.zeros(2 + len(objective.metrics), dtype=torch.float64)
+    objective.begin_step(batches)
     for batch in batches:
         loss_sum, metric_sums = objective.loss_sum(model, batch)
         totals[0] += loss_sum.to("cpu", torch.float64)
