@@ -7,8 +7,10 @@ raw loss of each step read from `compute_loss` (its log rounds to 4 digits). ful
 rank: ORPO's and RPO's token means span them), against TRL for sigmoid, ipo, hinge, RPO (sigmoid
 plus DPOTrainer's `sft` loss weighted), ORPO, and LoRA with the adapters disabled as the reference
 (TRL given the adapters fullshard initialises); sigmoid packed (whole pairs per row), with the
-reference offloaded to the host, with it precomputed, and at tp 2, against the plain run; and under
-LoRA the adapter-disabled reference against a frozen base copy (`reference=model`)."""
+reference offloaded to the host, with it precomputed, and at tp 2, against the plain run; under
+LoRA the adapter-disabled reference against a frozen base copy (`reference=model`). World 1 runs in
+the test's process: the first step of runs the group resumes at world 2 (the reference a frozen
+copy, or precomputed), and a tiny Qwen3-MoE that the group trains at ep 2."""
 
 import json
 import random
@@ -119,19 +121,31 @@ def dpo_run(root: str, name: str, *extra, summary: bool = False):
     return result if summary else [loss for _, loss in sorted(result["losses"].items())]
 
 
-# resumed runs: step 1 at world 1 (the test's process), steps 2..3 at world 2 (the group); their own
-# cache, so that the group's precompute run computes its table at world 2
+def write_moe(directory):
+    """A tiny Qwen3-MoE (8 experts) with the byte tokenizer, as a Hub-layout directory."""
+    from fullshard.data.builtin import byte_tokenizer
+    from fullshard.testing import build_model
+
+    tokenizer = byte_tokenizer()
+    build_model("ep_qwen3_moe", vocab_size=len(tokenizer), max_position_embeddings=64,
+                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+
+
+# world 1 in the test's process, against the group's world 2: resumed runs (step 1 here, 2..3 there; their
+# own cache, so that the group's precompute run computes its table at world 2) and Qwen3-MoE at ep 2
 RESUMED = {"sigmoid": ("--data.cache_dir={root}/cache-resume",),
            "precompute": ("--data.cache_dir={root}/cache-resume", "--preference.reference=precompute")}
+MOE = ("--model.name_or_path={root}/moe", "--data.cache_dir={root}/cache-moe")
 
 
 def _fullshard_runs(root: str) -> dict:
     def run(name, *extra, summary=False):
-        return dpo_run(root, name, *extra, summary=summary)
+        return dpo_run(root, name, *(e.format(root=root) for e in extra), summary=summary)
 
     out = {loss: run(loss, f"--preference.loss_type={loss}") for loss in ("sigmoid", "ipo", "hinge", "orpo")}
-    out.update({f"resumed_{name}": run(f"resume-{name}", *(e.format(root=root) for e in extra))
-                for name, extra in RESUMED.items()})
+    out.update({f"resumed_{name}": run(f"resume-{name}", *extra) for name, extra in RESUMED.items()})
+    out["moe_ep2"] = run("moe_ep2", *MOE, "--fsdp.ep_size=2")
     out["rpo"] = run("rpo", f"--preference.sft_weight={TRL_RUNS['rpo']['sft_weight']}")
     # packed: two whole pairs per row, two rows per step: the same pairs per step as one per row
     out["packed"] = run("packed", "--data.packing=true", "--data.seq_len=40", f"--train.global_batch_size={BATCH // 2}")
@@ -154,10 +168,11 @@ def runs(tmp_path_factory):
     write_base(root / "base")
     write_pairs(root / "pairs.jsonl")
     write_pairs(root / "learn.jsonl", n=128, seed=1)
-    first = {name: dpo_run(str(root), f"resume-{name}", "--train.stop_after=1", *(e.format(root=root) for e in extra))
-             for name, extra in RESUMED.items()}
-    ours = run_distributed(_fullshard_runs, 2, str(root))[0]
-    ours.update({f"first_{name}": losses for name, losses in first.items()})
+    write_moe(root / "moe")
+    first = {f"first_{name}": dpo_run(str(root), f"resume-{name}", "--train.stop_after=1",
+                                      *(e.format(root=root) for e in extra)) for name, extra in RESUMED.items()}
+    first["moe_1"] = dpo_run(str(root), "moe_1", *(e.format(root=root) for e in MOE))
+    ours = {**run_distributed(_fullshard_runs, 2, str(root))[0], **first}
     theirs = {name: trl_losses(root / "base", root / "pairs.jsonl", root / f"trl-{name}", **kwargs)
               for name, kwargs in TRL_RUNS.items()}
     return ours, theirs
@@ -186,6 +201,12 @@ def test_resumed_at_another_world_size_equals_the_uninterrupted_run(runs, name):
     assert len(ours[f"first_{name}"]) == 1 and len(ours[f"resumed_{name}"]) == STEPS - 1
     resumed = ours[f"first_{name}"] + ours[f"resumed_{name}"]
     assert max(abs(a - b) for a, b in zip(resumed, ours["sigmoid"])) <= TOL, (resumed, ours["sigmoid"])
+
+
+def test_dpo_on_qwen3_moe_at_ep_2_equals_one_process(runs):
+    ours, _ = runs
+    assert len(ours["moe_ep2"]) == STEPS
+    assert max(abs(a - b) for a, b in zip(ours["moe_ep2"], ours["moe_1"])) <= TOL, (ours["moe_ep2"], ours["moe_1"])
 
 
 def test_dpo_learns_held_out_preferences(runs):
