@@ -10,7 +10,8 @@ plus DPOTrainer's `sft` loss weighted), ORPO, and LoRA with the adapters disable
 reference offloaded to the host, with it precomputed, and at tp 2, against the plain run; under
 LoRA the adapter-disabled reference against a frozen base copy (`reference=model`). World 1 runs in
 the test's process: the first step of runs the group resumes at world 2 (the reference a frozen
-copy, or precomputed), and a tiny Qwen3-MoE that the group trains at ep 2."""
+copy, or precomputed), a tiny Qwen3-MoE that the group trains at ep 2, and the built-in tiny
+Qwen2-VL on pairs with images in some prompts."""
 
 import json
 import random
@@ -132,11 +133,36 @@ def write_moe(directory):
     tokenizer.save_pretrained(directory)
 
 
+def write_vlm_pairs(directory, n=PAIRS, images=(0, 3, 4, 5, 10)):
+    """Image-text pairs for the built-in tiny Qwen2-VL: the records in `images` ask about a picture,
+    the others are text only; chosen names the picture's colour, rejected another. With 2 ranks, one
+    pair per micro-batch and 4 per step: step 1's ranks each have one micro-batch without an image
+    while the other's has one, step 2's images are all on rank 0, step 3 has one image."""
+    import random
+
+    from fullshard.data.builtin import COLOURS, draw_shape
+
+    directory.mkdir(parents=True, exist_ok=True)
+    rng, colours = random.Random(2), sorted(COLOURS)
+    with open(directory / "pairs.jsonl", "w") as f:
+        for i in range(n):
+            colour, wrong = rng.sample(colours, 2)
+            question = [{"type": "text", "text": "what colour?"}]
+            if i in images:
+                draw_shape("circle", colour, rng).save(directory / f"{i}.png")
+                question = [{"type": "image", "image": f"{i}.png"}, *question]
+            answer = lambda text: [{"role": "assistant", "content": [{"type": "text", "text": text}]}]  # noqa: E731
+            f.write(json.dumps({"prompt": [{"role": "user", "content": question}], "chosen": answer(colour),
+                                "rejected": answer(wrong)}) + "\n")
+
+
 # world 1 in the test's process, against the group's world 2: resumed runs (step 1 here, 2..3 there; their
 # own cache, so that the group's precompute run computes its table at world 2) and Qwen3-MoE at ep 2
 RESUMED = {"sigmoid": ("--data.cache_dir={root}/cache-resume",),
            "precompute": ("--data.cache_dir={root}/cache-resume", "--preference.reference=precompute")}
 MOE = ("--model.name_or_path={root}/moe", "--data.cache_dir={root}/cache-moe")
+VLM = ("--model.name_or_path=tiny-qwen2-vl", "--data.path={root}/vlm/pairs.jsonl", "--data.cache_dir={root}/cache-vlm",
+       "--data.seq_len=256")
 
 
 def _fullshard_runs(root: str) -> dict:
@@ -146,6 +172,7 @@ def _fullshard_runs(root: str) -> dict:
     out = {loss: run(loss, f"--preference.loss_type={loss}") for loss in ("sigmoid", "ipo", "hinge", "orpo")}
     out.update({f"resumed_{name}": run(f"resume-{name}", *extra) for name, extra in RESUMED.items()})
     out["moe_ep2"] = run("moe_ep2", *MOE, "--fsdp.ep_size=2")
+    out["vlm_2"] = run("vlm_2", *VLM)
     out["rpo"] = run("rpo", f"--preference.sft_weight={TRL_RUNS['rpo']['sft_weight']}")
     # packed: two whole pairs per row, two rows per step: the same pairs per step as one per row
     out["packed"] = run("packed", "--data.packing=true", "--data.seq_len=40", f"--train.global_batch_size={BATCH // 2}")
@@ -172,6 +199,12 @@ def runs(tmp_path_factory):
     first = {f"first_{name}": dpo_run(str(root), f"resume-{name}", "--train.stop_after=1",
                                       *(e.format(root=root) for e in extra)) for name, extra in RESUMED.items()}
     first["moe_1"] = dpo_run(str(root), "moe_1", *(e.format(root=root) for e in MOE))
+    write_vlm_pairs(root / "vlm")
+    first["vlm_1"] = dpo_run(str(root), "vlm_1", *(e.format(root=root) for e in VLM))
+    from datasets import Dataset
+
+    rows = Dataset.from_file(str(next((root / "cache-vlm").glob("*/packed.arrow"))))
+    first["vlm_rows_with_images"] = sum(any(len(blob) for blob in row) for row in rows["images"])
     ours = {**run_distributed(_fullshard_runs, 2, str(root))[0], **first}
     theirs = {name: trl_losses(root / "base", root / "pairs.jsonl", root / f"trl-{name}", **kwargs)
               for name, kwargs in TRL_RUNS.items()}
@@ -207,6 +240,14 @@ def test_dpo_on_qwen3_moe_at_ep_2_equals_one_process(runs):
     ours, _ = runs
     assert len(ours["moe_ep2"]) == STEPS
     assert max(abs(a - b) for a, b in zip(ours["moe_ep2"], ours["moe_1"])) <= TOL, (ours["moe_ep2"], ours["moe_1"])
+
+
+def test_vlm_dpo_with_images_on_some_ranks_equals_one_process(runs):
+    """Tiny Qwen2-VL, images in some prompts: micro-batches without images beside ones with them."""
+    ours, _ = runs
+    assert ours["vlm_rows_with_images"] == 5  # the pairs whose prompts show a picture
+    assert len(ours["vlm_2"]) == STEPS and ours["vlm_2"][-1] != ours["vlm_2"][0]
+    assert max(abs(a - b) for a, b in zip(ours["vlm_2"], ours["vlm_1"])) <= TOL, (ours["vlm_2"], ours["vlm_1"])
 
 
 def test_dpo_learns_held_out_preferences(runs):
