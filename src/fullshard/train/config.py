@@ -125,9 +125,10 @@ class TrainSection:
     """sequences per optimizer step over all ranks (a multiple of micro_batch_size x data-parallel size)"""
     seed: int = 42
     """seed of the random weights, the data order and every rank's RNG"""
-    objective: Literal["sft", "dpo"] = "sft"
+    objective: Literal["sft", "dpo", "reward"] = "sft"
     """what the run optimises: sft (next-token loss), dpo (the preference section's loss on data.format=preference
-    pairs; batch sizes then count pairs, packed: rows)"""
+    pairs; batch sizes then count pairs, packed: rows), reward (a one-score sequence-classification model on those
+    pairs, the reward section's Bradley-Terry loss)"""
     accumulation_policy: str = "reduce_scatter_every"
     """when gradients of accumulated micro-batches are reduced (see TrainingSession)"""
     max_norm: NonNegativeFloat = 1.0
@@ -318,9 +319,18 @@ class PreferenceSection:
         return self.reference
 
 
+@dataclass
+class RewardSection:
+    """The reward model of train.objective=reward (TRL's RewardTrainer loss): -log sigmoid(r_chosen - r_rejected -
+    margin), the margin from the records' margin field when they have one."""
+
+    center_coefficient: NonNegativeFloat = 0.0
+    """TRL's center_rewards_coefficient: adds this times (r_chosen + r_rejected)^2, keeping scores near 0 (0: off)"""
+
+
 SECTIONS = {"model": ModelSection, "data": DataSection, "train": TrainSection, "optim": OptimSection,
             "parallel": ParallelSection, "fsdp": FsdpSection, "checkpoint": CheckpointSection,
-            "lora": LoraSection, "preference": PreferenceSection}
+            "lora": LoraSection, "preference": PreferenceSection, "reward": RewardSection}
 ALIASES = {"engine": "fsdp"}  # old name -> canonical name; a file may not use both
 PATH_KEYS = ("model.name_or_path", "data.path", "data.eval_path", "data.cache_dir", "train.output_dir",
              "checkpoint.dir", "checkpoint.resume", "fsdp.dcp_path")
@@ -339,6 +349,7 @@ class TrainConfig:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     lora: LoraSection = field(default_factory=LoraSection)
     preference: PreferenceSection = field(default_factory=PreferenceSection)
+    reward: RewardSection = field(default_factory=RewardSection)
 
     # mesh key -> the section its messages name: where the config gave it, else where it gave the
     # others ("fsdp", the old place, only when it gave none under "parallel"); `renamed`: the keys
@@ -639,7 +650,7 @@ def _check_objective(config: TrainConfig) -> None:
     objective, data, mesh = config.train.objective, config.data, config.parallel
     if objective == "sft":
         if data.format == "preference":
-            raise ConfigError("data.format=preference holds pairs for train.objective=dpo, not sft")
+            raise ConfigError("data.format=preference holds pairs for train.objective=dpo or reward, not sft")
         return
     if data.format != "preference":
         raise ConfigError(f"train.objective={objective} trains on pairs: set data.format=preference "
@@ -653,6 +664,12 @@ def _check_objective(config: TrainConfig) -> None:
                              "pairs longer than data.seq_len are dropped")):
         if value:
             raise ConfigError(f"train.objective={objective}: {key} is not supported ({why})")
+    if objective == "reward":
+        for key, value, why in ((config.key("pp_size"), mesh.pp_size > 1, "the pipeline reads no scores yet"),
+                                ("lora.r", config.lora.enabled, "the score head would not train beside the adapters")):
+            if value:
+                raise ConfigError(f"train.objective=reward: {key} is not supported ({why})")
+        return
     config.preference.resolved_reference(config.lora.enabled)
 
 
