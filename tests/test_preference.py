@@ -322,3 +322,30 @@ def test_combinations_that_do_not_fit_are_one_line(overrides, message):
 
     with pytest.raises(ConfigError, match=message):
         load_config(None, overrides)
+
+
+def test_vlm_pairs_hold_their_images_once_per_sequence_and_refuse_assistant_turns_in_prompts(tmp_path):
+    import random
+
+    from fullshard.data.builtin import draw_shape, tiny_vlm_processor
+    from fullshard.data.chat import RecordError
+    from fullshard.data.preference import ROLE, VisionPreferenceTokenize
+    from fullshard.data.vision import decode_images
+    from fullshard.train import load_config
+
+    draw_shape("square", "red", random.Random(0)).save(tmp_path / "pic.png")
+    section = load_config(None, ["--data.format=preference", "--train.objective=dpo", "--data.seq_len=512"]).data
+    processor = tiny_vlm_processor()
+    tokenize = VisionPreferenceTokenize(processor, section, tmp_path, None)
+    user = {"role": "user", "content": [{"type": "image", "image": "pic.png"}, {"type": "text", "text": "colour?"}]}
+    answer = lambda text: [{"role": "assistant", "content": [{"type": "text", "text": text}]}]  # noqa: E731
+    pair = tokenize.pair(0, [user], answer("red"), answer("blue"))
+    assert decode_images([pair["images"]])["image_grid_thw"].shape[0] == 2  # the picture, once per sequence
+    image_id = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    roles = pair[ROLE]
+    for role, text in ((1, "red"), (2, "blue")):
+        ids = [t for t, r in zip(pair["input_ids"], roles) if r == role]
+        labelled = [t for t, label, r in zip(pair["input_ids"], pair["labels"], roles) if r == role and label != -100]
+        assert image_id in ids and processor.tokenizer.decode(labelled).startswith(text)
+    with pytest.raises(RecordError, match="assistant turns in its prompt"):
+        tokenize.pair(3, [user, *answer("red"), user], answer("red"), answer("blue"))
