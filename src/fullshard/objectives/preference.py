@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from ..data.preference import ROLE
 from .base import Objective
-from .logprobs import DEFAULT_LOSS_CHUNK_TOKENS, IGNORE_INDEX, aligned_targets, batch_logprobs
+from .logprobs import DEFAULT_LOSS_CHUNK_TOKENS, IGNORE_INDEX, aligned_targets, batch_logprobs, stage_logprobs
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")
@@ -98,13 +98,18 @@ class Preference(Objective):
         return sequence_sums(logps, seq, count), sequence_sums(valid.to(logps.dtype), seq, count)
 
     def loss_sum(self, model, batch: dict):
-        s = self.section
         logps, lengths = self.sequence_logps(model, batch)
+        ref = None if self.reference_free else self.reference(model, batch, self).to(logps.device)
+        return self.pair_losses(logps, lengths, ref)
+
+    def pair_losses(self, logps: torch.Tensor, lengths: torch.Tensor, ref: torch.Tensor | None):
+        """The pairs' loss sum and metric sums from each sequence's log-prob, completion length and
+        reference log-prob (None: reference-free), chosen and rejected alternating."""
+        s = self.section
         chosen, rejected = logps[0::2], logps[1::2]
-        if self.reference_free:
+        if ref is None:
             ref_chosen = ref_rejected = torch.zeros_like(chosen)
         else:
-            ref = self.reference(model, batch, self).to(chosen.device)
             ref_chosen, ref_rejected = ref[0::2], ref[1::2]
         losses = preference_losses(s.loss_type, s.beta, chosen, rejected, ref_chosen, ref_rejected, lengths[0::2],
                                    lengths[1::2], s.label_smoothing, s.simpo_gamma)
@@ -116,6 +121,40 @@ class Preference(Objective):
             sums = torch.stack([chosen_r.sum(), rejected_r.sum(), (chosen_r > rejected_r).float().sum(),
                                 (chosen_r - rejected_r).sum(), chosen.sum(), rejected.sum()])
         return losses.sum(), sums.detach().to("cpu", torch.float64)
+
+    # under pipeline parallelism: the reference first, on every rank; the policy's log-probs and the
+    # loss on the last stage, for the rows of each pipeline micro-batch (whole pairs: a row holds them)
+
+    def stage_inputs(self, model, batch: dict) -> dict:
+        """The rows' pair roles and positions (which sequence each target belongs to), and each
+        sequence's reference log-prob in a [rows, most sequences per row] table, row by row."""
+        inputs = {ROLE: batch[ROLE], "positions": batch["position_ids"]}
+        if not self.reference_free:
+            with torch.no_grad():
+                ref = self.reference(model, batch, self).float().cpu()
+            starts = sequence_starts(batch)
+            table = torch.zeros(len(starts), max(int(starts.max()), 1), dtype=torch.float32)
+            table[torch.arange(table.shape[1])[None] < starts[:, None]] = ref
+            inputs["reference"] = table
+        return inputs
+
+    def stage_loss_sum(self, lm, call, targets: torch.Tensor, **inputs):
+        batch = {ROLE: inputs[ROLE], "position_ids": inputs["positions"]}
+        seq, count = sequence_index(batch)
+        logps = stage_logprobs(lm, call, targets, self.chunk_tokens)[..., 0]
+        valid = (targets != IGNORE_INDEX).to(logps.device)
+        sums = sequence_sums(logps, seq, count), sequence_sums(valid.to(logps.dtype), seq, count)
+        ref = None
+        if "reference" in inputs:
+            table = inputs["reference"]
+            ref = table[torch.arange(table.shape[1], device=table.device)[None]
+                        < sequence_starts(batch).to(table.device)[:, None]].to(logps.device)
+        return self.pair_losses(*sums, ref)
+
+
+def sequence_starts(batch: dict) -> torch.Tensor:
+    """Per row, how many sequences start in it."""
+    return ((batch["position_ids"] == 0) & (batch[ROLE] > 0)).sum(1)
 
 
 class ModelReference:
