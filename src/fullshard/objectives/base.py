@@ -19,15 +19,26 @@ class Objective:
     name = "objective"
     unit = "tokens"  # what `count` counts, logged under this name when it is not the target tokens
     metrics: tuple[str, ...] = ()
+    shown: tuple[str, ...] | None = None  # the metrics the console line shows (None: the third and fourth)
 
     def count(self, batch: dict) -> int:
         """Units of `batch` the loss is a mean over."""
         raise NotImplementedError
 
+    def begin_step(self, batches: list[dict]) -> None:
+        """Called with this rank's micro-batches of a step (or of an evaluation) before their first
+        `loss_sum`, on every rank: for a term that is a mean over other units than `count`'s, whose
+        step-wide count it gathers (a collective). Nothing by default."""
+
     def loss_sum(self, model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The loss summed over the batch's units (differentiable, fp32) and the sums of `metrics`
         over them (detached, a float64 vector on the host; None without metrics)."""
         raise NotImplementedError
+
+    def stage_batch(self, batch: dict) -> dict:
+        """Under pipeline parallelism: the batch the pipeline runs, whose labels give the last
+        stage's targets (the batch itself by default)."""
+        return batch
 
     def stage_inputs(self, model: torch.nn.Module, batch: dict) -> dict[str, torch.Tensor]:
         """Under pipeline parallelism: per-row tensors the last stage's `stage_loss_sum` needs

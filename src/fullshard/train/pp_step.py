@@ -70,6 +70,7 @@ def pipeline_train_step(strategy, model: torch.nn.Module, optimizer, scheduler, 
     units = tokens if isinstance(objective, SFT) else PendingTargetCount(micro_batches, repeats, objective.count).wait()
     scale = dims.dp_size * dims.cp / max(units, 1)  # FSDP then averages over dp x cp (see loss.py)
     scaler = strategy.scaler
+    objective.begin_step(micro_batches)
     # before any backward: a reference pass through this pipeline would drop pending gradients
     inputs = [objective.stage_inputs(model, batch) for batch in micro_batches]
 
@@ -82,7 +83,7 @@ def pipeline_train_step(strategy, model: torch.nn.Module, optimizer, scheduler, 
     pipeline.set_stage_loss(stage)
     losses, metrics = [], torch.zeros(len(objective.metrics), dtype=torch.float64)
     for batch, extra in zip(micro_batches, inputs):
-        run = run_pipeline(pipeline, batch, train=True, loss_inputs=extra)
+        run = run_pipeline(pipeline, objective.stage_batch(batch), train=True, loss_inputs=extra)
         losses += run
         sums = stage.take(len(run))
         if sums is not None:
@@ -114,9 +115,10 @@ def pipeline_evaluate(model: torch.nn.Module, batches: list[dict], loss_chunk_to
     stage = _StageSums(objective)
     pipeline.set_stage_loss(stage)
     totals = torch.zeros(2 + len(objective.metrics), dtype=torch.float64)
+    objective.begin_step(batches)
     for batch in batches:
         extra = objective.stage_inputs(model, batch)
-        run = run_pipeline(pipeline, batch, train=False, loss_inputs=extra)
+        run = run_pipeline(pipeline, objective.stage_batch(batch), train=False, loss_inputs=extra)
         totals[0] += sum(loss.to("cpu", torch.float64) for loss in run)
         sums = stage.take(len(run))
         if sums is not None:
