@@ -92,8 +92,8 @@ def _pipelined_case(name: str, dp_rank: int, dp_size: int) -> dict:
     from fullshard.errors import ConfigError
 
     reference = build_model(name, vocab_size=VOCAB)
-    model = FSDP2Engine({"mixed_precision": "fp32", "pp_size": 2, "pp_schedule": "GPipe"}).prepare_model(
-        copy.deepcopy(reference))
+    engine = FSDP2Engine({"mixed_precision": "fp32", "pp_size": 2, "pp_schedule": "GPipe"})
+    model = engine.prepare_model(copy.deepcopy(reference))
     batch = make_batch(name, batch_size=8, seq_len=16, seed=3)
     batch["labels"][0, :5] = -100
     with torch.no_grad():
@@ -101,7 +101,8 @@ def _pipelined_case(name: str, dp_rank: int, dp_size: int) -> dict:
     rows, width = (slice(0, 5), 16) if dp_rank == 0 else (slice(5, 8), 11)
     ids, labels = batch["input_ids"][rows, :width], batch["labels"][rows, :width]
     with torch.no_grad():
-        got, got_ent = token_logprobs(model, ids, labels, temperature=T, chunk_tokens=CHUNK, return_entropy=True)
+        got, got_ent = token_logprobs(model, ids, labels, temperature=T, chunk_tokens=CHUNK,
+                                      return_entropy=True)
     values = torch.tensor([(got - lp[rows, :width - 1]).abs().max().item(),
                            (got_ent - ent[rows, :width - 1]).abs().max().item()])
     dist.all_reduce(values, op=dist.ReduceOp.MAX)

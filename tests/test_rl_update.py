@@ -83,8 +83,8 @@ CASES = {  # name -> (layout, UpdateConfig)
     "lora_dp4": ("lora", UpdateConfig(max_tokens=64, kl_coef=0.1)),
     "qwen3_moe_ep2": ("ep", UpdateConfig(max_tokens=64, kl_coef=0.1, agg="seq-mean-token-sum")),
     # dp 2 x pp 2 (tied Qwen3): the last stage computes the loss inside the schedule
-    "dp2pp2_seq_mean": ("pp", UpdateConfig(max_tokens=64, kl_coef=0.1, entropy_coef=0.01, clip_ratio_c=1.5,
-                                           agg="seq-mean-token-mean")),
+    "dp2pp2_seq_mean": ("pp", UpdateConfig(max_tokens=64, kl_coef=0.1, entropy_coef=0.01,
+                                           clip_ratio_c=1.5, agg="seq-mean-token-mean")),
     # Qwen2-VL at dp 4, images in the rows of ranks 0 and 1 only (ranks 2 and 3 run a stand-in)
     "qwen2_vl_dp4": ("vlm", UpdateConfig(max_tokens=64, kl_coef=0.1)),
 }
@@ -107,7 +107,7 @@ def _model(layout):
     return build_model({"ep": "qwen3_moe", "pp": "qwen3"}.get(layout, "llama"))
 
 
-VLM_IMAGES = [True, False, False, False, False, True, False, False]  # rows 0 and 5: dp ranks 0 and 1 of 4
+VLM_IMAGES = [True, False, False, False, False, True, False, False]  # rows 0, 5: dp ranks 0, 1 of 4
 
 
 def _vlm_rollouts() -> Rollouts:
@@ -131,8 +131,8 @@ def _vlm_rollouts() -> Rollouts:
         base = token_logprobs(model, ids, attention_mask=attention, **extra)
     noise = torch.randn(2, *base.shape, generator=generator) * 0.3
     rewards = torch.rand(len(ids), generator=generator)
-    return Rollouts(ids, attention, response, rl.group_advantages(rewards, GROUP), (base + noise[0]) * response,
-                    (base + noise[1]) * response, extra)
+    return Rollouts(ids, attention, response, rl.group_advantages(rewards, GROUP),
+                    (base + noise[0]) * response, (base + noise[1]) * response, extra)
 
 
 def _optimizer(model):
@@ -162,8 +162,9 @@ def _sharded_cases(cases):
         tp, pp = 2 if layout == "tp" else 1, 2 if layout == "pp" else 1
         dp = world // (tp * pp)
         dp_rank = rank // tp % dp  # pp outermost, tp innermost
-        engine = {"mixed_precision": "fp32", "tp_size": tp, "ep_size": 2 if layout == "ep" else 1, "pp_size": pp,
-                  "freeze": "none"}  # a VLM's vision tower trained too: its stand-in on ranks without images
+        # a VLM's vision tower trained too: its stand-in path on the ranks without images
+        engine = {"mixed_precision": "fp32", "tp_size": tp, "ep_size": 2 if layout == "ep" else 1,
+                  "pp_size": pp, "freeze": "none"}
         model = FSDP2Engine(engine).shard_model(_model(layout))
         rollouts = _vlm_rollouts() if layout == "vlm" else _rollouts()
         mine = list(range(dp_rank, len(rollouts), dp))  # every dp-th row: uneven lengths per rank

@@ -47,10 +47,11 @@ class Objective:
         return {}
 
     def stage_loss_sum(self, lm: torch.nn.Module, call, targets: torch.Tensor, **inputs):
-        """`loss_sum` on a pipeline's last stage, for its share of the rows: `call()` runs the causal
-        LM's forward (`logprobs.through_head` stands in for its head), `targets` are the rows'
-        aligned next-token targets, `inputs` this share of `stage_inputs`."""
-        raise NotImplementedError(f"the {self.name} objective does not run under pipeline parallelism")
+        """`loss_sum` on a pipeline's last stage, for its share of the rows: `call()` runs the
+        causal LM's forward (`logprobs.through_head` stands in for its head), `targets` are the
+        rows' aligned next-token targets, `inputs` this share of `stage_inputs`."""
+        raise NotImplementedError(f"the {self.name} objective does not run under pipeline "
+                                  "parallelism")
 
     def describe(self) -> str:
         return self.name

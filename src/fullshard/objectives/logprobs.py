@@ -290,8 +290,9 @@ def forward_inputs(model: nn.Module, batch: dict) -> dict:
     return packed_inputs(model, model_inputs({k: v for k, v in batch.items() if k not in NOT_MODEL_INPUTS}))
 
 
-def stage_logprobs(lm: nn.Module, call: Callable, targets: torch.Tensor, chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS,
-                   temperature: float = 1.0, entropy: bool = False) -> torch.Tensor:
+def stage_logprobs(lm: nn.Module, call: Callable, targets: torch.Tensor,
+                   chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS, temperature: float = 1.0,
+                   entropy: bool = False) -> torch.Tensor:
     """`batch_logprobs` on a pipeline's last stage: `call()` runs the causal LM's forward."""
     if chunk_tokens > 0:
         out = chunked_logprobs(lm, {}, targets, chunk_tokens, temperature, entropy, call=call)
@@ -343,8 +344,8 @@ def token_logprobs(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tens
         batch["position_ids"] = position_ids
     if getattr(model, "fullshard_pipeline", None) is not None and torch.is_grad_enabled() and any(
             p.requires_grad for p in model.parameters()):
-        raise ConfigError("token_logprobs on a pipelined model gives values without a gradient (call it under "
-                          "torch.no_grad()); a loss over them trains inside the pipeline: train.objective=dpo, "
-                          "fullshard.rl.policy_update")
+        raise ConfigError("token_logprobs on a pipelined model gives values without a gradient "
+                          "(call it under torch.no_grad()); a loss over them trains inside the "
+                          "pipeline: train.objective=dpo, fullshard.rl.policy_update")
     out = batch_logprobs(model, batch, chunk_tokens, temperature, return_entropy)[:, :-1]
     return (out[..., 0], out[..., 1]) if return_entropy else out[..., 0]

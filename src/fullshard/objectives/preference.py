@@ -144,7 +144,8 @@ class Preference(Objective):
         return batch_logprobs(model, self.scored(batch), self.chunk_tokens)[..., 0]
 
     def scored(self, batch: dict) -> dict:
-        """`batch` with the labels its log-probs are taken of: ORPO's NLL scores the chosen prompt too."""
+        """`batch` with the labels its log-probs are taken of (ORPO's NLL scores the chosen
+        prompt too)."""
         if self.nll_weight and self.nll_whole_sequence:
             chosen = (batch[ROLE] == CHOSEN) & (batch["position_ids"] > 0)
             batch = {**batch, "labels": torch.where(chosen, batch["input_ids"], batch["labels"])}
@@ -196,8 +197,8 @@ class Preference(Objective):
             sums = torch.stack(sums + ([nll] if nll is not None else []))
         return loss, sums.detach().to("cpu", torch.float64)
 
-    # under pipeline parallelism: the reference first, on every rank; the policy's log-probs and the
-    # loss on the last stage, for the rows of each pipeline micro-batch (whole pairs: a row holds them)
+    # under pipeline parallelism: the reference first, on every rank; the policy's log-probs and
+    # the loss on the last stage, per pipeline micro-batch (its rows hold whole pairs)
 
     def stage_batch(self, batch: dict) -> dict:
         return self.scored(batch)
@@ -217,13 +218,15 @@ class Preference(Objective):
         return inputs
 
     def stage_loss_sum(self, lm, call, targets: torch.Tensor, **inputs):
-        batch = {ROLE: inputs[ROLE], "position_ids": inputs["positions"], "labels": inputs["labels"]}
+        batch = {ROLE: inputs[ROLE], "position_ids": inputs["positions"],
+                 "labels": inputs["labels"]}
         ref = None
         if "reference" in inputs:
             table = inputs["reference"]
             ref = table[torch.arange(table.shape[1], device=table.device)[None]
                         < sequence_starts(batch).to(table.device)[:, None]]
-        return self.pair_losses(stage_logprobs(lm, call, targets, self.chunk_tokens)[..., 0], batch, ref)
+        logps = stage_logprobs(lm, call, targets, self.chunk_tokens)[..., 0]
+        return self.pair_losses(logps, batch, ref)
 
 
 def sequence_starts(batch: dict) -> torch.Tensor:

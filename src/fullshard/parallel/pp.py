@@ -227,9 +227,9 @@ class StageInfo:
     layers: range
     base: str
     lm: str = ""  # the causal LM inside the stage module ("" for the stage itself)
-    # on the last stage: (causal LM, its forward call, targets, **loss inputs) -> what the stage returns
-    # (a summed loss, or per-token log-probs), set by whoever runs the pipeline (`fullshard.train.pp_step`:
-    # the chunked loss); the stage returns logits without one
+    # on the last stage: (causal LM, its forward call, targets, **loss inputs) -> what the stage
+    # returns (a summed loss, or per-token log-probs), set by whoever runs the pipeline
+    # (`fullshard.train.pp_step`: the chunked loss); the stage returns logits without one
     loss: Callable | None = None
 
     @property
@@ -242,7 +242,7 @@ class StageInfo:
 
 
 TARGETS = "fullshard_targets"  # the keyword argument that hands the last stage its targets
-LOSS_INPUTS = "fullshard_loss_inputs"  # per-row tensors the last stage's loss reads besides its targets
+LOSS_INPUTS = "fullshard_loss_inputs"  # per-row tensors the last stage's loss reads, beside targets
 
 
 def _stage_forward(self, inputs: torch.Tensor, **kwargs) -> torch.Tensor:
@@ -377,18 +377,20 @@ class Pipeline:
         on their first step, re-run when a schedule switches between training and forward-only,
         and that pass drops the gradients accumulated so far. So each mode and input shape keeps a
         schedule of its own, made when no gradient is pending (every caller keeps its shapes fixed
-        within an optimizer step), and the ranks agree on `key` (the same shapes, the same calls)."""
+        within an optimizer step), and the ranks agree on `key` (the same shapes, the same
+        calls)."""
         if key not in self._schedules:
             from torch.distributed.pipelining import PipelineStage
             from torch.distributed.pipelining.schedules import get_schedule_class
 
-            stages = [PipelineStage(s, s.fullshard_stage.index, self.num_stages, self.device, group=self.pp_group)
-                      for s in self.stages]
+            stages = [PipelineStage(s, s.fullshard_stage.index, self.num_stages, self.device,
+                                    group=self.pp_group) for s in self.stages]
             cls = get_schedule_class(self.schedule_name)
             target = stages[0] if self.schedule_name in SINGLE_STAGE_SCHEDULES else stages
             if len(self._schedules) >= MAX_SCHEDULES:  # the oldest shape's buffers go
                 self._schedules.pop(next(iter(self._schedules)))
-            self._schedules[key] = cls(target, n_microbatches=self.microbatches, loss_fn=self._loss, scale_grads=False)
+            self._schedules[key] = cls(target, n_microbatches=self.microbatches, loss_fn=self._loss,
+                                       scale_grads=False)
         return self._schedules[key]
 
     @property

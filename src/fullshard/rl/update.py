@@ -64,7 +64,9 @@ class Rollouts:
         def extra(value):  # a list (images: one dict per row), per row, or per position
             if not isinstance(value, torch.Tensor):
                 return [value[i] for i in index]
-            return cut(value, width) if value.dim() > 1 and value.shape[1] == full else value[pick.to(value.device)]
+            if value.dim() > 1 and value.shape[1] == full:
+                return cut(value, width)
+            return value[pick.to(value.device)]
 
         return Rollouts(cut(self.input_ids, width), cut(self.attention_mask, width),
                         cut(self.response_mask, width - 1), cut(self.advantages, width - 1),
@@ -116,8 +118,10 @@ def loss_terms(logprobs, entropy, batch, config: UpdateConfig, counts, dp_size: 
     advantages = batch.advantages.to(logprobs)
     advantages = advantages[:, None].expand_as(logprobs) if advantages.dim() == 1 else advantages
     old = logprobs.detach() if batch.old_logprobs is None else batch.old_logprobs.to(logprobs)
+    if loss_scale_factor is None:
+        loss_scale_factor = config.loss_scale_factor
     scale = dict(global_tokens=counts.tokens, global_sequences=counts.sequences, dp_size=dp_size,
-                 loss_scale_factor=config.loss_scale_factor if loss_scale_factor is None else loss_scale_factor)
+                 loss_scale_factor=loss_scale_factor)
     pg, stats = policy_loss(logprobs, old, advantages, mask, loss_type=config.loss_type,
                             clip_ratio_low=config.clip_ratio_low, clip_ratio_high=config.clip_ratio_high,
                             clip_ratio_c=config.clip_ratio_c, agg=config.agg, **scale)

@@ -67,7 +67,9 @@ def pipeline_train_step(strategy, model: torch.nn.Module, optimizer, scheduler, 
     pipeline, dims = pipeline_of(model), strategy.parallel_dims
     repeats = dims.tp * dims.pp  # every stage sees every batch
     tokens = global_target_count(micro_batches, repeats=repeats)
-    units = tokens if isinstance(objective, SFT) else PendingTargetCount(micro_batches, repeats, objective.count).wait()
+    units = tokens
+    if not isinstance(objective, SFT):
+        units = PendingTargetCount(micro_batches, repeats, objective.count).wait()
     scale = dims.dp_size * dims.cp / max(units, 1)  # FSDP then averages over dp x cp (see loss.py)
     scaler = strategy.scaler
     objective.begin_step(micro_batches)
@@ -95,14 +97,16 @@ def pipeline_train_step(strategy, model: torch.nn.Module, optimizer, scheduler, 
     for _ in micro_batches:
         result = strategy.optimizer_step(optimizer, model, scheduler, across=pipeline.pp_group, uncounted=uncounted)
     total = sum((loss.detach().to("cpu", torch.float64) for loss in losses), torch.zeros((), dtype=torch.float64))
-    total /= scale * (scaler.scale if scaler is not None and scaler.enabled else 1.0)  # back to a sum over units
+    # back to a sum over units
+    total /= scale * (scaler.scale if scaler is not None and scaler.enabled else 1.0)
     summed = sum_over_ranks(torch.cat([total.reshape(1), metrics]), repeats=dims.tp)
     means = (summed / max(units, 1)).tolist()
     return StepOutput(means[0], tokens, result, dict(zip(objective.metrics, means[1:])), units)
 
 
 @torch.no_grad()
-def pipeline_evaluate(model: torch.nn.Module, batches: list[dict], loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS,
+def pipeline_evaluate(model: torch.nn.Module, batches: list[dict],
+                      loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS,
                       objective: Objective | None = None):
     """Mean loss per unit over every rank's eval batches, forward only through the pipeline; with
     `objective.metrics`, `(loss, {metric: mean})` as `trainer.evaluate`."""
@@ -123,7 +127,7 @@ def pipeline_evaluate(model: torch.nn.Module, batches: list[dict], loss_chunk_to
         sums = stage.take(len(run))
         if sums is not None:
             totals[2:] += sums.to("cpu", torch.float64)
-        totals[1] += objective.count(batch) / dims.pp  # every stage counts it: once over the pipeline
+        totals[1] += objective.count(batch) / dims.pp  # every stage counts it: once in all
     for s in pipeline.stages:
         reshard_all(s)
     summed = sum_over_ranks(totals, repeats=dims.tp)
@@ -134,19 +138,23 @@ def pipeline_evaluate(model: torch.nn.Module, batches: list[dict], loss_chunk_to
 
 
 @torch.no_grad()
-def pipeline_logprobs(model: torch.nn.Module, batch: dict, chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS,
-                      temperature: float = 1.0, entropy: bool = False) -> torch.Tensor:
+def pipeline_logprobs(model: torch.nn.Module, batch: dict,
+                      chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS, temperature: float = 1.0,
+                      entropy: bool = False) -> torch.Tensor:
     """`batch_logprobs` of a pipelined model: [rows, seq, 2] on every rank of the pipeline, computed
     by the last stage in a forward-only pass and broadcast from it."""
     pipeline = pipeline_of(model)
     rows, width = batch["input_ids"].shape
     pipeline.loss_fn = lambda output, targets: output.new_zeros(())
-    pipeline.set_stage_loss(lambda lm, call, targets, **inputs: stage_logprobs(lm, call, targets, chunk_tokens,
-                                                                               temperature, entropy))
+    def stage(lm, call, targets, **inputs):
+        return stage_logprobs(lm, call, targets, chunk_tokens, temperature, entropy)
+
+    pipeline.set_stage_loss(stage)
     padded = agreed_shape(batch, pipeline.microbatches)
     out = run_pipeline(pipeline, padded, train=False, outputs=True)
     if out is None:  # not the last stage: the shape the last one sends
-        out = torch.zeros(*padded["input_ids"].shape, 2, dtype=torch.float32, device=pipeline.device)
+        out = torch.zeros(*padded["input_ids"].shape, 2, dtype=torch.float32,
+                          device=pipeline.device)
     out = local_tensor(out).to(pipeline.device, torch.float32).contiguous()
     if dist.get_world_size(pipeline.pp_group) > 1:
         dist.broadcast(out, src=pipeline.last_rank, group=pipeline.pp_group)
@@ -159,9 +167,11 @@ def run_pipeline(pipeline: Pipeline, batch: dict, train: bool, loss_inputs: dict
     `loss_inputs`) to the last, the other model inputs (position ids, masks) to every stage.
     Returns the loss of each pipeline micro-batch on the last stage (none elsewhere), or with
     `outputs` the last stage's outputs, merged (None elsewhere). The schedule's own list, not the
-    loss function, says what the losses were: it also calls the loss function to size its buffers."""
+    loss function, says what the losses were: it also calls the loss function to size its
+    buffers."""
     prefix = "loss_input:"  # padded along with the rows and columns of the batch
-    batch = agreed_shape({**batch, **{prefix + k: v for k, v in (loss_inputs or {}).items()}}, pipeline.microbatches)
+    batch = {**batch, **{prefix + k: v for k, v in (loss_inputs or {}).items()}}
+    batch = agreed_shape(batch, pipeline.microbatches)
     loss_inputs = {k[len(prefix):]: batch.pop(k) for k in list(batch) if k.startswith(prefix)}
     device = pipeline.device
     args = (batch["input_ids"].to(device),) if pipeline.has_first else ()
