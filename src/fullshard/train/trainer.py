@@ -209,7 +209,7 @@ def evaluate(model: torch.nn.Module, batches: list[dict], loss_chunk_tokens: int
     if not batches:
         return None
     if pipeline_of(model) is not None:
-        return pipeline_evaluate(model, batches, loss_chunk_tokens)
+        return pipeline_evaluate(model, batches, loss_chunk_tokens, objective)
     objective = objective or SFT(loss_chunk_tokens)
     model.eval()
     # tp ranks repeat their data rank's sums: they cancel in the ratio
@@ -395,7 +395,7 @@ class Trainer:
             micro_batches = run.split(batches.micro_batches(step))
             if pipeline_of(model) is not None:
                 out = pipeline_train_step(strategy, model, optimizer, scheduler, micro_batches,
-                                          config.train.loss_chunk_tokens)
+                                          config.train.loss_chunk_tokens, run.objective)
             else:
                 out = train_step(strategy, model, optimizer, scheduler, micro_batches, config.train.loss_chunk_tokens,
                                  run.objective)
