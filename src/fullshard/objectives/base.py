@@ -19,6 +19,11 @@ class Objective:
     name = "objective"
     unit = "tokens"  # what `count` counts, logged under this name when it is not the target tokens
     metrics: tuple[str, ...] = ()
+    runs_own_step = False  # True: `run_step` makes the whole optimizer step (grpo: rollouts, then updates)
+
+    def shown(self, metrics: dict) -> tuple[str, ...]:
+        """The metrics the console's step line shows besides the loss and throughput."""
+        return tuple(metrics)[2:4]
 
     def count(self, batch: dict) -> int:
         """Units of `batch` the loss is a mean over."""
