@@ -31,35 +31,47 @@ def _text(completion) -> str:
     return str(completion)
 
 
+def boxed(text: str) -> str | None:
+    """The content of the last `\\boxed{...}` of a text (braces inside it balanced), if any."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, begin = 0, start + len("\\boxed{")
+    for index in range(begin, len(text)):
+        depth += (text[index] == "{") - (text[index] == "}")
+        if depth < 0:
+            return text[begin:index].strip()
+    return None
+
+
 def final_answer(text: str) -> str | None:
     """The answer a text ends with: the last `\\boxed{...}`'s content, else its last number."""
-    start = text.rfind("\\boxed{")
-    if start >= 0:
-        depth, begin = 0, start + len("\\boxed{")
-        for index in range(begin, len(text)):
-            depth += (text[index] == "{") - (text[index] == "}")
-            if depth < 0:
-                return text[begin:index].strip()
+    found = boxed(text)
+    if found is not None:
+        return found
     numbers = NUMBER.findall(text)
     return numbers[-1].replace(",", "") if numbers else None
 
 
-def _same(answer: str | None, reference) -> bool:
-    if answer is None:
+def _same(answer: str | None, expected: str | None) -> bool:
+    if answer is None or expected is None:
         return False
-    expected = final_answer(str(reference)) or str(reference).strip()
     try:
-        return math.isclose(float(answer), float(expected), rel_tol=1e-9, abs_tol=1e-9)
+        return math.isclose(float(answer), float(expected.replace(",", "")), rel_tol=1e-9, abs_tol=1e-9)
     except ValueError:
-        return answer.strip() == expected.strip()
+        return answer.replace(" ", "") == expected.replace(" ", "")
 
 
 def accuracy(prompts, completions, completion_ids, **columns) -> list[float | None]:
     """1 when the completion's final answer (`\\boxed{}` or its last number) equals the record's
-    `answer` (or `solution`, whose own final answer is taken), else 0; None without either."""
-    references = columns.get("answer") or columns.get("solution") or [None] * len(completions)
-    return [None if ref is None else float(_same(final_answer(_text(c)), ref))
-            for c, ref in zip(completions, references)]
+    `answer` (as it is, or its `\\boxed{}`), or the final answer of its `solution`; else 0. None
+    for a record with neither."""
+    if columns.get("answer") is not None:
+        expected = [None if a is None else boxed(str(a)) or str(a).strip() for a in columns["answer"]]
+    else:
+        expected = [None if s is None else final_answer(str(s)) for s in
+                    columns.get("solution") or [None] * len(completions)]
+    return [None if e is None else float(_same(final_answer(_text(c)), e)) for c, e in zip(completions, expected)]
 
 
 FORMAT = re.compile(r"^\s*<think>.*?</think>\s*<answer>.*?</answer>\s*$", re.DOTALL)
