@@ -485,3 +485,29 @@ def test_streaming_says_what_it_dropped_or_truncated_like_the_cached_path(tmp_pa
             assert f"(pass 1): {overlong} of {len(records)} conversations {said}" in caplog.text, caplog.text
     finally:
         logger.removeHandler(caplog.handler)
+
+
+def test_fingerprint_of_image_rows_ignores_the_order_of_their_tensors():
+    """safetensors hands a row's image tensors back in no fixed order (it differs between processes):
+    the fingerprint that refuses a resume on other data, and the decoded rows, must not depend on it."""
+    from safetensors.torch import save
+
+    from fullshard.data.rows import Rows
+    from fullshard.data.vision import decode_images
+    from fullshard.train.data import PackedData
+
+    pixels, grid = torch.arange(12.0).view(2, 6), torch.tensor([[1, 1, 2]])
+    decoded = decode_images([save({"pixel_values": pixels, "image_grid_thw": grid})])
+    assert list(decoded) == ["image_grid_thw", "pixel_values"]
+
+    def data(order):
+        class Images(Rows):
+            def take(self, indices):
+                return {"input_ids": torch.zeros(len(indices), 4, dtype=torch.int64),
+                        "images": [dict(order) for _ in indices]}
+
+        return PackedData(Images(torch.zeros(3, 4)), Rows(torch.zeros(1, 4)))
+
+    one = data([("pixel_values", pixels), ("image_grid_thw", grid)])
+    other = data([("image_grid_thw", grid), ("pixel_values", pixels)])
+    assert one.fingerprint() == other.fingerprint()

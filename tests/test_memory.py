@@ -134,3 +134,36 @@ def test_every_plan_path_prints_its_estimate_and_largest_micro_batch(tmp_path, c
     # PEFT has no default modules for most VLMs: one line naming the key, not peft's ValueError
     assert main(["plan", str(tmp_path / "vlm"), "--nproc", "2", "--lora.r=8"]) == 2
     assert "lora.target_modules: PEFT has no default modules to adapt for 'qwen2_vl'" in capsys.readouterr().err
+
+
+def test_plan_of_a_dpo_run_counts_its_reference_and_says_which(tmp_path, capsys):
+    """`fullshard plan --train.objective=dpo` states the reference strategy it assumed and counts it:
+    a sharded copy of the weights (model), on the host (offloaded), nothing (precompute, or LoRA's
+    adapters off beyond a second forward); the log-probs' chunk costs more than the SFT loss's."""
+    llama = _config_dir(tmp_path, "llama8b", "bfloat16", **LLAMA3_8B)
+    dpo = ["--train.objective=dpo", "--data.format=preference"]
+
+    def plan(*extra):
+        assert main(["plan", str(llama), *EIGHT_GPUS, *extra]) == 0
+        return capsys.readouterr().out
+
+    sft, model = plan(), plan(*dpo)
+    offloaded = plan(*dpo, "--preference.offload_reference=true")
+    precompute = plan(*dpo, "--preference.reference=precompute")
+    adapter = plan(*dpo, "--lora.r=8")
+    for printed, strategy in ((model, "model"), (offloaded, "offloaded"), (precompute, "precompute"),
+                              (adapter, "adapter")):
+        assert f"reference strategy assumed: {strategy} (" in printed, printed
+    assert "reference strategy" not in sft
+    total = "total (parameters, optimizer, rounding, larger moment)"
+    shard = _mib(model, "parameters (shard)")[0]
+    assert _mib(model, "reference model (shard)") == [shard]
+    assert _mib(offloaded, "reference model offloaded (host memory)") == [shard]
+    assert not _mib(offloaded, "reference model (shard)") and not _mib(precompute, "reference model")
+    gathered = _mib(model, "all-gathered units (2 largest)")[0]
+    assert _mib(model, "reference forward: all-gathered units") == [gathered]
+    assert _mib(adapter, "reference forward: all-gathered units") and not _mib(adapter, "reference model (shard)")
+    assert _mib(model, total)[0] >= _mib(offloaded, total)[0] + shard - 0.02
+    assert _mib(precompute, total)[0] < _mib(offloaded, total)[0]
+    assert _mib(precompute, "loss: logits (all, or a chunk's) and gradients")[0] > _mib(
+        sft, "loss: logits (all, or a chunk's) and gradients")[0]

@@ -1,12 +1,14 @@
-"""Preference training (`train.objective=dpo`) against TRL's `DPOTrainer`, and across layouts.
+"""Preference training (`train.objective=dpo`) against TRL's `DPOTrainer` and `ORPOTrainer`, and across layouts.
 
 TRL runs in this process: fp32, the records in file order (a sequential sampler), constant learning
 rate, no weight decay, AdamW (0.9, 0.999) non-fused, clipping 1.0, no gradient checkpointing, its
-raw loss of each step read from `compute_loss` (its log rounds to 4 digits). fullshard runs `fullshard.train.train` at world 2 in one spawned group, for
-sigmoid, ipo and hinge (one pair per row); sigmoid packed (whole pairs per row), with the
-reference offloaded to the host, with it precomputed, and at tp 2, against the plain run; and under LoRA the
-adapter-disabled reference against a frozen base copy (`reference=model`, the same weights).
-"""
+raw loss of each step read from `compute_loss` (its log rounds to 4 digits). fullshard runs
+`fullshard.train.train` at world 2 in one spawned group (one pair per row, two micro-batches per
+rank: ORPO's and RPO's token means span them), against TRL for sigmoid, ipo, hinge, RPO (sigmoid
+plus DPOTrainer's `sft` loss weighted), ORPO, and LoRA with the adapters disabled as the reference
+(TRL given the adapters fullshard initialises); sigmoid packed (whole pairs per row), with the
+reference offloaded to the host, with it precomputed, and at tp 2, against the plain run; and under
+LoRA the adapter-disabled reference against a frozen base copy (`reference=model`)."""
 
 import json
 import random
@@ -18,6 +20,12 @@ from fullshard.testing import run_distributed
 
 PAIRS, STEPS, BATCH = 12, 3, 4
 TOL = 1e-5
+# fullshard's run name -> TRL's trainer arguments: DPOTrainer's losses, its `sft` term weighted (RPO),
+# ORPOTrainer, and LoRA with the adapters disabled as the reference (fullshard's `adapter` default)
+TRL_RUNS = {"sigmoid": dict(loss_type="sigmoid"), "ipo": dict(loss_type="ipo"), "hinge": dict(loss_type="hinge"),
+            "rpo": dict(loss_type="sigmoid", sft_weight=0.5), "orpo": dict(loss_type="orpo"),
+            "lora_adapter": dict(loss_type="sigmoid", lora=dict(r=4, lora_alpha=16.0, lora_dropout=0.0,
+                                                                target_modules=["q_proj", "v_proj"]))}
 
 
 def write_pairs(path, n=PAIRS, seed=0):
@@ -44,13 +52,33 @@ def write_base(directory):
     tokenizer.save_pretrained(directory)
 
 
-def trl_losses(base, data, out, loss_type: str) -> list[float]:
+def trl_losses(base, data, out, loss_type: str, sft_weight: float = 0.0, lora: dict | None = None) -> list[float]:
+    """TRL's raw loss of each step: `DPOTrainer` (`sft_weight`: its `sft` loss added with that weight;
+    `lora`: PEFT LoRA fields, the adapters disabled as the reference), or `ORPOTrainer` for orpo."""
     from datasets import load_dataset
     from torch.utils.data import SequentialSampler
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import DPOConfig, DPOTrainer
 
-    class InOrder(DPOTrainer):
+    common = dict(output_dir=str(out), per_device_train_batch_size=BATCH, max_steps=STEPS, learning_rate=1e-3,
+                  lr_scheduler_type="constant", weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
+                  max_grad_norm=1.0, optim="adamw_torch", bf16=False, fp16=False, gradient_checkpointing=False,
+                  beta=0.1, report_to=[], use_cpu=True, logging_steps=1, save_strategy="no", seed=42,
+                  dataloader_drop_last=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(base))
+    if loss_type == "orpo":
+        from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+        trainer_cls, args = ORPOTrainer, ORPOConfig(**common, max_length=64)
+        tokenizer.bos_token = None  # the byte tokenizer's BOS is its EOS: ORPO would prepend it to every prompt
+    else:
+        from trl import DPOConfig, DPOTrainer
+
+        losses = [loss_type, "sft"] if sft_weight else [loss_type]
+        trainer_cls = DPOTrainer
+        args = DPOConfig(**common, loss_type=losses, loss_weights=[1.0, sft_weight] if sft_weight else None,
+                         max_length=None)
+
+    class InOrder(trainer_cls):
         losses: list
 
         def _get_train_sampler(self, *args, **kwargs):
@@ -61,36 +89,50 @@ def trl_losses(base, data, out, loss_type: str) -> list[float]:
             self.losses.append(float((loss[0] if isinstance(loss, tuple) else loss).detach()))
             return loss
 
-    args = DPOConfig(output_dir=str(out), per_device_train_batch_size=BATCH, max_steps=STEPS, learning_rate=1e-3,
-                     lr_scheduler_type="constant", weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999,
-                     adam_epsilon=1e-8, max_grad_norm=1.0, optim="adamw_torch", bf16=False, fp16=False,
-                     gradient_checkpointing=False, loss_type=[loss_type], beta=0.1, report_to=[], use_cpu=True,
-                     logging_steps=1, save_strategy="no", seed=42, max_length=None, dataloader_drop_last=True)
     model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    if lora is not None:  # the adapters fullshard initialises: PEFT's draws after seeding with train.seed
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(42)
+        model = get_peft_model(model, LoraConfig(**lora, task_type="CAUSAL_LM"))
     trainer = InOrder(model=model, args=args, train_dataset=load_dataset("json", data_files=str(data))["train"],
-                      processing_class=AutoTokenizer.from_pretrained(str(base)))
+                      processing_class=tokenizer)
     trainer.losses = []
     trainer.train()
     return trainer.losses
 
 
-def _fullshard_runs(root: str) -> dict:
+def dpo_run(root: str, name: str, *extra, summary: bool = False):
+    """`fullshard.train.train` on the pairs (every rank of a group calls it): the per-step losses, or the summary."""
     from fullshard.train import load_config, train
 
-    def run(name, *extra, summary=False):
-        config = load_config(None, [
-            f"--model.name_or_path={root}/base", f"--data.path={root}/pairs.jsonl", "--data.format=preference",
-            "--train.objective=dpo", "--data.seq_len=48", f"--train.steps={STEPS}", "--train.micro_batch_size=1",
-            f"--train.global_batch_size={BATCH}", f"--train.output_dir={root}/{name}", "--checkpoint.export=false",
-            "--train.plot=false", f"--data.cache_dir={root}/cache", "--data.shuffle=false", "--data.eval_fraction=0",
-            "--optim.lr=1e-3", "--optim.schedule=constant", "--optim.warmup_steps=0", "--optim.weight_decay=0",
-            "--optim.eps=1e-8", "--optim.betas=[0.9,0.999]", "--train.max_norm=1.0", "--train.loss_chunk_tokens=16",
-            "--data.packing=false",
-            *extra])
-        result = train(config)
-        return result if summary else [loss for _, loss in sorted(result["losses"].items())]
+    config = load_config(None, [
+        f"--model.name_or_path={root}/base", f"--data.path={root}/pairs.jsonl", "--data.format=preference",
+        "--train.objective=dpo", "--data.seq_len=48", f"--train.steps={STEPS}", "--train.micro_batch_size=1",
+        f"--train.global_batch_size={BATCH}", f"--train.output_dir={root}/{name}", "--checkpoint.export=false",
+        "--train.plot=false", f"--data.cache_dir={root}/cache", "--data.shuffle=false", "--data.eval_fraction=0",
+        "--optim.lr=1e-3", "--optim.schedule=constant", "--optim.warmup_steps=0", "--optim.weight_decay=0",
+        "--optim.eps=1e-8", "--optim.betas=[0.9,0.999]", "--train.max_norm=1.0", "--train.loss_chunk_tokens=16",
+        "--data.packing=false",
+        *extra])
+    result = train(config)
+    return result if summary else [loss for _, loss in sorted(result["losses"].items())]
 
-    out = {loss: run(loss, f"--preference.loss_type={loss}") for loss in ("sigmoid", "ipo", "hinge")}
+
+# resumed runs: step 1 at world 1 (the test's process), steps 2..3 at world 2 (the group); their own
+# cache, so that the group's precompute run computes its table at world 2
+RESUMED = {"sigmoid": ("--data.cache_dir={root}/cache-resume",),
+           "precompute": ("--data.cache_dir={root}/cache-resume", "--preference.reference=precompute")}
+
+
+def _fullshard_runs(root: str) -> dict:
+    def run(name, *extra, summary=False):
+        return dpo_run(root, name, *extra, summary=summary)
+
+    out = {loss: run(loss, f"--preference.loss_type={loss}") for loss in ("sigmoid", "ipo", "hinge", "orpo")}
+    out.update({f"resumed_{name}": run(f"resume-{name}", *(e.format(root=root) for e in extra))
+                for name, extra in RESUMED.items()})
+    out["rpo"] = run("rpo", f"--preference.sft_weight={TRL_RUNS['rpo']['sft_weight']}")
     # packed: two whole pairs per row, two rows per step: the same pairs per step as one per row
     out["packed"] = run("packed", "--data.packing=true", "--data.seq_len=40", f"--train.global_batch_size={BATCH // 2}")
     out["offloaded_reference"] = run("offloaded", "--preference.offload_reference=true")
@@ -100,7 +142,7 @@ def _fullshard_runs(root: str) -> dict:
     learned = run("learn", f"--data.path={root}/learn.jsonl", "--data.eval_fraction=0.25", "--train.steps=12",
                   "--optim.lr=3e-3", "--train.global_batch_size=8", "--data.packing=true", summary=True)
     out["learn"] = {k: v for k, v in learned.items() if k.startswith("eval_")}
-    lora = ("--lora.r=4", "--lora.target_modules=[q_proj,v_proj]", "--lora.save_adapter=false")
+    lora = ("--lora.r=4", "--lora.target_modules=[q_proj,v_proj]", "--lora.alpha=16", "--lora.save_adapter=false")
     out["lora_adapter"] = run("lora_adapter", *lora, "--preference.reference=adapter")
     out["lora_model"] = run("lora_model", *lora, "--preference.reference=model")
     return out
@@ -112,25 +154,38 @@ def runs(tmp_path_factory):
     write_base(root / "base")
     write_pairs(root / "pairs.jsonl")
     write_pairs(root / "learn.jsonl", n=128, seed=1)
+    first = {name: dpo_run(str(root), f"resume-{name}", "--train.stop_after=1", *(e.format(root=root) for e in extra))
+             for name, extra in RESUMED.items()}
     ours = run_distributed(_fullshard_runs, 2, str(root))[0]
-    theirs = {loss: trl_losses(root / "base", root / "pairs.jsonl", root / f"trl-{loss}", loss)
-              for loss in ("sigmoid", "ipo", "hinge")}
+    ours.update({f"first_{name}": losses for name, losses in first.items()})
+    theirs = {name: trl_losses(root / "base", root / "pairs.jsonl", root / f"trl-{name}", **kwargs)
+              for name, kwargs in TRL_RUNS.items()}
     return ours, theirs
 
 
-@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "hinge"])
-def test_dpo_world_2_matches_trl_step_by_step(runs, loss_type):
+@pytest.mark.parametrize("name", list(TRL_RUNS))
+def test_dpo_world_2_matches_trl_step_by_step(runs, name):
     ours, theirs = runs
-    assert len(theirs[loss_type]) == STEPS
-    diffs = [abs(a - b) for a, b in zip(ours[loss_type], theirs[loss_type])]
-    assert max(diffs) <= TOL, (ours[loss_type], theirs[loss_type])
-    assert ours[loss_type][-1] != ours[loss_type][0]  # it trained
+    assert len(theirs[name]) == STEPS
+    diffs = [abs(a - b) for a, b in zip(ours[name], theirs[name])]
+    assert max(diffs) <= TOL, (ours[name], theirs[name])
+    assert ours[name][-1] != ours[name][0]  # it trained
 
 
 @pytest.mark.parametrize("layout", ["packed", "offloaded_reference", "precompute", "tp2"])
 def test_layouts_and_reference_placement_equal_the_plain_run(runs, layout):
     ours, _ = runs
     assert max(abs(a - b) for a, b in zip(ours[layout], ours["sigmoid"])) <= TOL, (ours[layout], ours["sigmoid"])
+
+
+@pytest.mark.parametrize("name", list(RESUMED))
+def test_resumed_at_another_world_size_equals_the_uninterrupted_run(runs, name):
+    """Step 1 at world 1, stopped; resumed at world 2: the reference (a frozen copy of the starting
+    weights, or the precomputed table) comes back with the run, and steps 2..3 are the plain run's."""
+    ours, _ = runs
+    assert len(ours[f"first_{name}"]) == 1 and len(ours[f"resumed_{name}"]) == STEPS - 1
+    resumed = ours[f"first_{name}"] + ours[f"resumed_{name}"]
+    assert max(abs(a - b) for a, b in zip(resumed, ours["sigmoid"])) <= TOL, (resumed, ours["sigmoid"])
 
 
 def test_dpo_learns_held_out_preferences(runs):
@@ -196,6 +251,8 @@ def test_bad_preference_records_name_file_and_line(tmp_path):
     (["--train.objective=dpo", "--data.format=preference", "--preference.loss_type=simpo",
       "--preference.reference=model"], "reference-free"),
     (["--train.objective=dpo", "--data.format=preference", "--preference.reference=adapter"], "lora.r is unset"),
+    (["--train.objective=dpo", "--data.format=preference", "--preference.loss_type=orpo",
+      "--preference.sft_weight=1"], "built in"),
     (["--train.objective=dpo", "--data.format=preference", "--fsdp.pp_size=2"], "fsdp.pp_size is not supported"),
 ])
 def test_combinations_that_do_not_fit_are_one_line(overrides, message):

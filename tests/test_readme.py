@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from fullshard.testing import run_distributed
+
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 # the README first, then docs/ by name: a page's commands may use what the README's left behind
@@ -86,19 +88,21 @@ def test_the_two_setup_commands_are_what_ci_and_make_run():
 
 def _tiny_model_dir(path: Path) -> Path:
     """A local HF directory: a tiny Llama over the byte tokenizer, whose tokenizer has a chat template."""
-    script = f"""
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
-from fullshard.data.builtin import byte_tokenizer
-tok = byte_tokenizer()
-tok.chat_template = ("{{% for m in messages %}}<|{{{{ m['role'] }}}}|>{{{{ m['content'] }}}}<|endoftext|>{{% endfor %}}"
-                     "{{% if add_generation_prompt %}}<|assistant|>{{% endif %}}")
-torch.manual_seed(0)
-model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256))
-model.save_pretrained({str(path)!r}); tok.save_pretrained({str(path)!r})
-"""
-    subprocess.run([sys.executable, "-c", script], check=True, timeout=300, env=_env())
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fullshard.data.builtin import byte_tokenizer
+
+    tok = byte_tokenizer()
+    tok.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|endoftext|>{% endfor %}"
+                         "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                             max_position_embeddings=256))
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
     return path
 
 
@@ -139,21 +143,87 @@ def scratch(tmp_path_factory):
     return work
 
 
+# `make demo`'s command: the one the docs' commands run for real, as a user's shell does (the launcher,
+# torchrun and its ranks); the rest run in one spawned group (`_docs_commands`)
+DEMO_COMMAND = "fullshard train"
+
+
 def test_every_shell_command_in_the_readme_runs(scratch):
+    """Every `fullshard` line of the docs runs, in the docs' order, after `make demo`'s command ran
+    for real. The others run through the command's own code, `fullshard.cli.main`, in one group of
+    2 ranks: the launching process's side (parsing, every check before launch, the run directory)
+    on the first rank, then, for a command that launches ranks, its rank side on both, as torchrun
+    would start them (only the launch itself is left out: a launch costs a launcher, torchrun's agent
+    and the ranks' imports, and the demo's shows it works)."""
     commands = [c for c in shell_commands() if c.startswith("fullshard")]
-    assert len(commands) >= 8, commands
-    for command in commands:
+    assert len(commands) >= 8 and DEMO_COMMAND in commands, commands
+    demo = commands.index(DEMO_COMMAND)
+    argvs = []
+    for command in commands[:demo] + commands[demo + 1:]:
         for pattern, replacement in SHELL_SUBSTITUTIONS:
             command = re.sub(pattern, replacement, command)
-        argv = FULLSHARD + shlex.split(command)[1:]
-        proc = subprocess.run(argv, cwd=scratch, capture_output=True, text=True, timeout=600, env=_env())
-        assert proc.returncode == 0, f"{command}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+        argvs.append(shlex.split(command)[1:])
+    demo_argv = shlex.split(re.sub(SHELL_SUBSTITUTIONS[0][0], SHELL_SUBSTITUTIONS[0][1], DEMO_COMMAND))[1:]
+    proc = subprocess.run(FULLSHARD + demo_argv, cwd=scratch, capture_output=True, text=True, timeout=600,
+                          env=_env())
+    assert proc.returncode == 0, f"{DEMO_COMMAND}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    assert "launching 2 processes" in proc.stdout
+    ran = run_distributed(_docs_commands, 2, str(scratch), argvs, timeout=900)
+    for argv, (code, launched, output), (_, _, output_1) in zip(argvs, ran[0], ran[1]):
+        assert code == 0, f"fullshard {shlex.join(argv)}\n{output[-3000:]}\n----- rank 1\n{output_1[-2000:]}"
+    assert len(ran[0]) == len(argvs)
+    assert sum(launched for _, launched, _ in ran[0]) >= 6  # the docs' runs and generate reached the ranks
     # what the README says these commands leave behind
     assert (scratch / "runs/demo/checkpoints").is_dir() and (scratch / "runs/demo/hf/config.json").is_file()
     assert (scratch / "runs/demo/metrics.jsonl").is_file()
     assert (scratch / "out/config.json").is_file()
     assert (scratch / "runs/chat/hf/config.json").is_file()
     assert (scratch / "runs/stage2/checkpoints/step_4").is_dir()  # stage 2: its own steps, from 0
+
+
+def _docs_commands(work: str, argvs: list[list[str]]) -> list[tuple[int, bool, str]]:
+    """`fullshard <argv>` for each argv in turn, on every rank: (exit status, whether it launched
+    ranks, what it printed). The launching side runs on rank 0 alone, as in a shell, with `launch`
+    recording the ranks' command line instead of starting torchrun; both ranks then run that line
+    (`main` under a launcher: the rank side), the process group kept for the next command."""
+    import contextlib
+    import io
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    from fullshard import cli, launch
+
+    os.chdir(work)
+    rank, world, out = dist.get_rank(), dist.get_world_size(), []
+    for argv in argvs:
+        printed, launched = io.StringIO(), []
+
+        def record(nproc, rank_args, *args, **kwargs):
+            if nproc != world:
+                raise AssertionError(f"the docs launch {nproc} ranks; this group has {world}")
+            launched.append(rank_args)
+            return 0
+
+        code = 0
+        if rank == 0:
+            with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed), \
+                    mock.patch.object(cli, "under_launcher", lambda: False), mock.patch.object(cli, "launch", record):
+                code = cli.main(argv)
+        shared = [(code, launched)]
+        dist.broadcast_object_list(shared, src=0)
+        code, launched = shared[0]
+        if code == 0 and launched:
+            with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed), \
+                    mock.patch.object(launch, "_close_process_groups", lambda after_failure: None):
+                code = cli.main(launched[0])
+            codes = [None] * world
+            dist.all_gather_object(codes, code)
+            code = max(codes)
+        out.append((code, bool(launched), printed.getvalue()))
+        if code:
+            break  # the next commands may build on this one's run
+    return out
 
 
 # what the README's blocks take as given (its text says what `model` is); imports they must do themselves

@@ -200,7 +200,7 @@ def cmd_plan(argv: list[str]) -> int:
         print(f"note: {err}")
         accumulation = None
     options = dict(optimizer=config.optim.name, accumulation_steps=accumulation, device_type=DEVICES[device][0],
-                   loss_chunk_tokens=config.train.loss_chunk_tokens)
+                   loss_chunk_tokens=config.train.loss_chunk_tokens, reference=planned_reference(config))
     run = estimate_run(model, engine, nproc, micro, seq_len, **options)
     print(f"{type(model).__name__}: {sum(p.numel() for p in model.parameters()):,} parameters, {describe_mesh(dims)}\n")
     print(plan.describe(model, dims.fsdp_shard_size))
@@ -212,6 +212,14 @@ def cmd_plan(argv: list[str]) -> int:
     print_estimate(config, run, device, capacity, micro, seq_len, accumulation,
                    lambda: largest_micro_batch(model, engine, nproc, seq_len, capacity, **options))
     return 0
+
+
+def planned_reference(config) -> str | None:
+    """The reference strategy a preference run holds (`plan.memory.REFERENCES`); None for SFT."""
+    if config.train.objective != "dpo":
+        return None
+    strategy = config.preference.resolved_reference(config.lora.enabled)
+    return "offloaded" if strategy == "model" and config.preference.offload_reference else strategy
 
 
 def plan_config_and_model(args):

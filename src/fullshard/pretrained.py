@@ -20,7 +20,8 @@ from .packed_attention import use_attention
 
 def from_pretrained(name_or_path: str, engine=None, dtype=None, model_class=None, revision: str | None = None,
                     cache_dir: str | None = None, lora=None, trust_remote_code: bool = False,
-                    attn_implementation: str | None = None, freeze=None, **load_kwargs) -> nn.Module:
+                    attn_implementation: str | None = None, freeze=None, num_labels: int | None = None,
+                    **load_kwargs) -> nn.Module:
     """The short path: build the model on meta from its config, shard it with `engine`, load it sharded.
 
     `engine` defaults to `FSDP2Engine()` (fp32, auto plan, whole world). `dtype=None` keeps the
@@ -33,7 +34,8 @@ def from_pretrained(name_or_path: str, engine=None, dtype=None, model_class=None
     `freeze` (None: the engine's `freeze`, by default "auto": a VLM's vision and audio towers) names the
     parts left untrained: `vision`, `audio`, `projector`, `language` or module patterns (`fullshard.plan.towers`).
     The model class is the config's (`architectures`), else transformers' image-text-to-text class
-    for a VLM config, else its causal-LM class.
+    for a VLM config, else its causal-LM class. `num_labels` sets a classification head's outputs
+    (transformers' keyword) before the model is built.
     """
     from transformers import AutoConfig
 
@@ -43,6 +45,8 @@ def from_pretrained(name_or_path: str, engine=None, dtype=None, model_class=None
     directory = resolve_checkpoint_dir(name_or_path, revision, cache_dir)
     with agreed(LoadError, f"cannot build a model from {str(directory)!r}"):
         config = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
+        if num_labels is not None:
+            config.num_labels = num_labels
         weights = checkpoint_dtype(directory)
         stored = weights or resolve_dtype(getattr(config, "dtype", None))  # read before building sets it
         model = init_empty_model(config, model_class, dtype=resolve_dtype(dtype) or weights,

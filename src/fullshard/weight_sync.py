@@ -37,14 +37,14 @@ from .hf.stream import (  # the stream's plan and its regions, which the first-r
     DEFAULT_BUCKET_BYTES,
     Box,
     StreamUnit,
-    _aligned,
-    _device,
-    _numel,
-    _output_size,
-    _outputs,
-    _region,
-    _stream_plan,
+    aligned,
+    held_region,
     kept_buffer,
+    output_size,
+    shape_numel,
+    stream_device,
+    stream_plan,
+    unit_outputs,
 )
 from .tensors import local_tensor, named_state_tensors
 
@@ -234,12 +234,12 @@ def _messages(
             direct.append((u, index, box))
         else:
             packed.append((u, index, box, position))
-            position += _aligned(_region_bytes(bucket, u, index, box))
+            position += aligned(_region_bytes(bucket, u, index, box))
     return direct, packed
 
 
 def _region_bytes(bucket: list[StreamUnit], u: int, index: int, box: Box) -> int:
-    return _numel(box[1]) * bucket[u].inputs[index].dtype.itemsize
+    return shape_numel(box[1]) * bucket[u].inputs[index].dtype.itemsize
 
 
 def _packed_span(bucket: list[StreamUnit], packed: list[tuple[int, int, Box, int]]) -> int:
@@ -262,9 +262,9 @@ def _send_to_first(bucket: list[StreamUnit], state: dict, device: torch.device, 
     for u, index, box in direct:
         if not as_is(u, index):
             placed.append((u, index, box, position))
-            position += _aligned(_region_bytes(bucket, u, index, box))
+            position += aligned(_region_bytes(bucket, u, index, box))
     placed += [(u, index, box, position + at) for u, index, box, at in packed]
-    need = position + _aligned(_packed_span(bucket, packed))
+    need = position + aligned(_packed_span(bucket, packed))
     kept = kept_buffer(buffers, "send", need, device) if need else None
     for u, index, box, at in placed:
         size = _region_bytes(bucket, u, index, box)
@@ -298,7 +298,7 @@ def _gather_to_first(bucket: list[StreamUnit], state: dict, out: Callable[[int],
     wholes = [[flat[start:start + item.nbytes].view(item.dtype).view(item.shape)
                for item, start in zip(unit.inputs, at)] for unit in bucket]
     plans = {r: _messages(bucket, r) for r in range(1, get_world_size())}
-    need = {r: _aligned(_packed_span(bucket, packed)) for r, (_, packed) in plans.items()}
+    need = {r: aligned(_packed_span(bucket, packed)) for r, (_, packed) in plans.items()}
     kept = kept_buffer(buffers, "staging", sum(need.values()), flat.device) if sum(need.values()) else None
     targets, staged, position = {}, {}, 0
     for r, (direct, packed) in plans.items():
@@ -314,14 +314,14 @@ def _gather_to_first(bucket: list[StreamUnit], state: dict, out: Callable[[int],
             position += need[r]
     works = gather_to_first(targets)
     for u, index, box in _own_pieces(bucket, 0):
-        _region(wholes[u][index], box).copy_(local_tensor(state[bucket[u].inputs[index].key]).detach())
+        held_region(wholes[u][index], box).copy_(local_tensor(state[bucket[u].inputs[index].key]).detach())
     for work in works:
         work.wait()
     for r, message in staged.items():
         for u, index, box, at in plans[r][1]:
             item = bucket[u].inputs[index]
             size = _region_bytes(bucket, u, index, box)
-            _region(wholes[u][index], box).copy_(message[at:at + size].view(item.dtype).view(box[1]))
+            held_region(wholes[u][index], box).copy_(message[at:at + size].view(item.dtype).view(box[1]))
     return wholes
 
 
@@ -343,19 +343,19 @@ def buckets_to_first(model: torch.nn.Module, out: Callable[[int], torch.Tensor],
     bucket's whole tensors out in the byte buffer `out(nbytes)` gives (the caller's, reused: it
     must be done with a bucket's buffer before handing it out again), so a bucket of plain tensors
     is one run of bytes, ready to send as it is. Every rank iterates it in step."""
-    state, buckets = _stream_plan(model, dtype, bucket_bytes, lora)
-    device, buffers, first = _device(), {}, get_rank() == 0
+    state, buckets = stream_plan(model, dtype, bucket_bytes, lora)
+    device, buffers, first = stream_device(), {}, get_rank() == 0
     for bucket in buckets:
         tensors = nbytes = 0
         for unit in bucket:
-            count, size = _output_size(unit)
+            count, size = output_size(unit)
             tensors, nbytes = tensors + count, nbytes + size
         if not first:
             _send_to_first(bucket, state, device, buffers)
             yield SentBucket([], tensors, nbytes)
             continue
         wholes = _gather_to_first(bucket, state, out, buffers)
-        pairs = [pair for unit, inputs in zip(bucket, wholes) for pair in _outputs(unit, inputs)]
+        pairs = [pair for unit, inputs in zip(bucket, wholes) for pair in unit_outputs(unit, inputs)]
         del wholes
         yield SentBucket(pairs, tensors, nbytes)
         del pairs

@@ -10,15 +10,37 @@ common prefix of the tokenized prompt and prompt-plus-completion. Labels are on 
 
 A pair becomes one document, chosen then rejected, with a per-token `pair_role` column (1 chosen,
 2 rejected, 0 padding) at which the packer restarts positions (`pack.SPLIT_COLUMN`): so a pair is
-never split between rows or micro-batches, and packing keeps whole pairs together.
+never split between rows or micro-batches, and packing keeps whole pairs together. A record's
+`margin` (TRL's reward-model field), when the records have one, rides on every token of its pair as
+the float32's bits in an int32 column (`pair_margin`; `pair_margins` reads it back).
 """
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
+import torch
+
 from .chat import RecordError, _turn, as_tools, chat_template_of
 
 ROLE = "pair_role"
+MARGIN = "pair_margin"
 CHOSEN, REJECTED = 1, 2
+
+
+def margin_bits(row: int, value) -> int:
+    """A record's margin as the bits of its float32 (what an int32 column holds exactly)."""
+    if value is None:
+        raise RecordError(row, "has no margin, and other records have one")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise RecordError(row, f"has a margin that is not a finite number: {value!r}")
+    return int(np.float32(value).view(np.int32))
+
+
+def pair_margins(column: torch.Tensor) -> torch.Tensor:
+    """The `pair_margin` column back as float32 values."""
+    return column.to(torch.int32).view(torch.float32)
 
 
 def common_prefix_length(a: list, b: list) -> int:
@@ -52,16 +74,15 @@ class PreferenceTokenize:
     labels on the completions, `pair_role` marking each token's sequence. A pair longer than
     `seq_len` is dropped (and counted)."""
 
-    columns = (ROLE,)
-
-    def __init__(self, tokenizer, section):
+    def __init__(self, tokenizer, section, margin: bool = False):
         self.tokenizer, self.seq_len = tokenizer, section.seq_len
         self.fields = (section.prompt_field, "chosen", "rejected")
         self.tools_field = section.tools_field
         self.template = section.chat_template
+        self.columns = (ROLE, MARGIN) if margin else (ROLE,)
 
     def __call__(self, batch: dict, indices: list[int]) -> dict:
-        out = {"input_ids": [], "labels": [], ROLE: [], "truncated": []}
+        out = {"input_ids": [], "labels": [], "truncated": [], **{c: [] for c in self.columns}}
         prompt_field = self.fields[0]
         for k, row in enumerate(indices):
             prompt = batch[prompt_field][k] if prompt_field in batch else None
@@ -72,6 +93,8 @@ class PreferenceTokenize:
             out["input_ids"].append(ids)
             out["labels"].append(labels)
             out[ROLE].append(roles)
+            if MARGIN in self.columns:
+                out[MARGIN].append([margin_bits(row, batch["margin"][k])] * len(ids))
             out["truncated"].append(False)
         return out
 

@@ -175,7 +175,8 @@ def _build(source: Source, tokenizer, section, cache_dir: Path, target: Path, ro
         base = Path(source.path) if Path(source.path).is_dir() else Path(source.path).parent
         tokenize = VisionTokenize(tokenizer, section, base, rope)
     elif section.format == "preference":
-        tokenize = PreferenceTokenize(getattr(tokenizer, "tokenizer", tokenizer), section)
+        tokenize = PreferenceTokenize(getattr(tokenizer, "tokenizer", tokenizer), section,
+                                      margin="margin" in records.column_names)
     else:
         tokenize = Tokenize(getattr(tokenizer, "tokenizer", tokenizer), section)
     work = cache_dir / f"{target.name}.tmp-{uuid.uuid4().hex[:8]}"

@@ -19,8 +19,11 @@ def layouts(section) -> tuple[tuple[str, ...], ...]:
 
 
 def optional_fields(section) -> tuple[str, ...]:
-    """Fields read when a source has them: a chat record's `tools`, passed to the template."""
-    return (section.tools_field,) if section.format in ("chat", "preference") else ()
+    """Fields read when a source has them: a chat record's `tools`, passed to the template; a
+    preference record's `margin` (reward models)."""
+    if section.format == "preference":
+        return section.tools_field, "margin"
+    return (section.tools_field,) if section.format == "chat" else ()
 
 
 class Tokenize:

@@ -143,7 +143,9 @@ def decode_images(blobs) -> dict[str, torch.Tensor]:
     from safetensors.torch import load
 
     parts = [load(bytes(b)) for b in blobs if b is not None and len(b)]
-    keys = list(dict.fromkeys(k for p in parts for k in p))  # images in some, videos in others
+    # images in some, videos in others; sorted: safetensors gives a file's keys in no fixed order, and
+    # a row's tensors are hashed in key order (`PackedData.fingerprint`)
+    keys = sorted({k for p in parts for k in p})
     return {k: torch.cat([p[k] for p in parts if k in p]) for k in keys}
 
 

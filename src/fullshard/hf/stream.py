@@ -56,7 +56,7 @@ class Input:
 
     @property
     def nbytes(self) -> int:
-        return _numel(self.shape) * self.dtype.itemsize
+        return shape_numel(self.shape) * self.dtype.itemsize
 
 
 @dataclass
@@ -74,14 +74,14 @@ class StreamUnit:
         return sum(i.nbytes for i in self.inputs)
 
 
-def _numel(shape) -> int:
+def shape_numel(shape) -> int:
     numel = 1
     for dim in shape:
         numel *= dim
     return numel
 
 
-def _aligned(nbytes: int) -> int:
+def aligned(nbytes: int) -> int:
     return nbytes + (-nbytes % ALIGN)
 
 
@@ -103,7 +103,7 @@ def _held_box(tensor: torch.Tensor) -> Box | None:
     if tensor.device_mesh.get_coordinate() is None:
         return None
     shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
-    if not _numel(shape):
+    if not shape_numel(shape):
         return None
     return tuple(offset) if tensor.dim() else (), tuple(shape)
 
@@ -178,13 +178,13 @@ def _deal(unit: StreamUnit, held: list[dict[str, Box]]) -> None:
             if box is not None and box not in seen:
                 seen.add(box)
                 unit.pieces.setdefault(rank, []).append((index, box))
-        if sum(_numel(shape) for _, shape in seen) != _numel(item.shape):
+        if sum(shape_numel(shape) for _, shape in seen) != shape_numel(item.shape):
             raise CheckpointError(f"the ranks' parts of {item.key!r} {list(item.shape)} do not make the whole tensor: "
                                   f"{sorted(seen)}")
 
 
 def _rank_bytes(unit: StreamUnit, rank: int) -> int:
-    return sum(_aligned(_numel(box[1]) * unit.inputs[i].dtype.itemsize) for i, box in unit.pieces.get(rank, []))
+    return sum(aligned(shape_numel(box[1]) * unit.inputs[i].dtype.itemsize) for i, box in unit.pieces.get(rank, []))
 
 
 def buckets_of(units: list[StreamUnit], bucket_bytes: int, world: int) -> list[list[StreamUnit]]:
@@ -205,13 +205,13 @@ def buckets_of(units: list[StreamUnit], bucket_bytes: int, world: int) -> list[l
     return buckets
 
 
-def _device() -> torch.device:
+def stream_device() -> torch.device:
     if dist.is_initialized() and dist.get_backend() != "gloo":
         return current_device()
     return torch.device("cpu")
 
 
-def _region(tensor: torch.Tensor, box: Box) -> torch.Tensor:
+def held_region(tensor: torch.Tensor, box: Box) -> torch.Tensor:
     offset, shape = box
     for dim, (start, size) in enumerate(zip(offset, shape)):
         tensor = tensor.narrow(dim, start, size)
@@ -230,7 +230,7 @@ def _rank_ordered(bucket: list[StreamUnit], slot: int, world: int) -> bool:
             return False
         offset, shape = pieces[0][1]
         if offset[0] != rows or any(offset[1:]) or tuple(shape[1:]) != item.shape[1:] or \
-                _numel(shape) * item.dtype.itemsize != slot:
+                shape_numel(shape) * item.dtype.itemsize != slot:
             return False
         rows += shape[0]
     return rows == item.shape[0]
@@ -252,10 +252,10 @@ def _gather_bucket(bucket: list[StreamUnit], state: dict, device: torch.device,
     for unit in bucket:
         for index, box in unit.pieces.get(rank, []):
             item = unit.inputs[index]
-            nbytes = _numel(box[1]) * item.dtype.itemsize
+            nbytes = shape_numel(box[1]) * item.dtype.itemsize
             packed = gathered[position:position + nbytes].view(item.dtype).view(box[1])
             packed.copy_(local_tensor(state[item.key]).detach())
-            position += _aligned(nbytes)
+            position += aligned(nbytes)
     if world > 1 and slot:
         all_gather_slots(gathered, slot)
     if in_place:
@@ -267,13 +267,14 @@ def _gather_bucket(bucket: list[StreamUnit], state: dict, device: torch.device,
         for unit, tensors in zip(bucket, wholes):
             for index, box in unit.pieces.get(source, []):
                 item = unit.inputs[index]
-                nbytes = _numel(box[1]) * item.dtype.itemsize
-                _region(tensors[index], box).copy_(gathered[position:position + nbytes].view(item.dtype).view(box[1]))
-                position += _aligned(nbytes)
+                nbytes = shape_numel(box[1]) * item.dtype.itemsize
+                piece = gathered[position:position + nbytes].view(item.dtype).view(box[1])
+                held_region(tensors[index], box).copy_(piece)
+                position += aligned(nbytes)
     return wholes
 
 
-def _outputs(unit: StreamUnit, tensors: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+def unit_outputs(unit: StreamUnit, tensors: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
     """The unit's Hub tensors from its whole inputs (regions are views of them)."""
     full = tensors[0]
     if unit.merge is not None:
@@ -283,16 +284,16 @@ def _outputs(unit: StreamUnit, tensors: list[torch.Tensor]) -> list[tuple[str, t
     return [(name, view.of(full.to(dtype))) for name, dtype, view in unit.outputs]
 
 
-def _output_size(unit: StreamUnit) -> tuple[int, int]:
+def output_size(unit: StreamUnit) -> tuple[int, int]:
     """How many Hub tensors the unit gives, and their bytes."""
     nbytes = 0
     for _, dtype, view in unit.outputs:
         shape = view.view[0] if view.view is not None else unit.inputs[0].shape
-        nbytes += _numel(shape) * dtype.itemsize
+        nbytes += shape_numel(shape) * dtype.itemsize
     return len(unit.outputs), nbytes
 
 
-def _stream_plan(model, dtype, bucket_bytes: int, lora: str) -> tuple[dict, list[list[StreamUnit]]]:
+def stream_plan(model, dtype, bucket_bytes: int, lora: str) -> tuple[dict, list[list[StreamUnit]]]:
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     owner, state, recipe = _recipe(model, lora)
@@ -315,11 +316,11 @@ def hf_weight_buckets(model: torch.nn.Module, *, dtype: torch.dtype | str | None
     gloo). Beyond the model, a rank holds at most one gather buffer and one bucket (each at most
     `bucket_bytes`, or one tensor bigger than that) while a bucket is made; one collective per bucket.
     """
-    state, buckets = _stream_plan(model, dtype, bucket_bytes, lora)
-    device, buffers = _device(), {}
+    state, buckets = stream_plan(model, dtype, bucket_bytes, lora)
+    device, buffers = stream_device(), {}
     for bucket in buckets:
         wholes = _gather_bucket(bucket, state, device, buffers)
-        items = [pair for unit, tensors in zip(bucket, wholes) for pair in _outputs(unit, tensors)]
+        items = [pair for unit, tensors in zip(bucket, wholes) for pair in unit_outputs(unit, tensors)]
         del wholes
         yield items
         del items

@@ -1,4 +1,4 @@
-"""What the trainer optimises: one module per objective (`sft`, `preference`), each an `Objective`
+"""What the trainer optimises: one module per objective (`sft`, `preference`, `reward`), each an `Objective`
 (data -> batch -> loss and metrics, `base.py`), and the per-token log-probs they share (`logprobs`)."""
 
 from __future__ import annotations
@@ -10,13 +10,18 @@ __all__ = ["Objective", "build_objective", "token_logprobs"]
 
 
 def build_objective(name: str, chunk_tokens: int, preference=None, lora: bool = False,
-                    reference_model=None) -> Objective:
+                    reference_model=None, reward=None) -> Objective:
     """The objective `train.objective` names. `reference_model()` builds the frozen reference copy
-    when the preference section's strategy is `model` (called only then)."""
+    when the preference section's strategy is `model` (called only then); `reward` is the reward
+    section."""
     if name == "sft":
         from .sft import SFT
 
         return SFT(chunk_tokens)
+    if name == "reward":
+        from .reward import Reward
+
+        return Reward(reward.center_coefficient)
     from .preference import AdapterReference, ModelReference, Preference
 
     strategy = preference.resolved_reference(lora)

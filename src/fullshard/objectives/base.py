@@ -19,15 +19,17 @@ class Objective:
     name = "objective"
     unit = "tokens"  # what `count` counts, logged under this name when it is not the target tokens
     metrics: tuple[str, ...] = ()
+    shown: tuple[str, ...] | None = None  # the metrics the console line shows (None: the third and fourth)
     runs_own_step = False  # True: `run_step` makes the whole optimizer step (grpo: rollouts, then updates)
-
-    def shown(self, metrics: dict) -> tuple[str, ...]:
-        """The metrics the console's step line shows besides the loss and throughput."""
-        return tuple(metrics)[2:4]
 
     def count(self, batch: dict) -> int:
         """Units of `batch` the loss is a mean over."""
         raise NotImplementedError
+
+    def begin_step(self, batches: list[dict]) -> None:
+        """Called with this rank's micro-batches of a step (or of an evaluation) before their first
+        `loss_sum`, on every rank: for a term that is a mean over other units than `count`'s, whose
+        step-wide count it gathers (a collective). Nothing by default."""
 
     def loss_sum(self, model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The loss summed over the batch's units (differentiable, fp32) and the sums of `metrics`

@@ -77,6 +77,7 @@ class GRPO(Objective):
     name = "grpo"
     unit = "completions"
     runs_own_step = True
+    shown = ("reward", "kl", "entropy", "completions/mean_length", "generation_s", "update_s")
 
     def __init__(self, config, data, tokenizer, reference=None):
         from ..rl.rewards import Rewards
@@ -94,8 +95,6 @@ class GRPO(Objective):
             chunk_tokens=config.train.loss_chunk_tokens or 1 << 30, max_norm=config.train.max_norm)
         self.metrics = ("reward", "reward_std", *(f"rewards/{n}/mean" for n in self.rewards.names))
 
-    def shown(self, metrics: dict) -> tuple[str, ...]:
-        return ("reward", "kl", "entropy", "completions/mean_length", "generation_s", "update_s")
 
     def run_step(self, strategy, model, optimizer, scheduler, batches: list, step: int):
         """Sample, score, take log-probs, update; returns the trainer's `StepOutput`."""

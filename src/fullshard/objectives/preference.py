@@ -6,7 +6,14 @@ token's sequence, packed or one pair per row). The policy's per-token log-probs 
 completion tokens, the reference's likewise under no gradient. The loss is summed over the pairs
 and the trainer divides by the step's pairs over every rank: TRL's mean over the batch. The
 formulas are TRL's `DPOTrainer._compute_loss` (sigmoid, hinge, ipo normalised by completion
-length, robust) and SimPO's (CPO's `simpo`: length-normalised, no reference, a margin gamma).
+length, robust), SimPO's (CPO's `simpo`: length-normalised, no reference, a margin gamma) and
+ORPO's (`ORPOTrainer`: no reference, the odds ratio of the completions' mean log-probs).
+
+Two losses add a next-token term on the chosen sequence, a mean over its tokens in the step, not
+over pairs: ORPO's (prompt and completion, as `ORPOTrainer` computes it) and `sft_weight`'s (RPO:
+the completion, TRL's `loss_type=[..., "sft"]` weighted). `begin_step` counts the step's pairs and
+those tokens over every rank, and each micro-batch's term is scaled by their ratio, so that the
+trainer's division by the pairs leaves the token mean, whatever the split.
 
 Reference strategies (`preference.reference`): `model`, a frozen sharded copy of the starting
 weights (no gradients, no optimizer state); `precompute`, their log-probs computed once before
@@ -19,14 +26,16 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..data.preference import ROLE
+from ..data.preference import CHOSEN, ROLE
 from .base import Objective
 from .logprobs import DEFAULT_LOSS_CHUNK_TOKENS, IGNORE_INDEX, aligned_targets, batch_logprobs
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")
+REFERENCE_FREE = ("simpo", "orpo")
 
 
 def sequence_index(batch: dict) -> tuple[torch.Tensor, int]:
@@ -51,9 +60,24 @@ def pair_count(batch: dict) -> int:
     return int(((positions == 0) & (role > 0)).sum()) // 2
 
 
+def log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(x)) for x < 0, without cancellation (TRL's ORPO helper, branching at -ln 2)."""
+    return torch.where(x < -0.6931471805599453, torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
+
+
+def odds_ratio_losses(beta: float, chosen_mean: torch.Tensor, rejected_mean: torch.Tensor) -> torch.Tensor:
+    """ORPO's odds-ratio term per pair, `-beta log sigma(log odds(chosen) - log odds(rejected))`, on the
+    completions' mean log-probs (TRL's `ORPOTrainer.odds_ratio_loss`, negated: the loss adds it)."""
+    chosen_mean, rejected_mean = chosen_mean.float(), rejected_mean.float()
+    log_odds = (chosen_mean - rejected_mean) - (log1mexp(chosen_mean) - log1mexp(rejected_mean))
+    return -beta * F.logsigmoid(log_odds)
+
+
 def preference_losses(loss_type: str, beta: float, chosen, rejected, ref_chosen, ref_rejected, chosen_len,
                       rejected_len, label_smoothing: float = 0.0, simpo_gamma: float = 0.5) -> torch.Tensor:
     """Each pair's loss, as TRL computes it (sequence log-probs summed over completion tokens)."""
+    if loss_type == "orpo":
+        return odds_ratio_losses(beta, chosen / chosen_len, rejected / rejected_len)
     if loss_type == "simpo":
         delta = chosen / chosen_len - rejected / rejected_len - simpo_gamma / beta
         return (-F.logsigmoid(beta * delta) * (1 - label_smoothing) - F.logsigmoid(-beta * delta) * label_smoothing)
@@ -73,33 +97,69 @@ def preference_losses(loss_type: str, beta: float, chosen, rejected, ref_chosen,
     raise ValueError(f"unknown preference loss {loss_type!r}")
 
 
+def nll_positions(batch: dict, whole_sequence: bool) -> torch.Tensor:
+    """Aligned with `aligned_targets`: the positions whose target is a chosen token of the NLL term,
+    every one after the sequence's first (`whole_sequence`, ORPO) or the completion's (RPO)."""
+    role = batch[ROLE]
+    if whole_sequence:
+        keep = (role == CHOSEN) & (batch["position_ids"] > 0)
+    else:
+        keep = (role == CHOSEN) & (batch["labels"] != IGNORE_INDEX)
+    return F.pad(keep[:, 1:], (0, 1), value=False)
+
+
 class Preference(Objective):
     """The preference section's loss over the pairs of each micro-batch."""
 
     name = "dpo"
     unit = "pairs"
-    metrics = METRICS
 
     def __init__(self, section, reference, chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS):
         self.section, self.reference, self.chunk_tokens = section, reference, chunk_tokens
+        orpo = section.loss_type == "orpo"
+        self.nll_weight = 1.0 if orpo else section.sft_weight  # ORPO's term has weight one
+        self.nll_whole_sequence = orpo
+        self.nll_scale: float | None = None  # the step's pairs over its NLL tokens (`begin_step`)
+        self.metrics = METRICS + (("nll_loss",) if self.nll_weight else ())
 
     @property
     def reference_free(self) -> bool:
-        return self.section.loss_type == "simpo"
+        return self.section.loss_type in REFERENCE_FREE
 
     def count(self, batch: dict) -> int:
         return pair_count(batch)
 
-    def sequence_logps(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    def begin_step(self, batches: list[dict]) -> None:
+        if not self.nll_weight:
+            return
+        counts = torch.tensor([sum(pair_count(b) for b in batches),
+                               sum(int(nll_positions(b, self.nll_whole_sequence).sum()) for b in batches)],
+                              dtype=torch.float64)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(counts)  # tp ranks count their batch again: the ratio is unchanged
+        self.nll_scale = float(counts[0] / counts[1].clamp(min=1))
+
+    def token_logps(self, model, batch: dict) -> torch.Tensor:
+        """Each position's log-prob of its target: the completions', and the chosen prompt's for ORPO."""
+        if self.nll_weight and self.nll_whole_sequence:
+            chosen = (batch[ROLE] == CHOSEN) & (batch["position_ids"] > 0)
+            batch = {**batch, "labels": torch.where(chosen, batch["input_ids"], batch["labels"])}
+        return batch_logprobs(model, batch, self.chunk_tokens)[..., 0]
+
+    def completion_sums(self, logps: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Each sequence's summed completion log-prob and its completion length."""
         seq, count = sequence_index(batch)
-        logps = batch_logprobs(model, batch, self.chunk_tokens)[..., 0]
         valid = (aligned_targets(batch) != IGNORE_INDEX).to(logps.device)
-        return sequence_sums(logps, seq, count), sequence_sums(valid.to(logps.dtype), seq, count)
+        return sequence_sums(logps * valid, seq, count), sequence_sums(valid.to(logps.dtype), seq, count)
+
+    def sequence_logps(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each sequence's summed completion log-prob and its completion length."""
+        return self.completion_sums(batch_logprobs(model, batch, self.chunk_tokens)[..., 0], batch)
 
     def loss_sum(self, model, batch: dict):
         s = self.section
-        logps, lengths = self.sequence_logps(model, batch)
+        token_logps = self.token_logps(model, batch)
+        logps, lengths = self.completion_sums(token_logps, batch)
         chosen, rejected = logps[0::2], logps[1::2]
         if self.reference_free:
             ref_chosen = ref_rejected = torch.zeros_like(chosen)
@@ -108,14 +168,23 @@ class Preference(Objective):
             ref_chosen, ref_rejected = ref[0::2], ref[1::2]
         losses = preference_losses(s.loss_type, s.beta, chosen, rejected, ref_chosen, ref_rejected, lengths[0::2],
                                    lengths[1::2], s.label_smoothing, s.simpo_gamma)
+        loss = losses.sum()
+        nll = None
+        if self.nll_weight:
+            if self.nll_scale is None:
+                raise RuntimeError("the NLL term is a mean over the step's tokens: call begin_step first")
+            keep = nll_positions(batch, self.nll_whole_sequence).to(token_logps.device)
+            nll = -(token_logps * keep).sum() * self.nll_scale
+            loss = loss + self.nll_weight * nll
         with torch.no_grad():
-            if self.reference_free:  # SimPO's implicit rewards: beta times the mean log-prob
+            if self.reference_free:  # SimPO's and ORPO's implicit rewards: beta times the mean log-prob
                 chosen_r, rejected_r = s.beta * chosen / lengths[0::2], s.beta * rejected / lengths[1::2]
             else:
                 chosen_r, rejected_r = s.beta * (chosen - ref_chosen), s.beta * (rejected - ref_rejected)
-            sums = torch.stack([chosen_r.sum(), rejected_r.sum(), (chosen_r > rejected_r).float().sum(),
-                                (chosen_r - rejected_r).sum(), chosen.sum(), rejected.sum()])
-        return losses.sum(), sums.detach().to("cpu", torch.float64)
+            sums = [chosen_r.sum(), rejected_r.sum(), (chosen_r > rejected_r).float().sum(),
+                    (chosen_r - rejected_r).sum(), chosen.sum(), rejected.sum()]
+            sums = torch.stack(sums + ([nll] if nll is not None else []))
+        return loss, sums.detach().to("cpu", torch.float64)
 
 
 class ModelReference:

@@ -26,6 +26,15 @@ from its forward to the backward, the gradients it computed there (the hidden st
 per token, and the head weight's), and while it runs one chunk's fp32 logits, turned into their
 gradient in place (4V bytes per chunk token, plus a compute-dtype copy below fp32).
 
+Preference training (`train.objective=dpo`, `reference` set): a row of `seq_len` tokens holds a
+pair's two sequences, so the tokens are the rows' as for SFT; the head runs as chunked log-probs
+(`LinearLogProbs`), whose backward recomputes each chunk's fp32 logits and holds their softmax and
+gradient beside them (3 x 4V bytes per chunk token, counted from the code). The reference strategy
+adds: `model`, a second sharded copy of the base weights (no gradients, no optimizer state) and
+its forward's two gathered units at the end of the policy's forward; `offloaded`, the same with
+the shards in host memory; `adapter` (LoRA's adapters off), only that second forward's gathered
+units; `precompute` and `none`, nothing (a precomputed table is a few floats per pair on the host).
+
 Under tensor parallelism a split parameter's rank holds 1/tp of it (torch's styles: colwise splits a
 Linear's rows and bias, an Embedding's columns; rowwise a Linear's columns, not its bias, an
 Embedding's rows), and FSDP shards that over dp_shard x cp; the rest is sharded over dp_shard x cp.
@@ -46,6 +55,15 @@ from .build import ShardingPlan, shard_bytes
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0}
 LOSS_TRANSIENT_BYTES_PER_LOGIT = 8  # the logits' fp32 copy and the log-softmax gradient, beyond the saved output
 CHUNK_BYTES_PER_LOGIT = 4  # a chunk's fp32 logits, softmax and gradient in one buffer (measured with MemTracker)
+LOGPROB_CHUNK_BYTES_PER_LOGIT = 12  # log-probs' backward: a chunk's recomputed logits, softmax and gradient
+REFERENCES = {  # preference.reference -> what the estimate assumes it holds
+    "model": "a frozen sharded copy of the base weights (no gradients or optimizer state), gathered for its forward",
+    "offloaded": "a frozen sharded copy of the base weights in host memory (offload_reference), gathered to the "
+                 "device for its forward",
+    "adapter": "the model itself with its LoRA adapters off: no second copy, a second forward's gathered units",
+    "precompute": "log-probs computed once before training: no reference held while training",
+    "none": "a reference-free loss: no reference",
+}
 ALLOCATOR_BLOCK = 512  # bytes: the CUDA caching allocator's rounding
 
 
@@ -71,6 +89,9 @@ class MemoryEstimate:
     gradients_between_forwards: bool = False  # 1F1B: a later micro-batch's forward runs beside them
     offloaded: bool = False  # offload_params: the shards, their gradients and optimizer state live in host memory
     host_activations: int = 0  # activation offload: the layers' saved tensors waiting in host memory
+    reference: int = 0  # preference.reference=model: the frozen copy's shards on the device
+    reference_gathered: int = 0  # the reference forward's gathered units, after the policy's forward
+    host_reference: int = 0  # offload_reference: the frozen copy's shards in host memory
 
     @property
     def device_gradients(self) -> int:
@@ -81,7 +102,7 @@ class MemoryEstimate:
         grads = self.device_gradients if self.gradients_in_forward else 0
         if self.in_flight:
             grads = self.pipeline_gradients if self.gradients_between_forwards else 0
-        return self.largest_unit + self.activations + self.loss + grads
+        return self.largest_unit + self.activations + self.loss + grads + self.reference_gathered
 
     @property
     def backward_peak(self) -> int:
@@ -107,7 +128,7 @@ class MemoryEstimate:
     @property
     def total(self) -> int:
         held = 0 if self.offloaded else self.parameters + self.optimizer
-        return held + self.allocator + max(self.forward_peak, self.backward_peak)
+        return held + self.reference + self.allocator + max(self.forward_peak, self.backward_peak)
 
     def rows(self) -> list[tuple[str, int]]:
         return [("parameters (shard)", self.parameters), ("gradients (shard)", self.gradients),
@@ -117,6 +138,10 @@ class MemoryEstimate:
                 ("one unit's unsharded gradients", self.unit_gradients),
                 ("recomputed layer and its gradients", self.recompute), ("allocator rounding", self.allocator),
                 *([("activations offloaded (host memory)", self.host_activations)] if self.host_activations else []),
+                *([("reference model (shard)", self.reference)] if self.reference else []),
+                *([("reference model offloaded (host memory)", self.host_reference)] if self.host_reference else []),
+                *([("reference forward: all-gathered units", self.reference_gathered)]
+                  if self.reference_gathered else []),
                 ("at the end of the forward", self.forward_peak), ("in the backward", self.backward_peak),
                 ("total (parameters, optimizer, rounding, larger moment)" if not self.offloaded else
                  "total on the device (offloaded: gathered units, activations, rounding)", self.total)]
@@ -250,6 +275,7 @@ class EstimateSetup:
     activation_offload: bool = False
     float8: str = "none"
     float8_skip: tuple | list = ()
+    reference: str | None = None  # train.objective=dpo: its reference strategy (`REFERENCES`); None: SFT
 
     @classmethod
     def of(cls, model: nn.Module, engine, dims, micro_batch_size: int, seq_len: int, **run) -> EstimateSetup:
@@ -275,7 +301,8 @@ def estimate_memory(model: nn.Module, plan: ShardingPlan, setup: EstimateSetup |
     s = setup if isinstance(setup, EstimateSetup) else EstimateSetup(*(setup, *args)[setup is None:], **kwargs)
     (shard_size, micro_batch_size, seq_len, compute_dtype, activation_checkpointing, optimizer, accumulation_steps,
      device_type, reduce_dtype, tp_assignments, tp_size, cp_size, ep_size, loss_chunk_tokens, stage_rows, in_flight,
-     all_forwards_first, ac_every, activation_offload, float8, float8_skip) = (getattr(s, f.name) for f in fields(s))
+     all_forwards_first, ac_every, activation_offload, float8, float8_skip, reference) = (
+        getattr(s, f.name) for f in fields(s))
     from ..fsdp import ac_mode
 
     activation_checkpointing = ac_mode(activation_checkpointing)
@@ -305,7 +332,8 @@ def estimate_memory(model: nn.Module, plan: ShardingPlan, setup: EstimateSetup |
         host, kept = offloaded_bytes(config, in_flight * tokens, compute_bytes, activation_checkpointing, ac_every,
                                      layers or config.num_hidden_layers, layer_tp, cp_size)
         activations -= host - kept
-    loss, saved_loss = loss_bytes(config, head, tokens, compute_bytes, loss_chunk_tokens, in_flight) if last else (0, 0)
+    loss, saved_loss = loss_bytes(config, head, tokens, compute_bytes, loss_chunk_tokens, in_flight,
+                                  logprobs=reference is not None) if last else (0, 0)
     recompute = recompute_bytes(config, tokens, compute_bytes, layer_tp, cp_size, layers, activation_checkpointing,
                                 ac_every)
     full = sorted(units["full"].values(), reverse=True)
@@ -325,6 +353,9 @@ def estimate_memory(model: nn.Module, plan: ShardingPlan, setup: EstimateSetup |
         pipeline_gradients=units["trainable_numel"] * compute_bytes if stage is not None else 0,
         gradients_between_forwards=stage is not None and not all_forwards_first,
         host_activations=host,
+        reference=units["base_shard"] if reference == "model" else 0,
+        host_reference=units["base_shard"] if reference == "offloaded" else 0,
+        reference_gathered=sum(full[:2]) if reference in ("model", "offloaded", "adapter") else 0,
     )
 
 
@@ -360,15 +391,17 @@ def layout_values(model: nn.Module, config, experts: dict, activation_checkpoint
 
 
 def loss_bytes(config, head: nn.Module | None, tokens: int, compute_bytes: int, loss_chunk_tokens: int,
-               in_flight: int = 1) -> tuple[int, int]:
-    """(the loss's buffers beyond what it saves, what it saves) for `tokens` tokens: whole logits, or chunked."""
+               in_flight: int = 1, logprobs: bool = False) -> tuple[int, int]:
+    """(the loss's buffers beyond what it saves, what it saves) for `tokens` tokens: whole logits, or
+    chunked (`logprobs`: per-token log-probs, whose backward holds three buffers per chunk logit)."""
     if head is None:
         return tokens * config.vocab_size * LOSS_TRANSIENT_BYTES_PER_LOGIT, tokens * config.vocab_size * 4
     # a chunk's logits; the head's gradient, made in the forward (each micro-batch in flight on a
     # pipeline stage holds its own); the head unit's all-gather buffer, which FSDP frees only when
     # the root's forward ends; and a second copy of the hidden states' gradient (the one it saves),
     # live while the final norm's backward takes it on (bench_loss measures these)
-    chunk_bytes = CHUNK_BYTES_PER_LOGIT + (compute_bytes if compute_bytes < 4 else 0)
+    per_logit = LOGPROB_CHUNK_BYTES_PER_LOGIT if logprobs else CHUNK_BYTES_PER_LOGIT
+    chunk_bytes = per_logit + (compute_bytes if compute_bytes < 4 else 0)
     head_bytes = sum(p.numel() for p in head.parameters()) * compute_bytes
     trains_head = any(p.requires_grad for p in head.parameters())  # a frozen head (LoRA) gets no gradient
     loss = (min(loss_chunk_tokens, tokens) * config.vocab_size * chunk_bytes
@@ -443,7 +476,8 @@ def _unit_bytes(model: nn.Module, plan: ShardingPlan, shard_size: int, compute_d
     """Per FSDP unit: its all-gathered bytes in the compute dtype (a tp rank gathers its 1/tp), its
     element count and this rank's gradient shard; over the model: this rank's parameter shard and
     the allocator's rounding."""
-    out = {"full": {}, "numel": {}, "grad": {}, "shard": 0, "rounding": 0, "trainable_numel": 0, "backward_full": {}}
+    out = {"full": {}, "numel": {}, "grad": {}, "shard": 0, "rounding": 0, "trainable_numel": 0, "backward_full": {},
+           "base_shard": 0}
     modules = dict(model.named_modules())
     for name, full_param in model.named_parameters():
         param = split.local(name, full_param)
@@ -453,6 +487,7 @@ def _unit_bytes(model: nn.Module, plan: ShardingPlan, shard_size: int, compute_d
             unit, ep, kept_whole = experts[name]
             gathered = 0 if kept_whole and param.dtype == compute_dtype else gathered // ep
         out["shard"] += per_rank
+        out["base_shard"] += per_rank if "lora_" not in name else 0  # what a frozen reference copy holds
         # a float8-gathered weight: a byte per value and its fp32 scale
         gathered_bytes = gathered + 4 if name in float8_weights else gathered * compute_dtype.itemsize
         out["full"][unit] = out["full"].get(unit, 0) + gathered_bytes
@@ -567,11 +602,11 @@ def training_dtypes(model: nn.Module, engine) -> tuple[torch.dtype, torch.dtype,
 
 def estimate_run(model: nn.Module, engine, world_size: int, micro_batch_size: int, seq_len: int, *,
                  optimizer: str = "adamw", accumulation_steps: int | None = None, device_type: str = "cuda",
-                 loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS) -> RunEstimate:
+                 loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS, reference: str | None = None) -> RunEstimate:
     """The per-rank memory of training `model` (real or on meta, in the dtype it trains in, LoRA
     applied if it trains with it) under `engine` (an `EngineConfig` or its dict) on `world_size`
     ranks, `micro_batch_size` x `seq_len` tokens per rank and micro-batch: one estimate, or one
-    per pipeline stage."""
+    per pipeline stage. `reference`: preference training with that reference strategy (`REFERENCES`)."""
     from ..distributed import ParallelDims
     from ..engine import EngineConfig
     from .build import build_plan
@@ -581,7 +616,7 @@ def estimate_run(model: nn.Module, engine, world_size: int, micro_batch_size: in
                         pp=engine.pp_size, ep=engine.ep_size)
     master, compute, reduce = training_dtypes(model, engine)
     run = dict(optimizer=optimizer, accumulation_steps=accumulation_steps, device_type=device_type,
-               loss_chunk_tokens=loss_chunk_tokens, compute_dtype=compute, reduce_dtype=reduce)
+               loss_chunk_tokens=loss_chunk_tokens, compute_dtype=compute, reduce_dtype=reduce, reference=reference)
 
     def one(module: nn.Module, **stage) -> MemoryEstimate:
         setup = EstimateSetup.of(module, engine, dims, micro_batch_size, seq_len, **run, **stage)
@@ -591,6 +626,10 @@ def estimate_run(model: nn.Module, engine, world_size: int, micro_batch_size: in
 
     assumptions = (f"master weights, gradients and {optimizer} state in {_name(master)}, compute in {_name(compute)}"
                    + (f", gradients reduced in {_name(reduce)}" if reduce != compute else ""))
+    if reference is not None:
+        assumptions += (f"; preference pairs, each row holding a pair's chosen and rejected sequences, per-token "
+                        f"log-probs through the head a chunk at a time; reference strategy assumed: {reference} "
+                        f"({REFERENCES[reference]})")
     if dims.pp == 1:
         return RunEstimate([StageEstimate("every rank", one(model))], assumptions)
     from ..parallel.pp import microbatches_of

@@ -36,10 +36,13 @@ class DistributedTestError(AssertionError):
 # what hides every GPU from a CPU rank (CUDA and ROCm read these when they start, in the child)
 HIDE_GPUS = {"CUDA_VISIBLE_DEVICES": "", "HIP_VISIBLE_DEVICES": ""}
 # imported once by the fork server, so the CPU ranks forked from it start with them; nothing here
-# starts a thread or touches a device
+# starts a thread or touches a device. transformers resolves its names on first use: its model base
+# (modeling_utils, about 1 s of CPU), a model family's shared parts (through Llama's) and PEFT would
+# otherwise be imported again by every rank that builds a model
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp",
-           "torch.distributed.checkpoint", "transformers", "fullshard", "fullshard.testing.zoo",
-           "harness.compare", "fullshard.train.trainer", "fullshard.cli"]
+           "torch.distributed.checkpoint", "torch.distributed.pipelining", "transformers",
+           "transformers.modeling_utils", "transformers.models.llama.modeling_llama", "peft", "fullshard",
+           "fullshard.testing.zoo", "harness.compare", "fullshard.train.trainer", "fullshard.cli"]
 
 
 def _context(device: str, fresh: bool):

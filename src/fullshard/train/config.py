@@ -125,9 +125,10 @@ class TrainSection:
     """sequences per optimizer step over all ranks (a multiple of micro_batch_size x data-parallel size)"""
     seed: int = 42
     """seed of the random weights, the data order and every rank's RNG"""
-    objective: Literal["sft", "dpo", "grpo"] = "sft"
+    objective: Literal["sft", "dpo", "reward", "grpo"] = "sft"
     """what the run optimises: sft (next-token loss), dpo (the preference section's loss on data.format=preference
-    pairs; batch sizes then count pairs, packed: rows), grpo (the rl section's rollouts, rewards and update on the
+    pairs; batch sizes then count pairs, packed: rows), reward (a one-score sequence-classification model on those
+    pairs, the reward section's Bradley-Terry loss), grpo (the rl section's rollouts, rewards and update on the
     prompts of chat records; global_batch_size counts completions)"""
     accumulation_policy: str = "reduce_scatter_every"
     """when gradients of accumulated micro-batches are reduced (see TrainingSession)"""
@@ -276,26 +277,32 @@ class LoraSection:
 class PreferenceSection:
     """The preference loss of train.objective=dpo (TRL's DPOTrainer names and defaults)."""
 
-    loss_type: Literal["sigmoid", "ipo", "hinge", "robust", "simpo"] = "sigmoid"
+    loss_type: Literal["sigmoid", "ipo", "hinge", "robust", "simpo", "orpo"] = "sigmoid"
     """sigmoid (DPO), ipo (length-normalised, as TRL), hinge, robust (label_smoothing), simpo (reference-free, length-
-    normalised, simpo_gamma)"""
+    normalised, simpo_gamma), orpo (reference-free: the chosen sequence's NLL plus beta times the odds-ratio term)"""
     beta: PositiveFloat = 0.1
     """the strength of the implicit KL to the reference (IPO's tau)"""
     label_smoothing: Annotated[float, Field(ge=0, lt=0.5)] = 0.0
     """robust: the assumed share of flipped labels"""
     simpo_gamma: float = 0.5
     """simpo: the target reward margin"""
+    sft_weight: NonNegativeFloat = 0.0
+    """the weight of an NLL term on the chosen completions, a mean over the step's chosen completion tokens (RPO;
+    TRL's loss_type=[..., sft] with this loss weight)"""
     reference: Literal["auto", "model", "precompute", "adapter", "none"] = "auto"
     """model: a frozen sharded copy of the starting weights; precompute: their log-probs of every pair computed once
     before training and cached beside the tokenized rows (no reference held while training); adapter: under LoRA the
-    same model with its adapters disabled; none: reference-free losses; auto: adapter under LoRA, none for simpo,
-    else model"""
+    same model with its adapters disabled; none: reference-free losses; auto: adapter under LoRA, none for simpo and
+    orpo, else model"""
     offload_reference: bool = False
     """reference=model: keep its shards on the host, gathered to the device for its forwards (FSDP's CPU offload)"""
 
     def resolved_reference(self, lora: bool) -> str:
         """The reference strategy `auto` stands for, or the one set, checked against the loss and LoRA."""
-        free = self.loss_type == "simpo"
+        free = self.loss_type in ("simpo", "orpo")
+        if self.sft_weight and self.loss_type == "orpo":
+            raise ConfigError("preference.loss_type=orpo has its NLL term on the chosen sequence built in: "
+                              "leave preference.sft_weight at 0")
         if self.reference == "auto":
             return "none" if free else "adapter" if lora else "model"
         if free and self.reference != "none":
@@ -380,9 +387,18 @@ class RLSection:
         return [] if self.reward is None else [self.reward] if isinstance(self.reward, str) else list(self.reward)
 
 
+@dataclass
+class RewardSection:
+    """The reward model of train.objective=reward (TRL's RewardTrainer loss): -log sigmoid(r_chosen - r_rejected -
+    margin), the margin from the records' margin field when they have one."""
+
+    center_coefficient: NonNegativeFloat = 0.0
+    """TRL's center_rewards_coefficient: adds this times (r_chosen + r_rejected)^2, keeping scores near 0 (0: off)"""
+
+
 SECTIONS = {"model": ModelSection, "data": DataSection, "train": TrainSection, "optim": OptimSection,
             "parallel": ParallelSection, "fsdp": FsdpSection, "checkpoint": CheckpointSection,
-            "lora": LoraSection, "preference": PreferenceSection, "rl": RLSection}
+            "lora": LoraSection, "preference": PreferenceSection, "reward": RewardSection, "rl": RLSection}
 ALIASES = {"engine": "fsdp"}  # old name -> canonical name; a file may not use both
 PATH_KEYS = ("model.name_or_path", "data.path", "data.eval_path", "data.cache_dir", "train.output_dir",
              "checkpoint.dir", "checkpoint.resume", "fsdp.dcp_path")
@@ -401,6 +417,7 @@ class TrainConfig:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     lora: LoraSection = field(default_factory=LoraSection)
     preference: PreferenceSection = field(default_factory=PreferenceSection)
+    reward: RewardSection = field(default_factory=RewardSection)
     rl: RLSection = field(default_factory=RLSection)
 
     # mesh key -> the section its messages name: where the config gave it, else where it gave the
@@ -709,7 +726,7 @@ def _check_objective(config: TrainConfig) -> None:
         return check_config(config)
     if objective == "sft":
         if data.format == "preference":
-            raise ConfigError("data.format=preference holds pairs for train.objective=dpo, not sft")
+            raise ConfigError("data.format=preference holds pairs for train.objective=dpo or reward, not sft")
         return
     if data.format != "preference":
         raise ConfigError(f"train.objective={objective} trains on pairs: set data.format=preference "
@@ -723,6 +740,12 @@ def _check_objective(config: TrainConfig) -> None:
                              "pairs longer than data.seq_len are dropped")):
         if value:
             raise ConfigError(f"train.objective={objective}: {key} is not supported ({why})")
+    if objective == "reward":
+        for key, value, why in ((config.key("pp_size"), mesh.pp_size > 1, "the pipeline reads no scores yet"),
+                                ("lora.r", config.lora.enabled, "the score head would not train beside the adapters")):
+            if value:
+                raise ConfigError(f"train.objective=reward: {key} is not supported ({why})")
+        return
     config.preference.resolved_reference(config.lora.enabled)
 
 

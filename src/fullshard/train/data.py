@@ -39,7 +39,7 @@ class PackedData:
         digest = hashlib.sha1(repr((len(self.train), len(self.eval))).encode())
         for value in self.train.take([*range(min(8, len(self.train))), len(self.train) - 1]).values():
             for tensor in value if isinstance(value, list) else [value]:  # images: a dict per row
-                for part in tensor.values() if isinstance(tensor, dict) else [tensor]:
+                for part in [tensor[k] for k in sorted(tensor)] if isinstance(tensor, dict) else [tensor]:
                     digest.update(part.numpy().tobytes())
         return digest.hexdigest()[:16]
 

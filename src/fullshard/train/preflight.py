@@ -244,17 +244,33 @@ def build_meta_model(config: TrainConfig):
 
     name, dtype = config.model.name_or_path, DTYPES[config.model.dtype]
     directory = resolve_model_dir(name)
+    reward = config.train.objective == "reward"  # the checkpoint's sequence-classification class
     if directory is None:
         from ..data.builtin import builtin_model_config, builtin_tokenizer
 
         hf_config, model_class = builtin_model_config(name, builtin_tokenizer(name), config.data.seq_len,
                                                       BUILTIN_MODELS[name])
+        model_class = _reward_class(name, hf_config) if reward else model_class
         with meta_init():
             return model_class._from_config(hf_config, dtype=dtype)
     hf_config = load_hf_config(directory, config.model.trust_remote_code, name)
     # the model class is transformers' own (config.architectures); init_empty_model(trust_remote_code=True)
     # would pass the flag on to the model's __init__
-    return init_empty_model(hf_config, dtype=dtype)
+    return init_empty_model(hf_config, _reward_class(name, hf_config) if reward else None, dtype=dtype)
+
+
+def _reward_class(name: str, hf_config):
+    """A reward model's class for a causal-LM or one-output sequence-classification checkpoint."""
+    from ..objectives.reward import reward_model_class
+
+    stored = getattr(hf_config, "architectures", None) or []
+    other = [a for a in stored if a.endswith(HEADS_WITHOUT_TOKENS[1:])]
+    if other or (any(a.endswith(HEADS_WITHOUT_TOKENS[0]) for a in stored) and hf_config.num_labels != 1):
+        raise ConfigError(f"model.name_or_path={name!r} is a {(other or stored)[0]} checkpoint with "
+                          f"{hf_config.num_labels} outputs: train.objective=reward trains a one-output score head "
+                          "(a causal-LM checkpoint, or a sequence-classification one with num_labels 1)")
+    hf_config.num_labels = 1
+    return reward_model_class(hf_config)
 
 
 def load_hf_config(directory: Path, trust_remote_code: bool, name: str):

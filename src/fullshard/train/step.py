@@ -47,6 +47,7 @@ def train_step(strategy, model: torch.nn.Module, optimizer, scheduler, micro_bat
     dims = strategy.parallel_dims
     count = PendingTargetCount(micro_batches, repeats=dims.tp, count=objective.count)
     total, units, result = None, None, None
+    objective.begin_step(micro_batches)
     for index, batch in enumerate(micro_batches):
         loss_sum, metric_sums = objective.loss_sum(model, batch)
         units = count.wait() if units is None else units

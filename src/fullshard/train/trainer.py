@@ -172,13 +172,24 @@ def build_model(config: TrainConfig, strategy: TrainingSession, tokenizer) -> to
     dtype = DTYPES[config.model.dtype]
     lora = config.lora.peft_fields() if config.lora.enabled else None
     torch.manual_seed(config.train.seed)  # the random weights of a built-in model, and the adapters' init
+    reward = config.train.objective == "reward"
+    if reward:
+        from ..objectives import reward as reward_model
+
+        pad = text_tokenizer(tokenizer).pad_token_id
+        pad = text_tokenizer(tokenizer).eos_token_id if pad is None else pad  # TRL's choice, and the packer's
     if config.model.name_or_path not in BUILTIN_MODELS:
+        if reward:
+            return reward_model.load_reward_model(config.model.name_or_path, strategy.engine(), dtype,
+                                                  config.train.seed, pad, config.model.attn_implementation).train()
         from ..pretrained import from_pretrained
 
         return from_pretrained(config.model.name_or_path, engine=strategy.engine(), dtype=dtype, lora=lora,
                                attn_implementation=config.model.attn_implementation).train()
     name = config.model.name_or_path
     hf_config, model_class = builtin_model_config(name, tokenizer, config.data.seq_len, BUILTIN_MODELS[name])
+    if reward:
+        model_class = reward_model.reward_model_class(reward_model.as_reward_config(hf_config, pad))
     model = use_attention(model_class._from_config(hf_config, dtype=dtype), config.model.attn_implementation)
     if lora is not None:
         model = apply_lora(model, lora)
@@ -207,6 +218,7 @@ def evaluate(model: torch.nn.Module, batches: list[dict], loss_chunk_tokens: int
     model.eval()
     # tp ranks repeat their data rank's sums: they cancel in the ratio
     totals = torch.zeros(2 + len(objective.metrics), dtype=torch.float64)
+    objective.begin_step(batches)
     for batch in batches:
         loss_sum, metric_sums = objective.loss_sum(model, batch)
         totals[0] += loss_sum.to("cpu", torch.float64)
@@ -326,7 +338,8 @@ class Trainer:
         model = build_model(config, strategy, tokenizer)
         reference = lambda: build_reference(config, strategy, tokenizer)  # noqa: E731
         objective = build_grpo(config, data, tokenizer, reference) if rl else build_objective(
-            config.train.objective, config.train.loss_chunk_tokens, config.preference, config.lora.enabled, reference)
+            config.train.objective, config.train.loss_chunk_tokens, config.preference, config.lora.enabled, reference,
+            config.reward)
         optimizer = strategy.create_optimizer(
             model, lr=config.optim.lr, weight_decay=config.optim.weight_decay, name=config.optim.name,
             betas=tuple(config.optim.betas), eps=config.optim.eps, decay_embeddings=config.optim.decay_embeddings)
@@ -404,10 +417,12 @@ class Trainer:
                             "grad_norm": out.result.grad_norm, "skipped": out.result.skipped, "tokens": out.tokens,
                             **({run.objective.unit: out.units} if run.objective.unit != "tokens" else {}),
                             "batch": hashes[step], **out.metrics, **throughput.tick(),
-                            "peak_mem_gb": peak_memory_gb()}, show=TRAIN_SHOWN + run.objective.shown(out.metrics))
+                            "peak_mem_gb": peak_memory_gb()},
+                           show=TRAIN_SHOWN + shown_metrics(run.objective, out.metrics))
             if config.train.eval_every and done % config.train.eval_every == 0 and done < config.train.steps:
                 evaluated = evaluate(model, run.evals, config.train.loss_chunk_tokens, run.objective)
-                logger.log({"kind": "eval", "step": done, **eval_metrics(evaluated)}, show=eval_shown(evaluated))
+                logger.log({"kind": "eval", "step": done, **eval_metrics(evaluated)},
+                           show=eval_shown(evaluated, run.objective))
             if config.checkpoint.every and done % config.checkpoint.every == 0:
                 run.checkpoint = manager.save(done, model, optimizer, scheduler, states={"strategy": strategy},
                                               extra_state=self._extra_state(run, done), tokenizer=run.tokenizer)
@@ -428,7 +443,8 @@ class Trainer:
             evaluated = evaluate(model, run.evals, config.train.loss_chunk_tokens, run.objective)
             summary.update(eval_metrics(evaluated))
             if end > run.start and evaluated is not None:
-                run.logger.log({"kind": "eval", "step": end, **eval_metrics(evaluated)}, show=eval_shown(evaluated))
+                run.logger.log({"kind": "eval", "step": end, **eval_metrics(evaluated)},
+                               show=eval_shown(evaluated, run.objective))
         if run.last_saved != end:
             run.checkpoint = manager.save(end, model, run.optimizer, run.scheduler, states={"strategy": strategy},
                                           extra_state=self._extra_state(run, end), tokenizer=run.tokenizer)
@@ -482,9 +498,18 @@ class Run:
 TRAIN_SHOWN = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_mem_gb")
 
 
-def eval_shown(evaluated) -> tuple[str, ...]:
+def shown_metrics(objective: Objective, metrics: dict) -> tuple[str, ...]:
+    """The objective's metrics the step line shows: those it names, else its third and fourth."""
+    return tuple(objective.shown) if objective.shown is not None else tuple(metrics)[2:4]
+
+
+def eval_shown(evaluated, objective: Objective | None = None) -> tuple[str, ...]:
     """The eval row's keys the console line shows."""
-    return ("eval_loss", "eval_rewards/accuracies") if isinstance(evaluated, tuple) else ("eval_loss", "eval_ppl")
+    if not isinstance(evaluated, tuple):
+        return "eval_loss", "eval_ppl"
+    if objective is not None and objective.shown is not None:
+        return ("eval_loss", *(f"eval_{k}" for k in objective.shown))
+    return "eval_loss", "eval_rewards/accuracies"
 
 
 class OffloadedEngine:

@@ -1,0 +1,188 @@
+"""Reward models (`train.objective=reward`): one score per sequence, trained on preference pairs with
+the Bradley-Terry loss of TRL's `RewardTrainer`.
+
+The model is the checkpoint config's `AutoModelForSequenceClassification` class with one output
+(`num_labels=1`) and the run's pad token id in its config (TRL sets it too: it is what transformers
+finds the scored token by). From a causal-LM checkpoint the base loads as usual, the causal LM's head
+is not read, and the `score` head is new: drawn from the run's seed as transformers initialises it
+(normal, std `initializer_range`), the whole tensor on every rank and each rank's region copied in,
+so every world size starts from the same head.
+
+Where the score is read: transformers' `*ForSequenceClassification` apply `score` at every position
+and read each row at its last token that is not the pad token (`(arange * (ids != pad)).argmax(-1)`,
+the first token when every one is padding). A row here holds several sequences (a pair's chosen and
+rejected, more pairs when packed), so the score head's output at every position is kept and each
+sequence read at its own last position whose token is not the pad token: where transformers reads
+that sequence alone, so the export scores as training did.
+
+The loss of a pair: -log sigmoid(r_chosen - r_rejected - margin) + c (r_chosen + r_rejected)^2, the
+margin from the records when they have one, c `reward.center_coefficient` (TRL's
+`center_rewards_coefficient`); summed over pairs and divided by the step's pairs, TRL's mean over a
+batch. Metrics, TRL's names: `accuracy` (r_chosen > r_rejected) and `margin` (r_chosen - r_rejected).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..data.preference import MARGIN, ROLE, pair_margins
+from ..errors import ConfigError, LoadError
+from ..log import log_rank0
+from .base import Objective
+from .logprobs import forward_inputs
+from .preference import pair_count
+
+METRICS = ("accuracy", "margin")
+
+
+class Reward(Objective):
+    """Bradley-Terry over the pairs of each micro-batch, scores read per sequence."""
+
+    name = "reward"
+    unit = "pairs"
+    metrics = METRICS
+    shown = METRICS
+
+    def __init__(self, center_coefficient: float = 0.0):
+        self.center_coefficient = center_coefficient
+
+    def count(self, batch: dict) -> int:
+        return pair_count(batch)
+
+    def loss_sum(self, model, batch: dict):
+        scores = sequence_scores(model, batch).float()
+        chosen, rejected = scores[0::2], scores[1::2]
+        margin = pair_margin(batch).to(scores.device)
+        losses = -F.logsigmoid(chosen - rejected - margin)
+        if self.center_coefficient:
+            losses = losses + self.center_coefficient * (chosen + rejected) ** 2
+        with torch.no_grad():
+            diff = chosen - rejected
+            sums = torch.stack([(diff > 0).float().sum(), diff.sum()])
+        return losses.sum(), sums.detach().to("cpu", torch.float64)
+
+
+# --------------------------------------------------------------------------- the model
+
+
+def reward_model_class(hf_config):
+    """transformers' sequence-classification class for `hf_config`'s model type."""
+    import transformers
+
+    try:
+        return transformers.AutoModelForSequenceClassification._model_mapping[type(hf_config)]
+    except KeyError:
+        raise ConfigError(f"{type(hf_config).__name__} has no sequence-classification class in transformers: "
+                          "train.objective=reward cannot build a reward model from it") from None
+
+
+def as_reward_config(hf_config, pad_token_id: int):
+    """`hf_config` with one output and the pad token the score is found by."""
+    hf_config.num_labels = 1
+    hf_config.get_text_config().pad_token_id = pad_token_id
+    return hf_config
+
+
+def score_head(model: nn.Module) -> nn.Linear:
+    head = getattr(model, "score", None)
+    if not isinstance(head, nn.Linear) or head.out_features != 1:
+        raise ConfigError(f"{type(model).__name__} has no one-output `score` head to train as a reward model")
+    return head
+
+
+def load_reward_model(name_or_path: str, engine, dtype, seed: int, pad_token_id: int,
+                      attn_implementation: str | None = None) -> nn.Module:
+    """A sharded reward model from a sequence-classification or causal-LM checkpoint (the `score`
+    head then new, drawn from `seed`); anything else the checkpoint lacks or adds is an error."""
+    from transformers import AutoConfig
+
+    from ..loading import resolve_checkpoint_dir
+    from ..pretrained import from_pretrained
+
+    hf_config = AutoConfig.from_pretrained(resolve_checkpoint_dir(name_or_path))
+    model = from_pretrained(name_or_path, engine=engine, dtype=dtype, model_class=reward_model_class(hf_config),
+                            num_labels=1, attn_implementation=attn_implementation, strict=False)
+    as_reward_config(model.config, pad_token_id)
+    report, head = model.fullshard_load_report, score_head(model)
+    new = [f"score.{n}" for n, _ in head.named_parameters()]
+    prefix = f"{getattr(model, 'base_model_prefix', 'model')}."
+    others = [k for k in report.missing if k not in new] + [k for k in report.unexpected if k.startswith(prefix)]
+    if others:
+        raise LoadError(f"checkpoint {name_or_path!r} does not fit {type(model).__name__} beside its score head: "
+                        f"{others[:20]}")
+    if report.missing:
+        std = init_score_head(model, seed)
+        log_rank0(f"{name_or_path}: no score head in the checkpoint (a causal LM): a new one drawn from "
+                  f"train.seed={seed}, normal(0, {std}); its head {report.unexpected} is not read")
+    return model
+
+
+@torch.no_grad()
+def init_score_head(model: nn.Module, seed: int) -> float:
+    """The score head drawn from `seed` whole (normal(0, initializer_range), a zero bias) and each
+    rank's region of it copied in: the same head on any world size. Returns the std."""
+    from ..loading.shards import local_region
+
+    std = float(getattr(model.config.get_text_config(), "initializer_range", 0.02))
+    generator = torch.Generator().manual_seed(seed)
+    for name, param in score_head(model).named_parameters():
+        full = torch.zeros(param.shape) if name == "bias" else torch.empty(param.shape).normal_(0, std,
+                                                                                                 generator=generator)
+        local, region = local_region(param)
+        local.copy_(full[region])
+    return std
+
+
+# --------------------------------------------------------------------------- the score
+
+
+def position_scores(model: nn.Module, batch: dict) -> torch.Tensor:
+    """[rows, seq]: the score head's output at every position. The model runs as usual; its output's
+    `logits` (transformers' one pooled score per row) are replaced by these before FSDP's post-forward
+    sees them, so its backward hooks sit on what the loss uses."""
+    kept = []
+
+    def keep(module, args, output):
+        kept.append(output)
+
+    def per_position(module, args, output):
+        output.logits = kept[-1][..., 0]
+        return output
+
+    handles = [score_head(model).register_forward_hook(keep), model.register_forward_hook(per_position, prepend=True)]
+    try:
+        return model(**forward_inputs(model, batch)).logits
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def score_positions(batch: dict, pad_token_id: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per sequence (2k pair k's chosen, 2k + 1 its rejected), the flat index of its first token and
+    of the token its score is read at: its last that is not `pad_token_id` (its first if none is)."""
+    role, ids, positions = batch[ROLE].flatten(), batch["input_ids"].flatten(), batch["position_ids"]
+    positions = (positions[:, 0] if positions.ndim == 3 else positions).flatten()
+    starts = (positions == 0) & (role > 0)
+    seq = torch.where(role > 0, starts.cumsum(0) - 1, -1)
+    index = torch.arange(len(ids))
+    first = index[starts]
+    scored = (seq >= 0) & (ids != pad_token_id if pad_token_id is not None else True)
+    return first, first.scatter_reduce(0, seq[scored], index[scored], "amax")
+
+
+def sequence_scores(model: nn.Module, batch: dict) -> torch.Tensor:
+    """Each sequence's score, read where transformers reads it."""
+    pad = getattr(model.config.get_text_config(), "pad_token_id", None)
+    _, scored = score_positions(batch, pad)
+    scores = position_scores(model, batch)
+    return scores.flatten()[scored.to(scores.device)]
+
+
+def pair_margin(batch: dict) -> torch.Tensor:
+    """Each pair's margin (0 without the records' `margin` field)."""
+    if MARGIN not in batch:
+        return torch.zeros(pair_count(batch))
+    first, _ = score_positions(batch, None)
+    return pair_margins(batch[MARGIN]).flatten()[first[0::2]]
