@@ -19,6 +19,7 @@ import torch.distributed as dist
 from ..checkpoint.manager import CheckpointManager
 from ..data.builtin import builtin_model_config, builtin_tokenizer
 from ..data.chat import adopt_chat_template
+from ..data.prompts import load_prompts
 from ..data.vision import is_multimodal
 from ..distributed import ParallelDims, barrier, broadcast_from_rank0, get_rank, get_world_size, run_agreed
 from ..dtypes import DTYPES, dtype_name
@@ -27,7 +28,6 @@ from ..hf.export import export_hf, source_dtype
 from ..hf.lora import export_merged, save_adapter
 from ..log import log_rank0, warn_rank0
 from ..lora import apply_lora
-from ..data.prompts import load_prompts
 from ..objectives import Objective, build_objective
 from ..objectives.grpo import build_grpo
 from ..objectives.logprobs import DEFAULT_LOSS_CHUNK_TOKENS
