@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .update import Rollouts
+from .terms import Rollouts
 
 
 @dataclass
