@@ -19,7 +19,7 @@ class Objective:
     name = "objective"
     unit = "tokens"  # what `count` counts, logged under this name when it is not the target tokens
     metrics: tuple[str, ...] = ()
-    shown: tuple[str, ...] | None = None  # the metrics the console line shows (None: the third and fourth)
+    shown: tuple[str, ...] | None = None  # the metrics the step line shows (None: third and fourth)
 
     def count(self, batch: dict) -> int:
         """Units of `batch` the loss is a mean over."""

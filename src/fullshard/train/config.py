@@ -127,8 +127,8 @@ class TrainSection:
     """seed of the random weights, the data order and every rank's RNG"""
     objective: Literal["sft", "dpo", "reward"] = "sft"
     """what the run optimises: sft (next-token loss), dpo (the preference section's loss on data.format=preference
-    pairs; batch sizes then count pairs, packed: rows), reward (a one-score sequence-classification model on those
-    pairs, the reward section's Bradley-Terry loss)"""
+    pairs; batch sizes then count pairs, packed: rows), reward (a one-score sequence-classification
+    model on those pairs, the reward section's Bradley-Terry loss)"""
     accumulation_policy: str = "reduce_scatter_every"
     """when gradients of accumulated micro-batches are reduced (see TrainingSession)"""
     max_norm: NonNegativeFloat = 1.0
@@ -321,11 +321,12 @@ class PreferenceSection:
 
 @dataclass
 class RewardSection:
-    """The reward model of train.objective=reward (TRL's RewardTrainer loss): -log sigmoid(r_chosen - r_rejected -
-    margin), the margin from the records' margin field when they have one."""
+    """The reward model of train.objective=reward (TRL's RewardTrainer loss):
+    -log sigmoid(r_chosen - r_rejected - margin), the records' margin field when they have one."""
 
     center_coefficient: NonNegativeFloat = 0.0
-    """TRL's center_rewards_coefficient: adds this times (r_chosen + r_rejected)^2, keeping scores near 0 (0: off)"""
+    """TRL's center_rewards_coefficient: adds this times (r_chosen + r_rejected)^2, keeping scores
+    near 0 (0: off)"""
 
 
 SECTIONS = {"model": ModelSection, "data": DataSection, "train": TrainSection, "optim": OptimSection,
@@ -650,7 +651,8 @@ def _check_objective(config: TrainConfig) -> None:
     objective, data, mesh = config.train.objective, config.data, config.parallel
     if objective == "sft":
         if data.format == "preference":
-            raise ConfigError("data.format=preference holds pairs for train.objective=dpo or reward, not sft")
+            raise ConfigError("data.format=preference holds pairs for train.objective=dpo or "
+                              "reward, not sft")
         return
     if data.format != "preference":
         raise ConfigError(f"train.objective={objective} trains on pairs: set data.format=preference "
@@ -665,8 +667,10 @@ def _check_objective(config: TrainConfig) -> None:
         if value:
             raise ConfigError(f"train.objective={objective}: {key} is not supported ({why})")
     if objective == "reward":
-        for key, value, why in ((config.key("pp_size"), mesh.pp_size > 1, "the pipeline reads no scores yet"),
-                                ("lora.r", config.lora.enabled, "the score head would not train beside the adapters")):
+        for key, value, why in ((config.key("pp_size"), mesh.pp_size > 1,
+                                 "the pipeline reads no scores yet"),
+                                ("lora.r", config.lora.enabled,
+                                 "the score head would not train beside the adapters")):
             if value:
                 raise ConfigError(f"train.objective=reward: {key} is not supported ({why})")
         return
