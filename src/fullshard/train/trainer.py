@@ -177,11 +177,12 @@ def build_model(config: TrainConfig, strategy: TrainingSession, tokenizer) -> to
         from ..objectives import reward as reward_model
 
         pad = text_tokenizer(tokenizer).pad_token_id
-        pad = text_tokenizer(tokenizer).eos_token_id if pad is None else pad  # TRL's choice, and the packer's
+        pad = text_tokenizer(tokenizer).eos_token_id if pad is None else pad  # TRL's, the packer's
     if config.model.name_or_path not in BUILTIN_MODELS:
         if reward:
-            return reward_model.load_reward_model(config.model.name_or_path, strategy.engine(), dtype,
-                                                  config.train.seed, pad, config.model.attn_implementation).train()
+            return reward_model.load_reward_model(
+                config.model.name_or_path, strategy.engine(), dtype, config.train.seed, pad,
+                config.model.attn_implementation).train()
         from ..pretrained import from_pretrained
 
         return from_pretrained(config.model.name_or_path, engine=strategy.engine(), dtype=dtype, lora=lora,
