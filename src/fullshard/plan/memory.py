@@ -48,6 +48,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import nn
 
+from ..fsdp import ac_mode
 from ..objectives.logprobs import DEFAULT_LOSS_CHUNK_TOKENS, chunkable_head
 from ..parallel.tp import TP_STYLES
 from .build import ShardingPlan, shard_bytes
@@ -184,8 +185,6 @@ def selective_layer_values(config, tp: int = 1, cp: int = 1) -> int:
 
 def checkpointed_layers(layers: int, mode, every: int = 2) -> int:
     """How many of `layers` blocks a checkpointing mode recomputes (`fsdp.checkpointed_blocks`)."""
-    from ..fsdp import ac_mode
-
     mode = ac_mode(mode)
     return {"none": 0, "every_n": layers // every}.get(mode, layers)
 
@@ -200,8 +199,6 @@ def activation_bytes(config, micro_batch_size: int, seq_len: int, compute_bytes:
     stage holds `layers` of them, the embedding only if `first`, the final norm and loss only if
     `last`. A checkpointed layer keeps its input (H), under `selective` also the outputs its policy
     keeps."""
-    from ..fsdp import ac_mode
-
     layers = config.num_hidden_layers if layers is None else layers
     mode = ac_mode(activation_checkpointing)
     recomputed = checkpointed_layers(layers, mode, ac_every)
@@ -292,6 +289,11 @@ class EstimateSetup:
         return cls(dims.dp_shard, micro_batch_size, seq_len, **{**values, **run})
 
 
+def astuple_shallow(setup: EstimateSetup) -> tuple:
+    """The setup's fields in their order, not copied (`dataclasses.astuple` deep-copies)."""
+    return tuple(getattr(setup, f.name) for f in fields(setup))
+
+
 def estimate_memory(model: nn.Module, plan: ShardingPlan, setup: EstimateSetup | int | None = None, *args,
                     **kwargs) -> MemoryEstimate:
     """The estimate for `model` (real or on meta) sharded by `plan` under `setup` (an `EstimateSetup`;
@@ -301,10 +303,7 @@ def estimate_memory(model: nn.Module, plan: ShardingPlan, setup: EstimateSetup |
     s = setup if isinstance(setup, EstimateSetup) else EstimateSetup(*(setup, *args)[setup is None:], **kwargs)
     (shard_size, micro_batch_size, seq_len, compute_dtype, activation_checkpointing, optimizer, accumulation_steps,
      device_type, reduce_dtype, tp_assignments, tp_size, cp_size, ep_size, loss_chunk_tokens, stage_rows, in_flight,
-     all_forwards_first, ac_every, activation_offload, float8, float8_skip, reference) = (
-        getattr(s, f.name) for f in fields(s))
-    from ..fsdp import ac_mode
-
+     all_forwards_first, ac_every, activation_offload, float8, float8_skip, reference) = astuple_shallow(s)
     activation_checkpointing = ac_mode(activation_checkpointing)
     split = TensorParallelSplit(model, tp_assignments or {}, tp_size)
     units = _unit_bytes(model, plan, shard_size * cp_size, compute_dtype, optimizer,
@@ -353,10 +352,17 @@ def estimate_memory(model: nn.Module, plan: ShardingPlan, setup: EstimateSetup |
         pipeline_gradients=units["trainable_numel"] * compute_bytes if stage is not None else 0,
         gradients_between_forwards=stage is not None and not all_forwards_first,
         host_activations=host,
-        reference=units["base_shard"] if reference == "model" else 0,
-        host_reference=units["base_shard"] if reference == "offloaded" else 0,
-        reference_gathered=sum(full[:2]) if reference in ("model", "offloaded", "adapter") else 0,
+        **reference_fields(units, reference),
     )
+
+
+def reference_fields(units: dict, reference: str | None) -> dict:
+    """What a preference run's reference strategy (`REFERENCES`) holds: the frozen copy's shards on
+    the device or the host, and its forward's two largest gathered units."""
+    gathered = sum(sorted(units["full"].values(), reverse=True)[:2])
+    return dict(reference=units["base_shard"] if reference == "model" else 0,
+                host_reference=units["base_shard"] if reference == "offloaded" else 0,
+                reference_gathered=gathered if reference in ("model", "offloaded", "adapter") else 0)
 
 
 def recompute_bytes(config, tokens: int, compute_bytes: int, tp: int, cp: int, layers: int | None,
