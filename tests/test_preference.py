@@ -193,6 +193,15 @@ def _fullshard_runs(root: str) -> dict:
     lora = ("--lora.r=4", "--lora.target_modules=[q_proj,v_proj]", "--lora.alpha=16", "--lora.save_adapter=false")
     out["lora_adapter"] = run("lora_adapter", *lora, "--preference.reference=adapter")
     out["lora_model"] = run("lora_model", *lora, "--preference.reference=model")
+    # pp 2 (dp 1): micro-batches of two rows, each row one pipeline micro-batch (its pairs whole)
+    pp = ("--fsdp.pp_size=2", "--fsdp.pp_schedule=GPipe", "--train.micro_batch_size=2")
+    out["pp2"] = run("pp2", *pp)
+    out["pp2_packed_precompute"] = run("pp2_packed", *pp, "--data.packing=true",
+                                       "--data.seq_len=40",
+                                       f"--train.global_batch_size={BATCH // 2}",
+                                       "--preference.reference=precompute")
+    out["pp2_lora_adapter"] = run("pp2_lora", *pp, *lora, "--preference.reference=adapter")
+    out["pp2_orpo"] = run("pp2_orpo", *pp, "--preference.loss_type=orpo")  # its prompt scored too
     return out
 
 
@@ -271,6 +280,17 @@ def test_lora_adapter_reference_equals_a_frozen_base_copy(runs):
     assert abs(ours["lora_adapter"][0] - 0.6931472) <= TOL  # step 1: policy = reference, loss log 2
 
 
+@pytest.mark.parametrize("layout, plain", [("pp2", "sigmoid"), ("pp2_packed_precompute", "packed"),
+                                           ("pp2_lora_adapter", "lora_adapter"),
+                                           ("pp2_orpo", "orpo")])
+def test_dpo_under_pipeline_parallelism_equals_the_plain_run(runs, layout, plain):
+    """pp 2: the reference first (a pipelined frozen copy, the precomputed table, the adapters
+    off), then the policy's log-probs and the loss on the last stage, per pipeline micro-batch."""
+    ours, _ = runs
+    gap = max(abs(a - b) for a, b in zip(ours[layout], ours[plain]))
+    assert gap <= TOL, (ours[layout], ours[plain])
+
+
 # ---------------------------------------------------------------------------------------------- data, refusals
 
 TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
@@ -325,7 +345,8 @@ def test_bad_preference_records_name_file_and_line(tmp_path):
     (["--train.objective=dpo", "--data.format=preference", "--preference.reference=adapter"], "lora.r is unset"),
     (["--train.objective=dpo", "--data.format=preference", "--preference.loss_type=orpo",
       "--preference.sft_weight=1"], "built in"),
-    (["--train.objective=dpo", "--data.format=preference", "--fsdp.pp_size=2"], "fsdp.pp_size is not supported"),
+    (["--train.objective=dpo", "--data.format=preference", "--fsdp.cp_size=2"],
+     "fsdp.cp_size is not supported"),
 ])
 def test_combinations_that_do_not_fit_are_one_line(overrides, message):
     from fullshard.train import ConfigError, load_config

@@ -159,8 +159,7 @@ class VisionPreferenceTokenize:
     def __call__(self, batch: dict, indices: list[int]) -> dict:
         from .pack import IMAGES
 
-        out = {"input_ids": [], "labels": [], "truncated": [], "broken": [], IMAGES: [],
-               **{c: [] for c in self.columns}}
+        out = {key: [] for key in ("input_ids", "labels", "truncated", "broken", IMAGES, *self.columns)}
         for k, row in enumerate(indices):
             prompt = batch[self.prompt_field][k] if self.prompt_field in batch else None
             pair = self.pair(row, prompt, batch["chosen"][k], batch["rejected"][k])

@@ -48,7 +48,6 @@ from dataclasses import dataclass, fields
 import torch
 from torch import nn
 
-from ..fsdp import ac_mode
 from ..objectives.logprobs import DEFAULT_LOSS_CHUNK_TOKENS, chunkable_head
 from ..parallel.tp import TP_STYLES
 from .build import ShardingPlan, shard_bytes
@@ -185,6 +184,8 @@ def selective_layer_values(config, tp: int = 1, cp: int = 1) -> int:
 
 def checkpointed_layers(layers: int, mode, every: int = 2) -> int:
     """How many of `layers` blocks a checkpointing mode recomputes (`fsdp.checkpointed_blocks`)."""
+    from ..fsdp import ac_mode
+
     mode = ac_mode(mode)
     return {"none": 0, "every_n": layers // every}.get(mode, layers)
 
@@ -199,6 +200,8 @@ def activation_bytes(config, micro_batch_size: int, seq_len: int, compute_bytes:
     stage holds `layers` of them, the embedding only if `first`, the final norm and loss only if
     `last`. A checkpointed layer keeps its input (H), under `selective` also the outputs its policy
     keeps."""
+    from ..fsdp import ac_mode
+
     layers = config.num_hidden_layers if layers is None else layers
     mode = ac_mode(activation_checkpointing)
     recomputed = checkpointed_layers(layers, mode, ac_every)
@@ -289,13 +292,7 @@ class EstimateSetup:
         return cls(dims.dp_shard, micro_batch_size, seq_len, **{**values, **run})
 
 
-def astuple_shallow(setup: EstimateSetup) -> tuple:
-    """The setup's fields in their order, not copied (`dataclasses.astuple` deep-copies)."""
-    return tuple(getattr(setup, f.name) for f in fields(setup))
-
-
-def estimate_memory(model: nn.Module, plan: ShardingPlan, setup: EstimateSetup | int | None = None, *args,
-                    **kwargs) -> MemoryEstimate:
+def estimate_memory(model: nn.Module, plan: ShardingPlan, setup: EstimateSetup | int | None = None, *args, **kwargs):
     """The estimate for `model` (real or on meta) sharded by `plan` under `setup` (an `EstimateSetup`;
     its fields given instead, the old form `estimate_memory(model, plan, 2, 2, 16, cp_size=2)`, are
     read as one). Under ep > 1 each MoE experts module is a unit of its own gathering only this rank's
@@ -303,7 +300,10 @@ def estimate_memory(model: nn.Module, plan: ShardingPlan, setup: EstimateSetup |
     s = setup if isinstance(setup, EstimateSetup) else EstimateSetup(*(setup, *args)[setup is None:], **kwargs)
     (shard_size, micro_batch_size, seq_len, compute_dtype, activation_checkpointing, optimizer, accumulation_steps,
      device_type, reduce_dtype, tp_assignments, tp_size, cp_size, ep_size, loss_chunk_tokens, stage_rows, in_flight,
-     all_forwards_first, ac_every, activation_offload, float8, float8_skip, reference) = astuple_shallow(s)
+     all_forwards_first, ac_every, activation_offload, float8, float8_skip, reference) = (
+        getattr(s, f.name) for f in fields(s))
+    from ..fsdp import ac_mode
+
     activation_checkpointing = ac_mode(activation_checkpointing)
     split = TensorParallelSplit(model, tp_assignments or {}, tp_size)
     units = _unit_bytes(model, plan, shard_size * cp_size, compute_dtype, optimizer,
@@ -326,11 +326,10 @@ def estimate_memory(model: nn.Module, plan: ShardingPlan, setup: EstimateSetup |
     activations += in_flight * tokens * compute_bytes * layout_values(
         model, config, expert_units(model, ep_size, shard_size * cp_size), activation_checkpointing, layers,
         first, last, stage is not None, head is None)
-    host = 0
-    if activation_offload and device_type != "cpu":
-        host, kept = offloaded_bytes(config, in_flight * tokens, compute_bytes, activation_checkpointing, ac_every,
-                                     layers or config.num_hidden_layers, layer_tp, cp_size)
-        activations -= host - kept
+    host, kept = offloaded_bytes(config, in_flight * tokens, compute_bytes, activation_checkpointing, ac_every,
+                                 layers or config.num_hidden_layers, layer_tp, cp_size) if (
+        activation_offload and device_type != "cpu") else (0, 0)
+    activations -= host - kept
     loss, saved_loss = loss_bytes(config, head, tokens, compute_bytes, loss_chunk_tokens, in_flight,
                                   logprobs=reference is not None) if last else (0, 0)
     recompute = recompute_bytes(config, tokens, compute_bytes, layer_tp, cp_size, layers, activation_checkpointing,
@@ -351,17 +350,16 @@ def estimate_memory(model: nn.Module, plan: ShardingPlan, setup: EstimateSetup |
         in_flight=in_flight if stage is not None else 0,
         pipeline_gradients=units["trainable_numel"] * compute_bytes if stage is not None else 0,
         gradients_between_forwards=stage is not None and not all_forwards_first,
-        host_activations=host,
-        **reference_fields(units, reference),
+        host_activations=host, **reference_bytes(reference, units["base_shard"], sum(full[:2])),
     )
 
 
-def reference_fields(units: dict, reference: str | None) -> dict:
-    """What a preference run's reference strategy (`REFERENCES`) holds: the frozen copy's shards on
-    the device or the host, and its forward's two largest gathered units."""
-    gathered = sum(sorted(units["full"].values(), reverse=True)[:2])
-    return dict(reference=units["base_shard"] if reference == "model" else 0,
-                host_reference=units["base_shard"] if reference == "offloaded" else 0,
+def reference_bytes(reference: str | None, shard: int, gathered: int) -> dict[str, int]:
+    """What a preference objective's reference adds: its shards on the device (`model`) or the host
+    (`offloaded`), and the two largest units gathered for its forward (`adapter` runs the same
+    weights again); `precompute` and reference-free losses add nothing."""
+    return dict(reference=shard if reference == "model" else 0,
+                host_reference=shard if reference == "offloaded" else 0,
                 reference_gathered=gathered if reference in ("model", "offloaded", "adapter") else 0)
 
 
