@@ -82,6 +82,18 @@ def builtin_corpus(num_docs: int = 5000, seed: int = 0) -> list[str]:
     return docs
 
 
+def builtin_prompts(num_prompts: int = 2000, seed: int = 0) -> list[dict]:
+    """The prompts of the built-in RL toy (`train.objective=grpo` without data): sums to answer,
+    each with its `answer` column (what the built-in `accuracy` reward checks; the toy itself
+    rewards answering in digits, which a random byte-level policy rarely does)."""
+    rng = random.Random(seed)
+    records = []
+    for _ in range(num_prompts):
+        a, b = rng.randrange(10), rng.randrange(10)
+        records.append({"prompt": f"{a} plus {b} is", "answer": str(a + b)})
+    return records
+
+
 def byte_tokenizer():
     """A byte-level tokenizer that needs no download and no training: 256 byte tokens plus
     `<|endoftext|>`, saved with the exported model like any other HF tokenizer."""

@@ -173,3 +173,32 @@ def tokenize_chat(tokenizer, template: str, messages: list[dict], row: int,
     for start, end in spans:
         trained |= (starts >= start) & (starts < end)
     return ids.tolist(), np.where(trained, ids, IGNORE_INDEX).tolist()
+
+
+def prompt_turns(row: int, messages=None) -> list[dict]:
+    """An RL prompt from a conversation: its turns, checked, up to its last non-assistant turn (an
+    assistant turn at the end is a reference answer, not part of what the policy is asked)."""
+    if not isinstance(messages, list) or not messages:
+        raise RecordError(row, "has no messages (a list of {role, content})")
+    turns = [_turn(row, turn) for turn in messages]
+    while turns and turns[-1]["role"] == "assistant":
+        turns.pop()
+    if not turns:
+        raise RecordError(row, "is a conversation of assistant turns only: no prompt")
+    return turns
+
+
+def render_prompt(tokenizer, template: str | None, prompt, row: int, tools=None) -> str:
+    """The text a policy continues: chat turns through the template with the generation prompt; a
+    text prompt as a user turn of the template, or as it is when there is no template."""
+    if isinstance(prompt, str) and not template:
+        return prompt
+    turns = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    if not template:
+        raise RecordError(row, "is a conversation, and the tokenizer has no chat template: set "
+                               "data.chat_template")
+    try:
+        return tokenizer.apply_chat_template(turns, tools=tools, chat_template=template, tokenize=False,
+                                             add_generation_prompt=True)
+    except Exception as err:  # noqa: BLE001 - the template is the user's program: name the record
+        raise RecordError(row, template_failure(tokenizer, template, turns, tools, err)) from None

@@ -101,8 +101,8 @@ def load_records(source: Source, cache_dir: Path, layouts: tuple[tuple[str, ...]
                  optional: tuple[str, ...] = ()):
     """The source as one `datasets.Dataset` (or `IterableDataset` when streaming) holding only the
     columns of the `layouts` (alternative column sets, e.g. messages or prompt+response; each record
-    has one) that it has, and those of `optional` it has. A text file's one column is named after the first
-    layout's first field."""
+    has one) that it has, and those of `optional` it has (`optional="*"`: every other column too). A
+    text file's one column is named after the first layout's first field."""
     import datasets
 
     datasets.disable_progress_bars()
@@ -187,7 +187,8 @@ def _select_layout(part, where: str | None, files: tuple[Path, ...], layouts, op
         raise ConfigError(f"{place} has no field {wanted} (fields: {', '.join(columns)}; set data.text_field "
                           "or data.format)")
     kept = list(dict.fromkeys(c for lay in present for c in lay))
-    part = part.select_columns([*kept, *(c for c in optional if c in columns and c not in kept)])
+    others = [c for c in columns if c not in kept] if optional == "*" else optional
+    part = part.select_columns([*kept, *(c for c in others if c in columns and c not in kept)])
     if not hasattr(part, "__len__"):
         return part  # streaming: a record missing a field is named when it is read
     if len(part) == 0:

@@ -20,6 +20,7 @@ class Objective:
     unit = "tokens"  # what `count` counts, logged under this name when it is not the target tokens
     metrics: tuple[str, ...] = ()
     shown: tuple[str, ...] | None = None  # the metrics the console line shows (None: the third and fourth)
+    runs_own_step = False  # True: `run_step` makes the whole optimizer step (grpo: rollouts, then updates)
 
     def count(self, batch: dict) -> int:
         """Units of `batch` the loss is a mean over."""

@@ -182,7 +182,8 @@ def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     flat = hidden.reshape(-1, hidden.shape[-1])
     out = LinearLogProbs.apply(flat, weight, bias, targets.reshape(-1).to(hidden.device), chunk,
                                float(temperature), entropy)
-    return out.view(*targets.shape, 2)
+    # a copy, not a view: FSDP warns about a unit (the head's) returning a view (2 floats a token)
+    return out.view(*targets.shape, 2).clone()
 
 
 # --------------------------------------------------------------------------- the head's call

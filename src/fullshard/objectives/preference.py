@@ -38,10 +38,17 @@ METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/
 REFERENCE_FREE = ("simpo", "orpo")
 
 
+def text_positions(batch: dict) -> torch.Tensor:
+    """The rows' text positions (restarting at each sequence): an mRoPE model's rows carry its rope
+    rows beside them (`data.rows`: [rows, 4, tokens], the text positions first)."""
+    positions = batch["position_ids"]
+    return positions[:, 0] if positions.ndim == 3 else positions
+
+
 def sequence_index(batch: dict) -> tuple[torch.Tensor, int]:
     """For each position, the sequence its target belongs to (-1: padding), aligned with
     `aligned_targets`, and the number of sequences: 2k is pair k's chosen, 2k + 1 its rejected."""
-    role, positions = batch[ROLE], batch["position_ids"]
+    role, positions = batch[ROLE], text_positions(batch)
     starts = (positions == 0) & (role > 0)
     seq = (starts.flatten().cumsum(0) - 1).view_as(role)
     seq = torch.where(role > 0, seq, -1)
@@ -56,7 +63,7 @@ def sequence_sums(values: torch.Tensor, seq: torch.Tensor, count: int) -> torch.
 
 
 def pair_count(batch: dict) -> int:
-    role, positions = batch[ROLE], batch["position_ids"]
+    role, positions = batch[ROLE], text_positions(batch)
     return int(((positions == 0) & (role > 0)).sum()) // 2
 
 
@@ -102,7 +109,7 @@ def nll_positions(batch: dict, whole_sequence: bool) -> torch.Tensor:
     every one after the sequence's first (`whole_sequence`, ORPO) or the completion's (RPO)."""
     role = batch[ROLE]
     if whole_sequence:
-        keep = (role == CHOSEN) & (batch["position_ids"] > 0)
+        keep = (role == CHOSEN) & (text_positions(batch) > 0)
     else:
         keep = (role == CHOSEN) & (batch["labels"] != IGNORE_INDEX)
     return F.pad(keep[:, 1:], (0, 1), value=False)
@@ -147,7 +154,7 @@ class Preference(Objective):
         """`batch` with the labels its log-probs are taken of (ORPO's NLL scores the chosen
         prompt too)."""
         if self.nll_weight and self.nll_whole_sequence:
-            chosen = (batch[ROLE] == CHOSEN) & (batch["position_ids"] > 0)
+            chosen = (batch[ROLE] == CHOSEN) & (text_positions(batch) > 0)
             batch = {**batch, "labels": torch.where(chosen, batch["input_ids"], batch["labels"])}
         return batch
 

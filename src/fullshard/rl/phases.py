@@ -35,10 +35,12 @@ def _move(model: nn.Module, optimizer, device: torch.device) -> int:
         moved = t.to(device, copy=True)
         return moved.pin_memory() if pin and not isinstance(moved, DTensor) else moved
 
-    reshard_all(model)
-    moved = sum(_bytes(p) + (_bytes(p.grad) if p.grad is not None else 0) for p in model.parameters())
-    moved += sum(_bytes(b) for b in model.buffers())
-    model._apply(copy)
+    moved = 0
+    if model is not None:
+        reshard_all(model)
+        moved += sum(_bytes(p) + (_bytes(p.grad) if p.grad is not None else 0) for p in model.parameters())
+        moved += sum(_bytes(b) for b in model.buffers())
+        model._apply(copy)
     for state in ([] if optimizer is None else optimizer.state.values()):
         for key, value in state.items():
             # Adam's `step` is a host scalar by design (capturable=False); it stays where it is
@@ -51,13 +53,14 @@ def _move(model: nn.Module, optimizer, device: torch.device) -> int:
     return moved
 
 
-def offload(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
+def offload(model: nn.Module | None, optimizer: torch.optim.Optimizer | None = None) -> int:
     """This rank's parameters, gradients, buffers and (given) optimizer state to the host (pinned
-    where an accelerator exists); returns the bytes moved."""
+    where an accelerator exists); returns the bytes moved. `model=None`: the optimizer state only
+    (what a colocated step moves while the model generates)."""
     return _move(model, optimizer, torch.device("cpu"))
 
 
-def onload(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, device=None) -> int:
+def onload(model: nn.Module | None, optimizer: torch.optim.Optimizer | None = None, device=None) -> int:
     """Back to `device` (default: this rank's accelerator, or the host without one); returns the
     bytes moved."""
     from ..distributed import current_device

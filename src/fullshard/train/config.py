@@ -125,10 +125,11 @@ class TrainSection:
     """sequences per optimizer step over all ranks (a multiple of micro_batch_size x data-parallel size)"""
     seed: int = 42
     """seed of the random weights, the data order and every rank's RNG"""
-    objective: Literal["sft", "dpo", "reward"] = "sft"
+    objective: Literal["sft", "dpo", "reward", "grpo"] = "sft"
     """what the run optimises: sft (next-token loss), dpo (the preference section's loss on data.format=preference
     pairs; batch sizes then count pairs, packed: rows), reward (a one-score sequence-classification model on those
-    pairs, the reward section's Bradley-Terry loss)"""
+    pairs, the reward section's Bradley-Terry loss), grpo (the rl section's rollouts, rewards and update on the
+    prompts of chat records; global_batch_size counts completions)"""
     accumulation_policy: str = "reduce_scatter_every"
     """when gradients of accumulated micro-batches are reduced (see TrainingSession)"""
     max_norm: NonNegativeFloat = 1.0
@@ -320,6 +321,73 @@ class PreferenceSection:
 
 
 @dataclass
+class RLSection:
+    """Rollouts, rewards and the policy update of train.objective=grpo (TRL's GRPOTrainer, verl's losses)."""
+
+    group_size: Annotated[int, Field(ge=2)] = 8
+    """completions sampled per prompt (TRL's num_generations); prompts per step = train.global_batch_size / this"""
+    max_new_tokens: PositiveInt = 16
+    """the longest completion; one that reaches it without an end of text counts as clipped"""
+    temperature: PositiveFloat = 1.0
+    """sampling temperature; the update's log-probs are taken at it too"""
+    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    """nucleus sampling: the smallest set of tokens whose probabilities add up to this"""
+    reward: Optional[Union[str, list[str]]] = None
+    """reward functions: path/to/file.py:function, module:function, or a built-in (accuracy, format, digits), each
+    called as reward(prompts, completions, completion_ids, **columns) -> list[float | None]; unset without data.path:
+    the built-in toy (digits)"""
+    reward_weights: Optional[list[float]] = None
+    """each reward function's weight in the summed reward (unset: 1 each)"""
+    advantage: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
+    """grpo: reward minus its group's mean, over the group's std; dr_grpo: not divided by the std; rloo: minus the
+    mean of the others"""
+    loss_type: Literal["ppo", "gspo", "cispo"] = "ppo"
+    """the policy loss (fullshard.rl.policy_loss): ppo (clipped, dual clip), gspo (sequence ratio), cispo"""
+    clip_ratio_low: NonNegativeFloat = 0.2
+    """the ratio's lower clip, 1 - this"""
+    clip_ratio_high: NonNegativeFloat = 0.2
+    """the ratio's upper clip, 1 + this (DAPO: 0.28)"""
+    clip_ratio_c: Optional[Annotated[float, Field(gt=1)]] = 3.0
+    """ppo's dual clip for negative advantages; null: off"""
+    loss_agg: Literal["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
+                      "seq-mean-token-sum-norm"] = "token-mean"
+    """how per-token losses become the step's loss, over every completion of the step (verl's loss_agg_mode)"""
+    kl_coef: NonNegativeFloat = 0.0
+    """weight of the KL to the reference in the loss (0, as TRL and DAPO: no reference held)"""
+    kl_kind: Literal["k1", "k2", "k3", "low_var_kl", "abs", "k1+", "k2+", "k3+"] = "k3"
+    """the KL estimator (fullshard.rl.kl_penalty); a trailing + takes k2's gradient"""
+    reference: Literal["auto", "model", "adapter", "none"] = "auto"
+    """the KL's reference: model (a frozen copy of the starting weights, on the host between uses), adapter (LoRA's
+    base, adapters disabled), none; auto: none when kl_coef is 0, adapter under LoRA, else model"""
+    entropy_coef: float = 0.0
+    """weight of the entropy bonus (subtracted from the loss)"""
+    epochs: PositiveInt = 1
+    """optimizer updates per batch of rollouts (TRL's num_iterations); the old log-probs are taken once before them"""
+    max_tokens_per_micro_batch: PositiveInt = 4096
+    """tokens (padded) per forward of the update and the log-probs; the update does not depend on it"""
+    rollout: Literal["colocated", "engines"] = "colocated"
+    """colocated: the trainer ranks generate (optimizer state off the device meanwhile); engines: separate processes"""
+    num_engines: PositiveInt = 1
+    """rollout=engines: engine processes"""
+
+    def resolved_reference(self, lora: bool) -> str:
+        """The reference `auto` stands for, or the one set, checked against kl_coef and LoRA."""
+        if self.reference == "auto":
+            return "none" if not self.kl_coef else "adapter" if lora else "model"
+        if self.reference == "adapter" and not lora:
+            raise ConfigError("rl.reference=adapter disables the LoRA adapters, and lora.r is unset: use "
+                              "rl.reference=model or set lora.r")
+        if self.reference == "none" and self.kl_coef:
+            raise ConfigError(f"rl.kl_coef={self.kl_coef} needs a reference: set rl.reference to model, adapter "
+                              "(LoRA) or auto")
+        return self.reference
+
+    def rewards(self) -> list[str]:
+        """The reward functions named, as a list."""
+        return [] if self.reward is None else [self.reward] if isinstance(self.reward, str) else list(self.reward)
+
+
+@dataclass
 class RewardSection:
     """The reward model of train.objective=reward (TRL's RewardTrainer loss): -log sigmoid(r_chosen - r_rejected -
     margin), the margin from the records' margin field when they have one."""
@@ -330,7 +398,7 @@ class RewardSection:
 
 SECTIONS = {"model": ModelSection, "data": DataSection, "train": TrainSection, "optim": OptimSection,
             "parallel": ParallelSection, "fsdp": FsdpSection, "checkpoint": CheckpointSection,
-            "lora": LoraSection, "preference": PreferenceSection, "reward": RewardSection}
+            "lora": LoraSection, "preference": PreferenceSection, "reward": RewardSection, "rl": RLSection}
 ALIASES = {"engine": "fsdp"}  # old name -> canonical name; a file may not use both
 PATH_KEYS = ("model.name_or_path", "data.path", "data.eval_path", "data.cache_dir", "train.output_dir",
              "checkpoint.dir", "checkpoint.resume", "fsdp.dcp_path")
@@ -350,6 +418,7 @@ class TrainConfig:
     lora: LoraSection = field(default_factory=LoraSection)
     preference: PreferenceSection = field(default_factory=PreferenceSection)
     reward: RewardSection = field(default_factory=RewardSection)
+    rl: RLSection = field(default_factory=RLSection)
 
     # mesh key -> the section its messages name: where the config gave it, else where it gave the
     # others ("fsdp", the old place, only when it gave none under "parallel"); `renamed`: the keys
@@ -416,6 +485,9 @@ class TrainConfig:
         from .session import batch_arithmetic
 
         dims = self.parallel_dims(world_size)
+        if self.train.objective == "grpo":  # completions: whole groups, the same prompts per data rank
+            return batch_arithmetic(self.train.global_batch_size, self.rl.group_size, dims.dp_size,
+                                    names=("train.global_batch_size", "rl.group_size"))
         steps = batch_arithmetic(self.train.global_batch_size, self.train.micro_batch_size, dims.dp_size,
                                  names=("train.global_batch_size", "train.micro_batch_size"))
         if dims.pp > 1:
@@ -648,6 +720,10 @@ def _check_values(config: TrainConfig) -> None:
 def _check_objective(config: TrainConfig) -> None:
     """Objective, data format and layout that do not fit together: one line before launch."""
     objective, data, mesh = config.train.objective, config.data, config.parallel
+    if objective == "grpo":
+        from ..objectives.grpo import check_config
+
+        return check_config(config)
     if objective == "sft":
         if data.format == "preference":
             raise ConfigError("data.format=preference holds pairs for train.objective=dpo or reward, not sft")

@@ -213,10 +213,14 @@ def keep_records_up_to(path: Path, step: int) -> None:
 NO_PLOT = "no loss plot: matplotlib is not installed (pip install 'fullshard[plot]')"
 
 
-def plot_loss(metrics_path: str | Path, png_path: str | Path) -> Path | None:
+def plot_loss(metrics_path: str | Path, png_path: str | Path, key: str = "loss") -> Path | None:
     """The training (and eval) loss against the step, as a PNG; None when matplotlib is missing
-    (the caller says so with `NO_PLOT`: metrics.jsonl holds the same numbers)."""
+    (the caller says so with `NO_PLOT`: metrics.jsonl holds the same numbers). `key="reward"`: an RL
+    run's mean reward instead."""
     records = read_metrics(metrics_path)
+    if key == "reward":
+        points = [(r["step"], r["reward"]) for r in records if r.get("kind") == "train"]
+        return plot_lines(png_path, {"mean reward": (points, "-")}, ylabel="mean reward")
     lines = {"train loss": ([(r["step"], r["loss"]) for r in records if r.get("kind") == "train"], "-"),
              "eval loss": ([(r["step"], r["eval_loss"]) for r in records if r.get("kind") == "eval"], "o-")}
     return plot_lines(png_path, lines, ylabel="loss (nats / token)")

@@ -11,6 +11,7 @@ import json
 import math
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -18,6 +19,7 @@ import torch.distributed as dist
 from ..checkpoint.manager import CheckpointManager
 from ..data.builtin import builtin_model_config, builtin_tokenizer
 from ..data.chat import adopt_chat_template
+from ..data.prompts import load_prompts
 from ..data.vision import is_multimodal
 from ..distributed import ParallelDims, barrier, broadcast_from_rank0, get_rank, get_world_size, run_agreed
 from ..dtypes import DTYPES, dtype_name
@@ -27,6 +29,7 @@ from ..hf.lora import export_merged, save_adapter
 from ..log import log_rank0, warn_rank0
 from ..lora import apply_lora
 from ..objectives import Objective, build_objective
+from ..objectives.grpo import build_grpo
 from ..objectives.logprobs import DEFAULT_LOSS_CHUNK_TOKENS
 from ..objectives.sft import SFT
 from ..optim import create_scheduler
@@ -56,7 +59,8 @@ def strategy_of(config: TrainConfig) -> TrainingSession:
     sections (every engine setting reaches the engines it builds) plus the train section's batch
     sizes, seed, clipping and accumulation policy."""
     train = config.train
-    return TrainingSession(seed=train.seed, max_norm=train.max_norm, micro_batch_size=train.micro_batch_size,
+    micro = config.rl.group_size if train.objective == "grpo" else train.micro_batch_size  # grpo: whole groups
+    return TrainingSession(seed=train.seed, max_norm=train.max_norm, micro_batch_size=micro,
                            global_batch_size=train.global_batch_size, config=engine_settings(config),
                            accumulation_policy=train.accumulation_policy)
 
@@ -326,13 +330,16 @@ class Trainer:
         if is_multimodal(tokenizer) and (config.parallel.cp_size > 1 or config.parallel.pp_size > 1):
             raise ConfigError("image-text data is not split over context- or pipeline-parallel ranks yet: "
                               f"set {config.key('cp_size')}=1 and {config.key('pp_size')}=1")
-        data = load_data(config.data, tokenizer, rope_index(config, tokenizer))
+        rl = config.train.objective == "grpo"
+        data = load_prompts(config.data, tokenizer, config.rl.group_size) if rl else \
+            load_data(config.data, tokenizer, rope_index(config, tokenizer))
         if is_multimodal(tokenizer):
             quiet_image_feature_views()
         model = build_model(config, strategy, tokenizer)
-        objective = build_objective(config.train.objective, config.train.loss_chunk_tokens, config.preference,
-                                    config.lora.enabled, lambda: build_reference(config, strategy, tokenizer),
-                                    config.reward)
+        reference = lambda: build_reference(config, strategy, tokenizer)  # noqa: E731
+        objective = build_grpo(config, data, tokenizer, reference) if rl else build_objective(
+            config.train.objective, config.train.loss_chunk_tokens, config.preference, config.lora.enabled, reference,
+            config.reward)
         optimizer = strategy.create_optimizer(
             model, lr=config.optim.lr, weight_decay=config.optim.weight_decay, name=config.optim.name,
             betas=tuple(config.optim.betas), eps=config.optim.eps, decay_embeddings=config.optim.decay_embeddings)
@@ -393,7 +400,9 @@ class Trainer:
         started = time.perf_counter()
         for step in range(run.start, run.end):
             micro_batches = run.split(batches.micro_batches(step))
-            if pipeline_of(model) is not None:
+            if run.objective.runs_own_step:  # rollouts, rewards and updates (grpo)
+                out = run.objective.run_step(strategy, model, optimizer, scheduler, micro_batches, step)
+            elif pipeline_of(model) is not None:
                 out = pipeline_train_step(strategy, model, optimizer, scheduler, micro_batches,
                                           config.train.loss_chunk_tokens, run.objective)
             else:
@@ -433,7 +442,7 @@ class Trainer:
         if finished:
             evaluated = evaluate(model, run.evals, config.train.loss_chunk_tokens, run.objective)
             summary.update(eval_metrics(evaluated))
-            if end > run.start:
+            if end > run.start and evaluated is not None:
                 run.logger.log({"kind": "eval", "step": end, **eval_metrics(evaluated)},
                                show=eval_shown(evaluated, run.objective))
         if run.last_saved != end:
@@ -453,7 +462,8 @@ class Trainer:
         run.logger.close()
         summary["metrics"] = str(run.logger.path)
         if get_rank() == 0 and config.train.plot and finished:
-            png = plot_loss(run.logger.path, output_dir / "loss.png")
+            key = "reward" if config.train.objective == "grpo" else "loss"
+            png = plot_loss(run.logger.path, output_dir / f"{key}.png", key=key)
             summary["plot"] = str(png) if png else None
         barrier()
         if not run.stop.stopped:  # a stopped run ends with the stop line instead
@@ -542,7 +552,7 @@ def done_line(summary: dict, plot_asked: bool) -> str:
         parts.append(f"adapter {summary['adapter']}")
     parts.append(f"metrics {summary['metrics']}")
     if summary.get("plot"):
-        parts.append(f"loss plot {summary['plot']}")
+        parts.append(f"{Path(summary['plot']).stem} plot {summary['plot']}")  # loss or reward
     elif plot_asked:
         parts.append(NO_PLOT)
     return "done: " + ", ".join(parts)

@@ -1,0 +1,171 @@
+"""Reward functions: the ones a run names, the built-ins, and their weighted sum per completion.
+
+A reward function has TRL's signature, `reward(prompts, completions, completion_ids, **columns)
+-> list[float | None]`: one value per completion, `None` where it does not apply (left out of the
+sum and of its mean). `prompts` and `completions` are text, or chat turns when the prompt was a
+conversation (`[{"role": "assistant", "content": text}]` per completion, as TRL passes them);
+every other column of the prompt's record comes as a keyword, a list with one value per
+completion. Only functions the run's config names are imported: `path/to/file.py:function` or
+`module:function`; a data file never names code.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import re
+from pathlib import Path
+
+import torch
+
+from ..errors import ConfigError
+
+NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def _text(completion) -> str:
+    """A completion's text: itself, or the content of its last turn."""
+    if isinstance(completion, list):
+        return str(completion[-1].get("content") or "") if completion else ""
+    return str(completion)
+
+
+def boxed(text: str) -> str | None:
+    """The content of the last `\\boxed{...}` of a text (braces inside it balanced), if any."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, begin = 0, start + len("\\boxed{")
+    for index in range(begin, len(text)):
+        depth += (text[index] == "{") - (text[index] == "}")
+        if depth < 0:
+            return text[begin:index].strip()
+    return None
+
+
+def final_answer(text: str) -> str | None:
+    """The answer a text ends with: the last `\\boxed{...}`'s content, else its last number."""
+    found = boxed(text)
+    if found is not None:
+        return found
+    numbers = NUMBER.findall(text)
+    return numbers[-1].replace(",", "") if numbers else None
+
+
+def _same(answer: str | None, expected: str | None) -> bool:
+    if answer is None or expected is None:
+        return False
+    try:
+        return math.isclose(float(answer), float(expected.replace(",", "")), rel_tol=1e-9, abs_tol=1e-9)
+    except ValueError:
+        return answer.replace(" ", "") == expected.replace(" ", "")
+
+
+def accuracy(prompts, completions, completion_ids, **columns) -> list[float | None]:
+    """1 when the completion's final answer (`\\boxed{}` or its last number) equals the record's
+    `answer` (as it is, or its `\\boxed{}`), or the final answer of its `solution`; else 0. None
+    for a record with neither."""
+    if columns.get("answer") is not None:
+        expected = [None if a is None else boxed(str(a)) or str(a).strip() for a in columns["answer"]]
+    else:
+        expected = [None if s is None else final_answer(str(s)) for s in
+                    columns.get("solution") or [None] * len(completions)]
+    return [None if e is None else float(_same(final_answer(_text(c)), e)) for c, e in zip(completions, expected)]
+
+
+FORMAT = re.compile(r"^\s*<think>.*?</think>\s*<answer>.*?</answer>\s*$", re.DOTALL)
+
+
+def format_(prompts, completions, completion_ids, **columns) -> list[float]:
+    """1 when the completion is `<think>...</think><answer>...</answer>` (TRL's and open-r1's
+    format reward), else 0."""
+    return [float(bool(FORMAT.match(_text(c)))) for c in completions]
+
+
+def digits(prompts, completions, completion_ids, **columns) -> list[float]:
+    """The built-in toy's verifier: the share of the completion's characters that are digits (a
+    byte-level model sampling at random scores about 0.04)."""
+    texts = [_text(c) for c in completions]
+    return [sum(ch.isdigit() for ch in t) / len(t) if t else 0.0 for t in texts]
+
+
+BUILTIN = {"accuracy": accuracy, "format": format_, "digits": digits}
+
+
+def load_reward(spec: str):
+    """The function `spec` names: a built-in, `path/to/file.py:function` or `module:function`."""
+    if spec in BUILTIN:
+        return BUILTIN[spec]
+    where, sep, name = spec.rpartition(":")
+    if not sep or not where or not name:
+        raise ConfigError(f"rl.reward={spec!r} is no built-in ({', '.join(BUILTIN)}) and not "
+                          "path/to/file.py:function or module:function")
+    if where.endswith(".py"):
+        path = Path(where).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"rl.reward={spec!r}: no file {str(path)!r}")
+        module_spec = importlib.util.spec_from_file_location(f"fullshard_reward_{path.stem}", path)
+        module = importlib.util.module_from_spec(module_spec)
+        try:
+            module_spec.loader.exec_module(module)
+        except Exception as err:  # noqa: BLE001 - the user's file: named, one line
+            raise ConfigError(f"rl.reward={spec!r}: importing {str(path)!r} raised "
+                              f"{type(err).__name__}: {err}") from None
+    else:
+        try:
+            module = importlib.import_module(where)
+        except Exception as err:  # noqa: BLE001
+            raise ConfigError(f"rl.reward={spec!r}: importing module {where!r} raised "
+                              f"{type(err).__name__}: {err}") from None
+    function = getattr(module, name, None)
+    if not callable(function):
+        raise ConfigError(f"rl.reward={spec!r}: {where!r} has no function {name!r}")
+    return function
+
+
+def reward_name(spec: str) -> str:
+    """The name a function's metrics go under (`rewards/<name>/mean`): TRL's, the function's name."""
+    return spec.rpartition(":")[2] or spec
+
+
+class Rewards:
+    """The run's reward functions and weights: `score` gives each completion's weighted sum and
+    each function's values (NaN where it returned None)."""
+
+    def __init__(self, specs: list[str], weights: list[float] | None = None):
+        if not specs:
+            raise ConfigError("train.objective=grpo needs rl.reward: name a function (path/to/file.py:function, "
+                              f"module:function) or a built-in ({', '.join(BUILTIN)})")
+        if weights is not None and len(weights) != len(specs):
+            raise ConfigError(f"rl.reward_weights has {len(weights)} weights for {len(specs)} reward functions")
+        self.specs, self.functions = list(specs), [load_reward(spec) for spec in specs]
+        self.names = [reward_name(spec) for spec in specs]
+        self.weights = torch.tensor(weights if weights is not None else [1.0] * len(specs), dtype=torch.float64)
+
+    def score(self, prompts: list, completions: list, completion_ids: list[list[int]],
+              columns: dict[str, list]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(`[n]` weighted sums, `[n, functions]` values); a function that raises or returns other
+        than one number or None per completion is a `ConfigError` naming it."""
+        table = torch.full((len(completions), len(self.functions)), math.nan, dtype=torch.float64)
+        for index, (spec, function) in enumerate(zip(self.specs, self.functions)):
+            try:
+                values = function(prompts=prompts, completions=completions, completion_ids=completion_ids,
+                                  **columns)
+            except Exception as err:  # noqa: BLE001 - the user's function: named, one line
+                raise ConfigError(f"reward function {spec!r} raised {type(err).__name__}: {err}") from None
+            table[:, index] = self._checked(spec, values, len(completions))
+        # TRL: a completion no function applies to sums to 0 (nansum)
+        return (torch.nan_to_num(table) * self.weights).sum(dim=1), table
+
+    @staticmethod
+    def _checked(spec: str, values, count: int) -> torch.Tensor:
+        if not isinstance(values, (list, tuple)) or len(values) != count:
+            got = f"{len(values)} values" if isinstance(values, (list, tuple)) else type(values).__name__
+            raise ConfigError(f"reward function {spec!r} returned {got} for {count} completions "
+                              "(one float or None each)")
+        try:
+            return torch.tensor([math.nan if v is None else float(v) for v in values], dtype=torch.float64)
+        except (TypeError, ValueError):
+            raise ConfigError(f"reward function {spec!r} returned a value that is not a number or None: "
+                              f"{next(v for v in values if not isinstance(v, (int, float, type(None))))!r}") from None

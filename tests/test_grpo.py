@@ -1,0 +1,236 @@
+"""`fullshard train --train.objective=grpo`: one real launch that learns (the reward of the last 5
+steps well above the first 5's on a task a random policy scores low on), a resume in the middle
+equal to the uninterrupted run, a failing reward function as one line on every rank (one spawned
+group), and the pieces (rewards, prompts, rollout layout, refusals) in process."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fullshard.errors import ConfigError
+from fullshard.testing import run_distributed
+from fullshard.train.metrics import read_metrics
+
+REWARDS = '''
+def digit_share(prompts, completions, completion_ids, target, **columns):
+    assert len(target) == len(completions) == len(prompts) == len(completion_ids), "one value per completion"
+    texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]  # conversations: turns
+    return [sum(ch.isdigit() for ch in text) / max(len(text), 1) for text in texts]
+
+
+def boom(prompts, completions, completion_ids, **columns):
+    raise ValueError("boom")
+
+
+def too_few(prompts, completions, completion_ids, **columns):
+    return [1.0]
+'''
+TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}assistant: {% endif %}")
+
+
+def write_inputs(root):
+    """Prompts half as text, half as conversations (a reference answer at the end), a reward file
+    and a chat template for the byte tokenizer."""
+    records = []
+    for i in range(64):
+        question = f"what comes after {i}?"
+        record = {"prompt": question} if i % 2 else {"messages": [
+            {"role": "user", "content": question}, {"role": "assistant", "content": str(i + 1)}]}
+        records.append({**record, "target": "digits", "answer": str(i + 1)})
+    (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (root / "rewards.py").write_text(REWARDS)
+    (root / "template.jinja").write_text(TEMPLATE)
+
+
+def common(root, out: str, *extra) -> list[str]:
+    return [f"--data.path={root}/prompts.jsonl", f"--data.chat_template={root}/template.jinja",
+            "--data.seq_len=48", "--train.objective=grpo", f"--train.output_dir={root}/{out}",
+            "--rl.group_size=8", "--train.global_batch_size=16", "--rl.max_new_tokens=8", "--train.log_every=1",
+            "--optim.warmup_steps=2", f"--data.cache_dir={root}/cache", *extra]
+
+
+# ---------------------------------------------------------------------------------------------- one launch
+
+
+def test_cli_grpo_learns_with_a_reward_file(tmp_path):
+    write_inputs(tmp_path)
+    args = common(tmp_path, "out", "--train.steps=24", f"--rl.reward=[{tmp_path}/rewards.py:digit_share,format]",
+                  "--rl.reward_weights=[1.0,0.5]")
+    done = subprocess.run([sys.executable, "-m", "fullshard.cli", "train", *args, "--nproc", "2"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = [r for r in read_metrics(tmp_path / "out" / "metrics.jsonl") if r["kind"] == "train"]
+    assert [r["step"] for r in rows] == list(range(1, 25))
+    first, last = (sum(r["reward"] for r in part) / 5 for part in (rows[:5], rows[-5:]))
+    assert first < 0.15 and last > first + 0.2, (first, last)
+    for name in ("reward_std", "rewards/digit_share/mean", "rewards/format/mean", "entropy", "clip_ratio/low_mean",
+                 "clip_ratio/high_mean", "completions/mean_length", "completions/max_length",
+                 "completions/clipped_ratio", "generation_s", "logprobs_s", "update_s", "sync_s"):
+        assert all(name in r for r in rows), name
+    assert all(r["completions"] == 16 and r["rewards/format/mean"] == 0 for r in rows)
+    assert all(r["completions/max_length"] <= 8 for r in rows)
+    output = done.stdout + done.stderr
+    assert "  reward " in output and "reward plot" in output
+    assert (tmp_path / "out" / "hf" / "model.safetensors").exists()
+    assert (tmp_path / "out" / "checkpoints" / "step_24" / "COMPLETE").exists()
+
+
+# ---------------------------------------------------------------------------------------------- one group
+
+
+def _run(argv: list[str]) -> dict:
+    """`train()` on this rank, as `fullshard train` runs it: its summary, or its error line."""
+    from fullshard.launch import describe, error_line
+    from fullshard.train import load_config, train
+
+    try:
+        config = load_config(None, argv)
+        config.accumulation_steps(torch.distributed.get_world_size())
+        return {"summary": train(config)}
+    except Exception as exc:  # noqa: BLE001 - the test asserts on the line
+        return {"error": error_line(describe(exc))}
+
+
+def _group_runs(root: str) -> dict:
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    root, out = Path(root), {}
+    reward = [f"--rl.reward={root}/rewards.py:digit_share", "--model.name_or_path=micro-llama", "--train.steps=6"]
+    whole = common(root, "whole", *reward, "--checkpoint.every=3")
+    out["whole"] = _run(whole)
+    resumed = common(root, "resumed", *reward, "--checkpoint.every=3")
+    out["first_half"] = _run([*resumed, "--train.stop_after=3"])
+    out["second_half"] = _run(resumed)
+    if torch.distributed.get_rank() == 0 and "summary" in out["second_half"] and "summary" in out["whole"]:
+        out["weights"] = [load_file(root / name / "hf" / "model.safetensors") for name in ("whole", "resumed")]
+    kl = ("--rl.kl_coef=0.1", "--rl.epochs=2", "--rl.advantage=rloo", "--rl.loss_type=gspo", "--train.steps=2",
+          "--checkpoint.export=false")
+    out["kl"] = _run(common(root, "kl", *reward, *kl))
+    for name in ("boom", "too_few"):
+        out[name] = _run(common(root, name, f"--rl.reward={root}/rewards.py:{name}", "--train.steps=2"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def group(tmp_path_factory):
+    root = tmp_path_factory.mktemp("grpo")
+    write_inputs(root)
+    results = run_distributed(_group_runs, 2, str(root), timeout=900)
+    return root, results
+
+
+def test_resume_in_the_middle_equals_the_uninterrupted_run(group):
+    root, results = group
+    assert all("summary" in results[0][k] for k in ("whole", "first_half", "second_half")), results[0]
+    whole = [r for r in read_metrics(root / "whole" / "metrics.jsonl") if r["kind"] == "train"]
+    resumed = [r for r in read_metrics(root / "resumed" / "metrics.jsonl") if r["kind"] == "train"]
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
+    keys = ("reward", "loss", "grad_norm", "entropy", "completions/mean_length", "batch")
+    assert [[r[k] for k in keys] for r in resumed] == [[r[k] for k in keys] for r in whole]
+    assert results[0]["second_half"]["summary"]["start_step"] == 3
+    ours, theirs = results[0]["weights"]
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def test_kl_reference_epochs_rloo_gspo(group):
+    root, results = group
+    assert "error" not in results[0]["kl"], results[0]["kl"]
+    rows = [r for r in read_metrics(root / "kl" / "metrics.jsonl") if r["kind"] == "train"]
+    assert len(rows) == 2 and all(r["kl"] >= 0 for r in rows) and rows[-1]["kl"] > 0  # two updates a step
+
+
+def test_a_failing_reward_function_is_one_line_on_every_rank(group):
+    root, results = group
+    for rank in (0, 1):
+        boom, few = results[rank]["boom"]["error"], results[rank]["too_few"]["error"]
+        assert "\n" not in boom and "rewards.py:boom" in boom and "ValueError: boom" in boom, boom
+        assert "\n" not in few and "rewards.py:too_few" in few and "returned 1 values for 8 completions" in few, few
+
+
+# ---------------------------------------------------------------------------------------------- in process
+
+
+def test_builtin_rewards():
+    from fullshard.rl.rewards import Rewards, accuracy, digits, format_
+
+    completions = ["so it is \\boxed{12}", "the answer: 3, then 7", "nothing", "\\boxed{\\frac{1}{2}}"]
+    assert accuracy([], completions, [], answer=["12", "7", "1", "\\frac{1}{2}"]) == [1.0, 1.0, 0.0, 1.0]
+    assert accuracy([], completions[:1], [], solution=["... so \\boxed{12}."]) == [1.0]
+    assert accuracy([], completions[:1], []) == [None]
+    turns = [[{"role": "assistant", "content": "<think>x</think> <answer>4</answer>"}], "<answer>4</answer>"]
+    assert format_([], turns, []) == [1.0, 0.0]
+    assert digits([], ["a1", "", "22"], []) == [0.5, 0.0, 1.0]
+    rewards = Rewards(["accuracy", "digits"], [2.0, 1.0])
+    total, table = rewards.score(["p"] * 2, ["12", "x"], [[1], [2]], {"answer": [None, "5"]})
+    assert total.tolist() == [1.0, 0.0] and torch.isnan(table[0, 0])  # None: left out of the sum
+
+
+def test_reward_names_are_checked(tmp_path):
+    from fullshard.rl.rewards import load_reward
+
+    (tmp_path / "r.py").write_text("x = 1\n")
+    for spec, message in (("nope", "no built-in"), (f"{tmp_path}/missing.py:f", "no file"),
+                          (f"{tmp_path}/r.py:f", "has no function 'f'"), (f"{tmp_path}/r.py:x", "has no function"),
+                          ("no_such_module_here:f", "importing module")):
+        with pytest.raises(ConfigError, match=message):
+            load_reward(spec)
+    assert load_reward("json:dumps") is json.dumps
+
+
+def test_prompts_keep_every_other_column(tmp_path):
+    from fullshard.data.builtin import byte_tokenizer
+    from fullshard.data.prompts import load_prompts
+    from fullshard.train.config import load_config
+
+    write_inputs(tmp_path)
+    config = load_config(None, common(tmp_path, "x", f"--rl.reward={tmp_path}/rewards.py:digit_share"))
+    data = load_prompts(config.data, byte_tokenizer(), 8)
+    assert data.prompt(0) == [{"role": "user", "content": "what comes after 0?"}]  # the answer turn left out
+    assert data.prompt(1) == "what comes after 1?" and data.columns(1) == {"target": "digits", "answer": "2"}
+    text = byte_tokenizer().decode(data.prompt_ids(1))
+    assert text == "user: what comes after 1?\nassistant: "
+    batches = [data.step_batches(16, 8, rank, 2, seed=0, shuffle=True) for rank in (0, 1)]
+    rows = [b.micro_batches(5)[0] for b in batches]
+    assert len(rows[0]) == len(rows[1]) == 1 and rows[0] + rows[1] == batches[0].global_rows(5)
+
+
+def test_rollout_layout_scores_the_completion_tokens():
+    from fullshard.rl.rollout import Completions, as_rollouts, left_padded
+
+    ids, mask = left_padded([[5, 6], [7]], pad_token_id=0)
+    assert ids.tolist() == [[5, 6], [0, 7]] and mask.tolist() == [[1, 1], [0, 1]]
+    rollouts = as_rollouts(Completions([[5, 6], [7]], [[8, 9, 2], [3]], [False, True]), torch.tensor([1.0, -1.0]), 0)
+    assert rollouts.input_ids.tolist() == [[5, 6, 8, 9, 2], [7, 3, 0, 0, 0]]
+    # entry t scores token t + 1: the completion's tokens
+    assert rollouts.response_mask.tolist() == [[0, 1, 1, 1], [1, 0, 0, 0]]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--parallel.pp_size=2"], "parallel.pp_size is not supported"),
+    (["--rl.rollout=engines"], "rl.rollout is not supported"),
+    (["--data.path=x.jsonl"], "needs rl.reward"),
+    (["--rl.reward=[digits,format]", "--rl.reward_weights=[1.0]"], "1 weights for 2 reward functions"),
+    (["--rl.reference=none", "--rl.kl_coef=0.1"], "needs a reference"),
+    (["--rl.reference=adapter"], "lora.r is unset"),
+])
+def test_what_grpo_refuses_is_one_line_before_launch(extra, message):
+    from fullshard.train.config import load_config
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, ["--train.objective=grpo", *extra])
+
+
+def test_global_batch_counts_completions():
+    from fullshard.train.config import load_config
+
+    config = load_config(None, ["--train.objective=grpo", "--train.global_batch_size=24", "--rl.group_size=8"])
+    with pytest.raises(ConfigError, match="train.global_batch_size=24 is not divisible by rl.group_size=8 x "
+                                          "data-parallel size 2"):
+        config.accumulation_steps(2)
+    assert config.accumulation_steps(1) == 3
