@@ -63,13 +63,11 @@ def pipelined_sums(
     for index in batches:
         batch, inputs, trimmed = _micro_batch(rollouts, index, rows, width)
         if config.agg == "seq-mean-token-sum-norm" and config.loss_scale_factor is None:
-            norm["width"] = (
-                trimmed - 1
-            )  # the response width of the micro-batch without the padding added here
+            norm["width"] = trimmed - 1  # its response width without the padding added here
         recorded.clear()
         losses = run_pipeline(pipeline, batch, train=True, loss_inputs=inputs)
         if losses:
-            sums += torch.stack(recorded[-len(losses) :]).sum(0)
+            sums += torch.stack(recorded[-len(losses):]).sum(0)
     sum_tied_gradients(pipeline)
     tied = pipeline.tied_parameter()
     step = {
