@@ -19,6 +19,7 @@ import torch.distributed as dist
 from ..checkpoint.manager import CheckpointManager
 from ..data.builtin import builtin_model_config, builtin_tokenizer
 from ..data.chat import adopt_chat_template
+from ..data.prompts import load_prompts
 from ..data.vision import is_multimodal
 from ..distributed import ParallelDims, barrier, broadcast_from_rank0, get_rank, get_world_size, run_agreed
 from ..dtypes import DTYPES, dtype_name
@@ -27,7 +28,6 @@ from ..hf.export import export_hf, source_dtype
 from ..hf.lora import export_merged, save_adapter
 from ..log import log_rank0, warn_rank0
 from ..lora import apply_lora
-from ..data.prompts import load_prompts
 from ..objectives import Objective, build_objective
 from ..objectives.grpo import build_grpo
 from ..objectives.logprobs import DEFAULT_LOSS_CHUNK_TOKENS
@@ -363,7 +363,7 @@ class Trainer:
         log_rank0(f"{config.model.name_or_path}: {parameters_line(model)}, "
                   f"{describe_mesh(dims)}, {data.describe()} of {config.data.seq_len} tokens, "
                   f"steps {start}..{end} of {config.train.steps}" + (f" (resumed from step {start})" if start else ""))
-        log_rank0(attention_path(model, config.data.packing))
+        log_rank0(attention_path(model, config.data.packing and not rl))  # rollouts: one sequence a row
         split = ContextSplit(dims, rank, text_tokenizer(tokenizer).pad_token_id)
         eval_rows = config.train.eval_batches * config.train.global_batch_size  # the same rows on any batching
         evals = split(data.eval_batches(config.train.micro_batch_size, dp_rank, dp_size, eval_rows))
@@ -449,6 +449,7 @@ class Trainer:
             run.checkpoint = manager.save(end, model, run.optimizer, run.scheduler, states={"strategy": strategy},
                                           extra_state=self._extra_state(run, end), tokenizer=run.tokenizer)
         manager.wait()
+        run.objective.close()
         summary["checkpoint"] = str(run.checkpoint)  # this run's, whatever else the directory holds
         dtype = DTYPES[config.train.export_dtype] if config.train.export_dtype else source_dtype(model)
         if finished and config.checkpoint.export and not lora.enabled:
