@@ -57,6 +57,7 @@ def engine_main(
     try:
         model = build_engine_model(spec).to(device)
         load = weight_loader(model)
+        responses.put(("ready", None))  # the trainer hosts the rendezvous once every engine is up
         sync = WeightSync.engine(
             HOST, port, engine_rank, num_engines, timeout_s=timeout_s, device=device
         )
@@ -104,27 +105,37 @@ class Engines:
 
         self.num_engines, self.timeout_s, self.processes = num_engines, timeout_s, []
         port = broadcast_from_rank0(find_free_port() if get_rank() == 0 else None)
-        if get_rank() == 0:
-            context = mp.get_context("spawn")
-            self.requests = [context.Queue() for _ in range(num_engines)]
-            self.responses = [context.Queue() for _ in range(num_engines)]
-            for e in range(num_engines):
-                process = context.Process(
-                    target=engine_main,
-                    daemon=True,
-                    args=(
-                        spec,
-                        e,
-                        num_engines,
-                        port,
-                        self.requests[e],
-                        self.responses[e],
-                        timeout_s,
-                    ),
-                )
-                process.start()
-                self.processes.append(process)
+        with agreed(ConfigError):  # every engine up, or one line naming the one that is not
+            if get_rank() == 0:
+                context = mp.get_context("spawn")
+                self.requests = [context.Queue() for _ in range(num_engines)]
+                self.responses = [context.Queue() for _ in range(num_engines)]
+                for e in range(num_engines):
+                    process = context.Process(target=engine_main, daemon=True, args=(
+                        spec, e, num_engines, port, self.requests[e], self.responses[e], timeout_s))
+                    process.start()
+                    self.processes.append(process)
+                for e in range(num_engines):
+                    self._answer(e)
         self.sync = WeightSync.trainer(HOST, port, num_engines, timeout_s=timeout_s)
+
+    def _answer(self, e: int):
+        """Engine `e`'s next answer; a `ConfigError` if it failed, exited or timed out."""
+        waited = 0.0
+        while True:
+            try:
+                status, value = self.responses[e].get(timeout=5)
+                break
+            except queues.Empty:
+                waited += 5
+                process = self.processes[e]
+                if not process.is_alive() or waited >= self.timeout_s:
+                    why = f"exited (code {process.exitcode})" if not process.is_alive() else \
+                        f"answered nothing in {self.timeout_s:.0f} s"
+                    raise ConfigError(f"rollout engine {e} {why}") from None
+        if status == "error":
+            raise ConfigError(value)
+        return value
 
     def push(self, model) -> float:
         """The model's weights to every engine (every rank calls it); the seconds it took."""
@@ -189,15 +200,7 @@ class Engines:
                 asked.append(e)
         rows = []
         for e in asked:
-            try:
-                status, value = self.responses[e].get(timeout=self.timeout_s)
-            except queues.Empty:
-                raise ConfigError(
-                    f"rollout engine {e} answered nothing in {self.timeout_s:.0f} s "
-                    f"(exit code {self.processes[e].exitcode})"
-                ) from None
-            if status != "ok":
-                raise ConfigError(value)
+            value = self._answer(e)
             rows.extend(value)
         return rows
 
