@@ -3,6 +3,7 @@ closes a circle, and every import points down the layer table DESIGN.md keeps, s
 read and changed knowing only the layers below it."""
 
 import ast
+import json
 import os
 import re
 import subprocess
@@ -160,15 +161,32 @@ def test_old_module_paths_import_as_the_moved_modules():
     assert result.returncode == 0, result.stderr[-3000:]
 
 
-@pytest.mark.parametrize("name", ["fullshard.dtypes", "fullshard.errors", "fullshard.tensors", "fullshard.plan",
-                                  "fullshard.fsdp", "fullshard.loading", "fullshard.checkpoint"])
-def test_low_layers_do_not_import_upwards(name):
-    """The ground floor and the loader never pull in the engine, the strategy or the trainer."""
-    code = (f"import sys, importlib; importlib.import_module({name!r}); "
-            "bad = [m for m in ('fullshard.engine', 'fullshard.faces', 'fullshard.train', 'fullshard.pretrained', "
-            "'fullshard.cli') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+LOW_LAYERS = ["fullshard.dtypes", "fullshard.errors", "fullshard.tensors", "fullshard.plan", "fullshard.fsdp",
+              "fullshard.loading", "fullshard.checkpoint"]
+HIGH = ("fullshard.engine", "fullshard.faces", "fullshard.train", "fullshard.pretrained", "fullshard.cli")
+
+
+@pytest.fixture(scope="module")
+def pulled_in_by_low_layers() -> dict:
+    """For each of LOW_LAYERS, imported alone (our modules dropped between, as in
+    test_every_module_imports_alone_in_a_fresh_interpreter), the high modules it pulled in."""
+    code = ("import importlib, json, sys\n"
+            "found = {}\n"
+            "for name in sys.argv[1:]:\n"
+            "    for loaded in [m for m in sys.modules if m.startswith('fullshard')]:\n"
+            "        del sys.modules[loaded]\n"
+            "    importlib.import_module(name)\n"
+            f"    found[name] = [m for m in {HIGH!r} if m in sys.modules]\n"
+            "print(json.dumps(found))\n")
+    result = subprocess.run([sys.executable, "-c", code, *LOW_LAYERS], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr[-2000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", LOW_LAYERS)
+def test_low_layers_do_not_import_upwards(name, pulled_in_by_low_layers):
+    """The ground floor and the loader never pull in the engine, the strategy or the trainer."""
+    assert pulled_in_by_low_layers[name] == []
 
 
 MAX_FUNCTION_LINES = 60

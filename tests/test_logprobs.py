@@ -86,6 +86,47 @@ def _vlm_case() -> dict:
     return _against_reference(reference, model, batch, rank, 2)
 
 
+def _pipelined_case(name: str, dp_rank: int, dp_size: int) -> dict:
+    """pp 2 (x dp): the last stage computes the log-probs and entropies, every rank gets them; the
+    data ranks hold different numbers of rows and columns (the pipeline pads to agreed shapes)."""
+    from fullshard.errors import ConfigError
+
+    reference = build_model(name, vocab_size=VOCAB)
+    engine = FSDP2Engine({"mixed_precision": "fp32", "pp_size": 2, "pp_schedule": "GPipe"})
+    model = engine.prepare_model(copy.deepcopy(reference))
+    batch = make_batch(name, batch_size=8, seq_len=16, seed=3)
+    batch["labels"][0, :5] = -100
+    with torch.no_grad():
+        lp, ent = reference_logprobs(reference, batch)
+    rows, width = (slice(0, 5), 16) if dp_rank == 0 else (slice(5, 8), 11)
+    ids, labels = batch["input_ids"][rows, :width], batch["labels"][rows, :width]
+    with torch.no_grad():
+        got, got_ent = token_logprobs(model, ids, labels, temperature=T, chunk_tokens=CHUNK,
+                                      return_entropy=True)
+    values = torch.tensor([(got - lp[rows, :width - 1]).abs().max().item(),
+                           (got_ent - ent[rows, :width - 1]).abs().max().item()])
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    try:
+        token_logprobs(model, ids, labels)
+        refused = ""
+    except ConfigError as err:
+        refused = str(err)
+    return {"logprobs": values[0].item(), "entropy": values[1].item(), "shape": tuple(got.shape),
+            "refused_with_grad": refused}
+
+
+def _check_pipelined(per_rank: list[dict], name: str) -> list[str]:
+    problems = []
+    for rank, result in enumerate(per_rank):
+        r = result[name]
+        for key in ("logprobs", "entropy"):
+            if not r[key] <= TOL:
+                problems.append(f"rank {rank} {name}: {key} differ by {r[key]:.2e}")
+        if "torch.no_grad()" not in r["refused_with_grad"]:
+            problems.append(f"rank {rank} {name}: a call with gradients enabled was not refused")
+    return problems
+
+
 def _world_2() -> dict:
     rank = dist.get_rank()
     return {
@@ -95,6 +136,7 @@ def _world_2() -> dict:
         "tp2": _text_case("llama", {"tp_size": 2, "tp_plan": LLAMA_LAYERS_TP}, 0, 1),
         "lora": _text_case("llama", {}, rank, 2, lora=True),
         "qwen2_vl_image_on_one_rank": _vlm_case(),
+        "pp2": _pipelined_case("qwen3", 0, 1),
     }
 
 
@@ -103,6 +145,7 @@ def _world_4() -> dict:
     return {
         "dp2_tp2": _text_case("llama", {"tp_size": 2, "tp_plan": LLAMA_LAYERS_TP}, rank // 2, 2),
         "qwen3_tied": _text_case("qwen3", {}, rank, 4),
+        "dp2_pp2": _pipelined_case("llama", rank % 2, 2),
     }
 
 
@@ -120,13 +163,17 @@ def _problems(results: dict) -> list[str]:
 
 
 def test_token_logprobs_world_2_matches_one_process():
-    results = run_distributed(_world_2, world_size=2)[0]
-    assert not _problems(results), _problems(results)
+    per_rank = run_distributed(_world_2, world_size=2)
+    problems = _check_pipelined(per_rank, "pp2")
+    results = {k: v for k, v in per_rank[0].items() if k != "pp2"}
+    assert not _problems(results) + problems, _problems(results) + problems
 
 
 def test_token_logprobs_world_4_matches_one_process():
-    results = run_distributed(_world_4, world_size=4)[0]
-    assert not _problems(results), _problems(results)
+    per_rank = run_distributed(_world_4, world_size=4)
+    problems = _check_pipelined(per_rank, "dp2_pp2")
+    results = {k: v for k, v in per_rank[0].items() if k != "dp2_pp2"}
+    assert not _problems(results) + problems, _problems(results) + problems
 
 
 def test_token_logprobs_plain_model_and_default_labels():

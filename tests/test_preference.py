@@ -7,8 +7,11 @@ raw loss of each step read from `compute_loss` (its log rounds to 4 digits). ful
 rank: ORPO's and RPO's token means span them), against TRL for sigmoid, ipo, hinge, RPO (sigmoid
 plus DPOTrainer's `sft` loss weighted), ORPO, and LoRA with the adapters disabled as the reference
 (TRL given the adapters fullshard initialises); sigmoid packed (whole pairs per row), with the
-reference offloaded to the host, with it precomputed, and at tp 2, against the plain run; and under
-LoRA the adapter-disabled reference against a frozen base copy (`reference=model`)."""
+reference offloaded to the host, with it precomputed, and at tp 2, against the plain run; under
+LoRA the adapter-disabled reference against a frozen base copy (`reference=model`). World 1 runs in
+the test's process: the first step of runs the group resumes at world 2 (the reference a frozen
+copy, or precomputed), a tiny Qwen3-MoE that the group trains at ep 2, and the built-in tiny
+Qwen2-VL on pairs with images in some prompts."""
 
 import json
 import random
@@ -119,19 +122,57 @@ def dpo_run(root: str, name: str, *extra, summary: bool = False):
     return result if summary else [loss for _, loss in sorted(result["losses"].items())]
 
 
-# resumed runs: step 1 at world 1 (the test's process), steps 2..3 at world 2 (the group); their own
-# cache, so that the group's precompute run computes its table at world 2
+def write_moe(directory):
+    """A tiny Qwen3-MoE (8 experts) with the byte tokenizer, as a Hub-layout directory."""
+    from fullshard.data.builtin import byte_tokenizer
+    from fullshard.testing import build_model
+
+    tokenizer = byte_tokenizer()
+    build_model("ep_qwen3_moe", vocab_size=len(tokenizer), max_position_embeddings=64,
+                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+
+
+def write_vlm_pairs(directory, n=PAIRS, images=(0, 3, 4, 5, 10)):
+    """Image-text pairs for the built-in tiny Qwen2-VL: the records in `images` ask about a picture,
+    the others are text only; chosen names the picture's colour, rejected another. With 2 ranks, one
+    pair per micro-batch and 4 per step: step 1's ranks each have one micro-batch without an image
+    while the other's has one, step 2's images are all on rank 0, step 3 has one image."""
+    import random
+
+    from fullshard.data.builtin import COLOURS, draw_shape
+
+    directory.mkdir(parents=True, exist_ok=True)
+    rng, colours = random.Random(2), sorted(COLOURS)
+    with open(directory / "pairs.jsonl", "w") as f:
+        for i in range(n):
+            colour, wrong = rng.sample(colours, 2)
+            question = [{"type": "text", "text": "what colour?"}]
+            if i in images:
+                draw_shape("circle", colour, rng).save(directory / f"{i}.png")
+                question = [{"type": "image", "image": f"{i}.png"}, *question]
+            answer = lambda text: [{"role": "assistant", "content": [{"type": "text", "text": text}]}]  # noqa: E731
+            f.write(json.dumps({"prompt": [{"role": "user", "content": question}], "chosen": answer(colour),
+                                "rejected": answer(wrong)}) + "\n")
+
+
+# world 1 in the test's process, against the group's world 2: resumed runs (step 1 here, 2..3 there; their
+# own cache, so that the group's precompute run computes its table at world 2) and Qwen3-MoE at ep 2
 RESUMED = {"sigmoid": ("--data.cache_dir={root}/cache-resume",),
            "precompute": ("--data.cache_dir={root}/cache-resume", "--preference.reference=precompute")}
+MOE = ("--model.name_or_path={root}/moe", "--data.cache_dir={root}/cache-moe")
+VLM = ("--model.name_or_path=tiny-qwen2-vl", "--data.path={root}/vlm/pairs.jsonl", "--data.cache_dir={root}/cache-vlm",
+       "--data.seq_len=256")
 
 
 def _fullshard_runs(root: str) -> dict:
     def run(name, *extra, summary=False):
-        return dpo_run(root, name, *extra, summary=summary)
+        return dpo_run(root, name, *(e.format(root=root) for e in extra), summary=summary)
 
     out = {loss: run(loss, f"--preference.loss_type={loss}") for loss in ("sigmoid", "ipo", "hinge", "orpo")}
-    out.update({f"resumed_{name}": run(f"resume-{name}", *(e.format(root=root) for e in extra))
-                for name, extra in RESUMED.items()})
+    out.update({f"resumed_{name}": run(f"resume-{name}", *extra) for name, extra in RESUMED.items()})
+    out["moe_ep2"] = run("moe_ep2", *MOE, "--fsdp.ep_size=2")
+    out["vlm_2"] = run("vlm_2", *VLM)
     out["rpo"] = run("rpo", f"--preference.sft_weight={TRL_RUNS['rpo']['sft_weight']}")
     # packed: two whole pairs per row, two rows per step: the same pairs per step as one per row
     out["packed"] = run("packed", "--data.packing=true", "--data.seq_len=40", f"--train.global_batch_size={BATCH // 2}")
@@ -145,6 +186,15 @@ def _fullshard_runs(root: str) -> dict:
     lora = ("--lora.r=4", "--lora.target_modules=[q_proj,v_proj]", "--lora.alpha=16", "--lora.save_adapter=false")
     out["lora_adapter"] = run("lora_adapter", *lora, "--preference.reference=adapter")
     out["lora_model"] = run("lora_model", *lora, "--preference.reference=model")
+    # pp 2 (dp 1): micro-batches of two rows, each row one pipeline micro-batch (its pairs whole)
+    pp = ("--fsdp.pp_size=2", "--fsdp.pp_schedule=GPipe", "--train.micro_batch_size=2")
+    out["pp2"] = run("pp2", *pp)
+    out["pp2_packed_precompute"] = run("pp2_packed", *pp, "--data.packing=true",
+                                       "--data.seq_len=40",
+                                       f"--train.global_batch_size={BATCH // 2}",
+                                       "--preference.reference=precompute")
+    out["pp2_lora_adapter"] = run("pp2_lora", *pp, *lora, "--preference.reference=adapter")
+    out["pp2_orpo"] = run("pp2_orpo", *pp, "--preference.loss_type=orpo")  # its prompt scored too
     return out
 
 
@@ -154,10 +204,17 @@ def runs(tmp_path_factory):
     write_base(root / "base")
     write_pairs(root / "pairs.jsonl")
     write_pairs(root / "learn.jsonl", n=128, seed=1)
-    first = {name: dpo_run(str(root), f"resume-{name}", "--train.stop_after=1", *(e.format(root=root) for e in extra))
-             for name, extra in RESUMED.items()}
-    ours = run_distributed(_fullshard_runs, 2, str(root))[0]
-    ours.update({f"first_{name}": losses for name, losses in first.items()})
+    write_moe(root / "moe")
+    first = {f"first_{name}": dpo_run(str(root), f"resume-{name}", "--train.stop_after=1",
+                                      *(e.format(root=root) for e in extra)) for name, extra in RESUMED.items()}
+    first["moe_1"] = dpo_run(str(root), "moe_1", *(e.format(root=root) for e in MOE))
+    write_vlm_pairs(root / "vlm")
+    first["vlm_1"] = dpo_run(str(root), "vlm_1", *(e.format(root=root) for e in VLM))
+    from datasets import Dataset
+
+    rows = Dataset.from_file(str(next((root / "cache-vlm").glob("*/packed.arrow"))))
+    first["vlm_rows_with_images"] = sum(any(len(blob) for blob in row) for row in rows["images"])
+    ours = {**run_distributed(_fullshard_runs, 2, str(root))[0], **first}
     theirs = {name: trl_losses(root / "base", root / "pairs.jsonl", root / f"trl-{name}", **kwargs)
               for name, kwargs in TRL_RUNS.items()}
     return ours, theirs
@@ -188,6 +245,20 @@ def test_resumed_at_another_world_size_equals_the_uninterrupted_run(runs, name):
     assert max(abs(a - b) for a, b in zip(resumed, ours["sigmoid"])) <= TOL, (resumed, ours["sigmoid"])
 
 
+def test_dpo_on_qwen3_moe_at_ep_2_equals_one_process(runs):
+    ours, _ = runs
+    assert len(ours["moe_ep2"]) == STEPS
+    assert max(abs(a - b) for a, b in zip(ours["moe_ep2"], ours["moe_1"])) <= TOL, (ours["moe_ep2"], ours["moe_1"])
+
+
+def test_vlm_dpo_with_images_on_some_ranks_equals_one_process(runs):
+    """Tiny Qwen2-VL, images in some prompts: micro-batches without images beside ones with them."""
+    ours, _ = runs
+    assert ours["vlm_rows_with_images"] == 5  # the pairs whose prompts show a picture
+    assert len(ours["vlm_2"]) == STEPS and ours["vlm_2"][-1] != ours["vlm_2"][0]
+    assert max(abs(a - b) for a, b in zip(ours["vlm_2"], ours["vlm_1"])) <= TOL, (ours["vlm_2"], ours["vlm_1"])
+
+
 def test_dpo_learns_held_out_preferences(runs):
     ours, _ = runs
     assert ours["learn"]["eval_rewards/accuracies"] >= 0.9, ours["learn"]
@@ -197,6 +268,17 @@ def test_lora_adapter_reference_equals_a_frozen_base_copy(runs):
     ours, _ = runs
     assert max(abs(a - b) for a, b in zip(ours["lora_adapter"], ours["lora_model"])) <= TOL
     assert abs(ours["lora_adapter"][0] - 0.6931472) <= TOL  # step 1: policy = reference, loss log 2
+
+
+@pytest.mark.parametrize("layout, plain", [("pp2", "sigmoid"), ("pp2_packed_precompute", "packed"),
+                                           ("pp2_lora_adapter", "lora_adapter"),
+                                           ("pp2_orpo", "orpo")])
+def test_dpo_under_pipeline_parallelism_equals_the_plain_run(runs, layout, plain):
+    """pp 2: the reference first (a pipelined frozen copy, the precomputed table, the adapters
+    off), then the policy's log-probs and the loss on the last stage, per pipeline micro-batch."""
+    ours, _ = runs
+    gap = max(abs(a - b) for a, b in zip(ours[layout], ours[plain]))
+    assert gap <= TOL, (ours[layout], ours[plain])
 
 
 # ---------------------------------------------------------------------------------------------- data, refusals
@@ -253,10 +335,38 @@ def test_bad_preference_records_name_file_and_line(tmp_path):
     (["--train.objective=dpo", "--data.format=preference", "--preference.reference=adapter"], "lora.r is unset"),
     (["--train.objective=dpo", "--data.format=preference", "--preference.loss_type=orpo",
       "--preference.sft_weight=1"], "built in"),
-    (["--train.objective=dpo", "--data.format=preference", "--fsdp.pp_size=2"], "fsdp.pp_size is not supported"),
+    (["--train.objective=dpo", "--data.format=preference", "--fsdp.cp_size=2"],
+     "fsdp.cp_size is not supported"),
 ])
 def test_combinations_that_do_not_fit_are_one_line(overrides, message):
     from fullshard.train import ConfigError, load_config
 
     with pytest.raises(ConfigError, match=message):
         load_config(None, overrides)
+
+
+def test_vlm_pairs_hold_their_images_once_per_sequence_and_refuse_assistant_turns_in_prompts(tmp_path):
+    import random
+
+    from fullshard.data.builtin import draw_shape, tiny_vlm_processor
+    from fullshard.data.chat import RecordError
+    from fullshard.data.preference import ROLE, VisionPreferenceTokenize
+    from fullshard.data.vision import decode_images
+    from fullshard.train import load_config
+
+    draw_shape("square", "red", random.Random(0)).save(tmp_path / "pic.png")
+    section = load_config(None, ["--data.format=preference", "--train.objective=dpo", "--data.seq_len=512"]).data
+    processor = tiny_vlm_processor()
+    tokenize = VisionPreferenceTokenize(processor, section, tmp_path, None)
+    user = {"role": "user", "content": [{"type": "image", "image": "pic.png"}, {"type": "text", "text": "colour?"}]}
+    answer = lambda text: [{"role": "assistant", "content": [{"type": "text", "text": text}]}]  # noqa: E731
+    pair = tokenize.pair(0, [user], answer("red"), answer("blue"))
+    assert decode_images([pair["images"]])["image_grid_thw"].shape[0] == 2  # the picture, once per sequence
+    image_id = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    roles = pair[ROLE]
+    for role, text in ((1, "red"), (2, "blue")):
+        ids = [t for t, r in zip(pair["input_ids"], roles) if r == role]
+        labelled = [t for t, label, r in zip(pair["input_ids"], pair["labels"], roles) if r == role and label != -100]
+        assert image_id in ids and processor.tokenizer.decode(labelled).startswith(text)
+    with pytest.raises(RecordError, match="assistant turns in its prompt"):
+        tokenize.pair(3, [user, *answer("red"), user], answer("red"), answer("blue"))

@@ -6,7 +6,7 @@ rate, no weight decay, AdamW (0.9, 0.999), clipping 1.0, its raw loss of each st
 of its loss are compared. Both start from one sequence-classification checkpoint (a head TRL and
 fullshard would otherwise draw apart). fullshard runs `fullshard.train.train` at world 2 in one
 spawned group: one pair per row (exported, the export's scores read by transformers against TRL's
-model), packed (two whole pairs per row), a learning run on held-out pairs, and a causal-LM
+model), packed (two whole pairs per row), at tp 2, a learning run on held-out pairs, and a causal-LM
 checkpoint whose score head is new.
 """
 
@@ -114,6 +114,7 @@ def _fullshard_runs(root: str) -> dict:
     out = {"plain": run("plain", "--checkpoint.export=true")}
     # packed: two whole pairs per row, two rows per step: the same pairs per step as one per row
     out["packed"] = run("packed", "--data.packing=true", "--data.seq_len=40", f"--train.global_batch_size={BATCH // 2}")
+    out["tp2"] = run("tp2", "--parallel.tp_size=2")  # dp 1: each step's four pairs one after another
     # learning: held-out pairs ranked, from a causal LM whose score head is new
     learned = run("learn", f"--model.name_or_path={root}/causal", f"--data.path={root}/learn.jsonl",
                   "--data.eval_fraction=0.25", "--train.steps=12", "--optim.lr=3e-3", "--train.global_batch_size=8",
@@ -164,9 +165,10 @@ def test_export_loads_as_sequence_classification_with_trls_scores(runs):
     assert torch.allclose(ours, trl_scores, atol=1e-4, rtol=0), (ours - trl_scores).abs().max()
 
 
-def test_packed_equals_unpacked(runs):
+@pytest.mark.parametrize("layout", ["packed", "tp2"])
+def test_packed_and_tp_equal_the_plain_run(runs, layout):
     _, ours, _ = runs
-    assert max(abs(a - b) for a, b in zip(ours["packed"], ours["plain"])) <= TOL, (ours["packed"], ours["plain"])
+    assert max(abs(a - b) for a, b in zip(ours[layout], ours["plain"])) <= TOL, (ours[layout], ours["plain"])
 
 
 def test_reward_model_separates_held_out_pairs(runs):
@@ -197,3 +199,29 @@ def test_reward_combinations_that_do_not_fit_are_one_line(overrides, message):
 
     with pytest.raises(ConfigError, match=message):
         load_config(None, overrides)
+
+
+def test_a_classification_checkpoint_with_more_outputs_is_refused(tmp_path):
+    from transformers import LlamaConfig
+
+    from fullshard.train import ConfigError, load_config
+    from fullshard.train.preflight import build_meta_model
+
+    LlamaConfig(num_labels=3, architectures=["LlamaForSequenceClassification"]).save_pretrained(tmp_path)
+    config = load_config(None, [f"--model.name_or_path={tmp_path}", "--train.objective=reward",
+                                "--data.format=preference"])
+    with pytest.raises(ConfigError, match="LlamaForSequenceClassification checkpoint with 3 outputs"):
+        build_meta_model(config)
+
+
+def test_a_bad_margin_names_file_and_line(tmp_path):
+    from fullshard.data.builtin import byte_tokenizer
+    from fullshard.data.prepare import prepare
+    from fullshard.train import ConfigError, load_config
+
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(json.dumps({"prompt": "a", "chosen": "b", "rejected": "c", "margin": 1.0}) + "\n"
+                    + json.dumps({"prompt": "a", "chosen": "b", "rejected": "c", "margin": "high"}) + "\n")
+    section = load_config(None, ["--data.format=preference", "--train.objective=reward", f"--data.path={path}"]).data
+    with pytest.raises(ConfigError, match=r"pairs\.jsonl.*2.*margin that is not a finite number"):
+        prepare(section, byte_tokenizer(), str(path), tmp_path / "cache")

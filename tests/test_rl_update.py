@@ -82,6 +82,11 @@ CASES = {  # name -> (layout, UpdateConfig)
     "dp2tp2_ppo_sum": ("tp", UpdateConfig(max_tokens=64, agg="token-sum", max_norm=0.5)),
     "lora_dp4": ("lora", UpdateConfig(max_tokens=64, kl_coef=0.1)),
     "qwen3_moe_ep2": ("ep", UpdateConfig(max_tokens=64, kl_coef=0.1, agg="seq-mean-token-sum")),
+    # dp 2 x pp 2 (tied Qwen3): the last stage computes the loss inside the schedule
+    "dp2pp2_seq_mean": ("pp", UpdateConfig(max_tokens=64, kl_coef=0.1, entropy_coef=0.01,
+                                           clip_ratio_c=1.5, agg="seq-mean-token-mean")),
+    # Qwen2-VL at dp 4, images in the rows of ranks 0 and 1 only (ranks 2 and 3 run a stand-in)
+    "qwen2_vl_dp4": ("vlm", UpdateConfig(max_tokens=64, kl_coef=0.1)),
 }
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
 
@@ -95,7 +100,39 @@ def _model(layout):
         model = build_model("llama")
         torch.manual_seed(5)
         return apply_lora(model, LORA)
-    return build_model("qwen3_moe" if layout == "ep" else "llama")
+    if layout == "vlm":
+        from fullshard.testing.vlm_zoo import build_vlm
+
+        return build_vlm("qwen2_vl")
+    return build_model({"ep": "qwen3_moe", "pp": "qwen3"}.get(layout, "llama"))
+
+
+VLM_IMAGES = [True, False, False, False, False, True, False, False]  # rows 0, 5: dp ranks 0, 1 of 4
+
+
+def _vlm_rollouts() -> Rollouts:
+    """Qwen2-VL rows (two text tokens, an image's tokens in the rows flagged, then text), each row's
+    image as its own dict (`Rollouts.model_inputs["images"]`), the response after the image."""
+    from fullshard import token_logprobs
+    from fullshard.testing.vlm_zoo import VLMInputs
+
+    model = _model("vlm")
+    inputs = VLMInputs(model)
+    batch = inputs.batch(VLM_IMAGES)
+    ids = batch["input_ids"]
+    generator = torch.Generator().manual_seed(1)
+    lengths = ids.shape[1] - torch.randint(0, 5, (len(ids),), generator=generator)
+    positions = torch.arange(ids.shape[1])[None]
+    attention = (positions < lengths[:, None]).long()
+    response = ((positions[:, 1:] + 1 >= 4 + inputs.tokens) & (attention[:, 1:] == 1)).float()
+    extra = {"images": [inputs.images([r]) if flag else {} for r, flag in enumerate(VLM_IMAGES)],
+             "mm_token_type_ids": batch["mm_token_type_ids"]}
+    with torch.no_grad():
+        base = token_logprobs(model, ids, attention_mask=attention, **extra)
+    noise = torch.randn(2, *base.shape, generator=generator) * 0.3
+    rewards = torch.rand(len(ids), generator=generator)
+    return Rollouts(ids, attention, response, rl.group_advantages(rewards, GROUP),
+                    (base + noise[0]) * response, (base + noise[1]) * response, extra)
 
 
 def _optimizer(model):
@@ -111,7 +148,7 @@ def _run(model, rollouts, config, steps=2, **kwargs):
 
 def _reference(config, layout="dp"):
     model = _model(layout)
-    results = _run(model, _rollouts(), config)
+    results = _run(model, _vlm_rollouts() if layout == "vlm" else _rollouts(), config)
     return results, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
@@ -122,14 +159,22 @@ def _sharded_cases(cases):
     rank, world = dist.get_rank(), dist.get_world_size()
     out = {}
     for name, (layout, config) in cases.items():
-        tp = 2 if layout == "tp" else 1
-        dp, dp_rank = world // tp, rank // tp
-        engine = {"mixed_precision": "fp32", "tp_size": tp, "ep_size": 2 if layout == "ep" else 1}
+        tp, pp = 2 if layout == "tp" else 1, 2 if layout == "pp" else 1
+        dp = world // (tp * pp)
+        dp_rank = rank // tp % dp  # pp outermost, tp innermost
+        # a VLM's vision tower trained too: its stand-in path on the ranks without images
+        engine = {"mixed_precision": "fp32", "tp_size": tp, "ep_size": 2 if layout == "ep" else 1,
+                  "pp_size": pp, "freeze": "none"}
         model = FSDP2Engine(engine).shard_model(_model(layout))
-        rollouts = _rollouts()
-        mine = list(range(dp_rank, SEQUENCES, dp))  # every dp-th row: uneven lengths per rank
-        results = _run(model, rollouts.rows(mine), config, dp_size=dp, repeats=tp)
-        out[name] = (results, full_state(model))
+        rollouts = _vlm_rollouts() if layout == "vlm" else _rollouts()
+        mine = list(range(dp_rank, len(rollouts), dp))  # every dp-th row: uneven lengths per rank
+        results = _run(model, rollouts.rows(mine), config, dp_size=dp, repeats=tp * pp)
+        state = full_state(model)
+        if pp > 1:  # each rank holds its stage: every stage's weights
+            stages = [None] * world
+            dist.all_gather_object(stages, state)
+            state = {n: w for part in stages for n, w in part.items()}
+        out[name] = (results, state)
     return {"cases": out if rank == 0 else None, "batches": rl.token_batches(RANK_LENGTHS[rank], 10),
             "phases": _phases()}
 

@@ -138,3 +138,54 @@ class PreferenceTokenize:
         except Exception as err:  # noqa: BLE001 - a template error names the record
             raise RecordError(row, f"does not render with the chat template: {type(err).__name__}: {err}") from None
         return list(alone), list(whole)
+
+
+class VisionPreferenceTokenize:
+    """Preference records for a vision-language model, images in their prompts (content parts as in
+    image-text chat records): each sequence, the prompt with one completion, goes through the
+    processor as an image-text conversation (`vision.VisionTokenize.document`: image tokens expanded,
+    per-token columns, rope rows restarting at the sequence), and the two are joined as one pair
+    document with `pair_role`, its image tensors the chosen sequence's then the rejected one's. The
+    labels are the conversation's assistant turns, so a prompt with assistant turns of its own is
+    one error naming the record. A pair longer than `seq_len` is dropped (and counted)."""
+
+    def __init__(self, processor, section, base_dir, rope):
+        from .vision import VisionTokenize
+
+        self.vision = VisionTokenize(processor, section, base_dir, rope)
+        self.columns = (ROLE, *self.vision.columns)
+        self.prompt_field, self.seq_len = section.prompt_field, section.seq_len
+
+    def __call__(self, batch: dict, indices: list[int]) -> dict:
+        from .pack import IMAGES
+
+        out = {key: [] for key in ("input_ids", "labels", "truncated", "broken", IMAGES, *self.columns)}
+        for k, row in enumerate(indices):
+            prompt = batch[self.prompt_field][k] if self.prompt_field in batch else None
+            pair = self.pair(row, prompt, batch["chosen"][k], batch["rejected"][k])
+            for key in out:
+                out[key].append(pair[key] if key in pair else False)
+        return out
+
+    def pair(self, row: int, prompt, chosen, rejected) -> dict:
+        from .pack import IMAGES
+        from .vision import decode_images, encode_images
+
+        for name, value in (("chosen", chosen), ("rejected", rejected)):
+            if not isinstance(value, list) or not value:
+                raise RecordError(row, f"has no {name} completion as a list of turns (image-text pairs are "
+                                       "conversations)")
+        prompt, chosen, rejected = split_prompt(row, prompt, chosen, rejected)
+        if not isinstance(prompt, list) or not prompt or not all(isinstance(t, dict) for t in prompt):
+            raise RecordError(row, "has a prompt that is not a non-empty list of turns (image-text pairs are "
+                                   "conversations)")
+        if any(turn.get("role") == "assistant" for turn in prompt):
+            raise RecordError(row, "has assistant turns in its prompt: image-text pairs label every assistant "
+                                   "turn, so their prompts must end before the first one")
+        docs = [self.vision.document(row, prompt + list(c)) for c in (chosen, rejected)]
+        if any(not d["input_ids"] for d in docs) or sum(len(d["input_ids"]) for d in docs) > self.seq_len:
+            return {"input_ids": [], "labels": [], IMAGES: b"", **{c: [] for c in self.columns}}
+        joined = {key: docs[0][key] + docs[1][key] for key in ("input_ids", "labels", *self.vision.columns)}
+        joined[ROLE] = [CHOSEN] * len(docs[0]["input_ids"]) + [REJECTED] * len(docs[1]["input_ids"])
+        joined[IMAGES] = encode_images(decode_images([docs[0][IMAGES], docs[1][IMAGES]]))
+        return joined

@@ -27,7 +27,7 @@ from ..errors import ConfigError
 from ..log import warn_rank0
 from .chat import chat_template_of
 from .pack import COLUMNS, IMAGES, Packer
-from .preference import PreferenceTokenize
+from .preference import PreferenceTokenize, VisionPreferenceTokenize
 from .sources import Source, load_records, locate, resolve_source
 from .tokenize import RecordError, Tokenize, layouts, optional_fields
 from .vision import VisionTokenize, is_multimodal, processor_id
@@ -174,6 +174,9 @@ def _build(source: Source, tokenizer, section, cache_dir: Path, target: Path, ro
     if vision_records(tokenizer, section):
         base = Path(source.path) if Path(source.path).is_dir() else Path(source.path).parent
         tokenize = VisionTokenize(tokenizer, section, base, rope)
+    elif section.format == "preference" and is_multimodal(tokenizer):
+        base = Path(source.path) if Path(source.path).is_dir() else Path(source.path).parent
+        tokenize = VisionPreferenceTokenize(tokenizer, section, base, rope)
     elif section.format == "preference":
         tokenize = PreferenceTokenize(getattr(tokenizer, "tokenizer", tokenizer), section,
                                       margin="margin" in records.column_names)

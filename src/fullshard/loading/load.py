@@ -126,9 +126,10 @@ def plan_reads(model: nn.Module, view: ModelView, source: Source, dtype: torch.d
 
 
 def materialise(model: nn.Module, view: ModelView, target: torch.dtype | None, device: torch.device, verify: bool,
-                report: LoadReport) -> dict[str, torch.Tensor]:
+                report: LoadReport, init_missing=None) -> dict[str, torch.Tensor]:
     """Storage for every tensor; buffers and kept adapters back; missing keys (strict=False) given
-    the model's own init. Returns the new tensors under their checkpoint-side names."""
+    the model's own init, or `init_missing(model, names)`'s. Returns the new tensors under their
+    checkpoint-side names."""
     if target is not None and any(p.is_floating_point() and p.dtype != target
                                   for n, p in model.named_parameters() if n not in view.kept):
         model.to(target)  # still on meta: free; buffers get their own dtype back from the snapshot
@@ -139,7 +140,9 @@ def materialise(model: nn.Module, view: ModelView, target: torch.dtype | None, d
     with torch.no_grad():
         for name, value in view.kept.items():
             local_tensor(state[name]).copy_(value)
-        if report.missing:
+        if report.missing and init_missing is not None:
+            init_missing(model, [view.own_name[n] for n in report.missing])
+        elif report.missing:
             _init_missing(model, [view.own_name[n] for n in report.missing], state)
     return {c: state[n] for c, n in view.own_name.items()}
 
@@ -204,6 +207,7 @@ def materialize_and_load(
     revision: str | None = None,
     cache_dir: str | None = None,
     checkpoint_view=None,
+    init_missing=None,
 ) -> nn.Module:
     """Give a (sharded) model on the meta device storage and fill it from a checkpoint.
 
@@ -221,6 +225,9 @@ def materialize_and_load(
     conversions apply) and `view.name` maps the wrapper's tensor names to the checkpoint's, or to
     None for tensors that already hold their values (adapters initialised on the CPU); those keep
     them through materialising and are not expected in the checkpoint.
+
+    `init_missing(model, names)` initialises what `strict=False` finds missing instead of the
+    model's own init (a new head drawn whole from a seed, the same on any world size).
     """
     device = torch.device(device) if device is not None else current_device()
     view = view_model(model, checkpoint_view)
@@ -232,7 +239,7 @@ def materialize_and_load(
         with agreed(LoadError, context):
             plan, target = plan_reads(model, view, source, resolve_dtype(dtype), strict, report)
         with agreed(LoadError, context):  # no collective inside: one agreement for the three phases
-            names = materialise(model, view, target, device, verify, report)
+            names = materialise(model, view, target, device, verify, report, init_missing)
             read_slices(model, view, source, plan, names, report)
             prove(model, view, verify, source.location, report)
     finally:

@@ -39,5 +39,23 @@ class Objective:
         over them (detached, a float64 vector on the host; None without metrics)."""
         raise NotImplementedError
 
+    def stage_batch(self, batch: dict) -> dict:
+        """Under pipeline parallelism: the batch the pipeline runs, whose labels give the last
+        stage's targets (the batch itself by default)."""
+        return batch
+
+    def stage_inputs(self, model: torch.nn.Module, batch: dict) -> dict[str, torch.Tensor]:
+        """Under pipeline parallelism: per-row tensors the last stage's `stage_loss_sum` needs
+        besides the targets (they are split with the rows into pipeline micro-batches), computed
+        on every rank before the micro-batch enters the pipeline (a reference's log-probs)."""
+        return {}
+
+    def stage_loss_sum(self, lm: torch.nn.Module, call, targets: torch.Tensor, **inputs):
+        """`loss_sum` on a pipeline's last stage, for its share of the rows: `call()` runs the
+        causal LM's forward (`logprobs.through_head` stands in for its head), `targets` are the
+        rows' aligned next-token targets, `inputs` this share of `stage_inputs`."""
+        raise NotImplementedError(f"the {self.name} objective does not run under pipeline "
+                                  "parallelism")
+
     def describe(self) -> str:
         return self.name

@@ -291,10 +291,28 @@ def forward_inputs(model: nn.Module, batch: dict) -> dict:
     return packed_inputs(model, model_inputs({k: v for k, v in batch.items() if k not in NOT_MODEL_INPUTS}))
 
 
+def stage_logprobs(lm: nn.Module, call: Callable, targets: torch.Tensor,
+                   chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS, temperature: float = 1.0,
+                   entropy: bool = False) -> torch.Tensor:
+    """`batch_logprobs` on a pipeline's last stage: `call()` runs the causal LM's forward."""
+    if chunk_tokens > 0:
+        out = chunked_logprobs(lm, {}, targets, chunk_tokens, temperature, entropy, call=call)
+        if out is not None:
+            return out
+    return logits_logprobs(call().logits, targets, temperature, entropy)
+
+
 def batch_logprobs(model: nn.Module, batch: dict, chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS,
                    temperature: float = 1.0, entropy: bool = False) -> torch.Tensor:
     """[rows, seq, 2]: each position's log-prob of its aligned target (0 where none) and entropy,
-    chunked through the head where the model allows (`chunk_tokens` 0: from whole logits)."""
+    chunked through the head where the model allows (`chunk_tokens` 0: from whole logits). On a
+    pipelined model: a forward-only pass of the pipeline, its last stage computing them, every
+    rank of the pipeline getting them (no gradient: a loss over them runs inside the pipeline,
+    `Objective.stage_loss_sum`)."""
+    if getattr(model, "fullshard_pipeline", None) is not None:
+        from ..train.pp_step import pipeline_logprobs
+
+        return pipeline_logprobs(model, batch, chunk_tokens, temperature, entropy)
     inputs, targets = forward_inputs(model, batch), aligned_targets(batch)
     if chunk_tokens > 0:
         out = chunked_logprobs(model, inputs, targets, chunk_tokens, temperature, entropy)
@@ -315,15 +333,20 @@ def token_logprobs(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tens
     position's distribution (0 there too). The head is applied `chunk_tokens` tokens at a time from
     the final hidden states; the result is differentiable, with the gradient of the whole-logits
     path. Other model inputs (`pixel_values`, `image_grid_thw`, ...) go through `model_inputs`.
-    Every rank of a sharded model calls it with its own rows, as for a forward.
+    Every rank of a sharded model calls it with its own rows, as for a forward. On a pipelined
+    model (pp) the last stage computes them and every rank of the pipeline gets them, without a
+    gradient: a loss over them trains through the pipeline's own backward, which the trainer's
+    objectives and `fullshard.rl.policy_update` run (the call is refused with gradients enabled).
     """
     batch = {"input_ids": input_ids, "labels": input_ids if labels is None else labels, **model_inputs}
     if attention_mask is not None:
         batch["attention_mask"] = attention_mask
     if position_ids is not None:
         batch["position_ids"] = position_ids
-    if getattr(model, "fullshard_pipeline", None) is not None:
-        raise ConfigError("token_logprobs on a pipelined model: its last stage computes them inside the "
-                          "pipeline's loss (the preference objectives do); call it on a model without pp")
+    if getattr(model, "fullshard_pipeline", None) is not None and torch.is_grad_enabled() and any(
+            p.requires_grad for p in model.parameters()):
+        raise ConfigError("token_logprobs on a pipelined model gives values without a gradient "
+                          "(call it under torch.no_grad()); a loss over them trains inside the "
+                          "pipeline: train.objective=dpo, fullshard.rl.policy_update")
     out = batch_logprobs(model, batch, chunk_tokens, temperature, return_entropy)[:, :-1]
     return (out[..., 0], out[..., 1]) if return_entropy else out[..., 0]

@@ -23,6 +23,7 @@ from ..data.preference import ROLE
 from ..data.prepare import on_node_first_rank
 from ..data.rows import eval_batches
 from ..errors import ConfigError
+from .preference import text_positions
 
 
 def row_key(input_ids: torch.Tensor, roles: torch.Tensor) -> str:
@@ -33,7 +34,7 @@ def row_key(input_ids: torch.Tensor, roles: torch.Tensor) -> str:
 
 def row_starts(batch: dict) -> torch.Tensor:
     """Per row, how many sequences start in it."""
-    return ((batch["position_ids"] == 0) & (batch[ROLE] > 0)).sum(1)
+    return ((text_positions(batch) == 0) & (batch[ROLE] > 0)).sum(1)
 
 
 class PrecomputedReference:

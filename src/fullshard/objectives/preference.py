@@ -31,17 +31,24 @@ import torch.nn.functional as F
 
 from ..data.preference import CHOSEN, ROLE
 from .base import Objective
-from .logprobs import DEFAULT_LOSS_CHUNK_TOKENS, IGNORE_INDEX, aligned_targets, batch_logprobs
+from .logprobs import DEFAULT_LOSS_CHUNK_TOKENS, IGNORE_INDEX, aligned_targets, batch_logprobs, stage_logprobs
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")
 REFERENCE_FREE = ("simpo", "orpo")
 
 
+def text_positions(batch: dict) -> torch.Tensor:
+    """The rows' text positions (restarting at each sequence): an mRoPE model's rows carry its rope
+    rows beside them (`data.rows`: [rows, 4, tokens], the text positions first)."""
+    positions = batch["position_ids"]
+    return positions[:, 0] if positions.ndim == 3 else positions
+
+
 def sequence_index(batch: dict) -> tuple[torch.Tensor, int]:
     """For each position, the sequence its target belongs to (-1: padding), aligned with
     `aligned_targets`, and the number of sequences: 2k is pair k's chosen, 2k + 1 its rejected."""
-    role, positions = batch[ROLE], batch["position_ids"]
+    role, positions = batch[ROLE], text_positions(batch)
     starts = (positions == 0) & (role > 0)
     seq = (starts.flatten().cumsum(0) - 1).view_as(role)
     seq = torch.where(role > 0, seq, -1)
@@ -56,7 +63,7 @@ def sequence_sums(values: torch.Tensor, seq: torch.Tensor, count: int) -> torch.
 
 
 def pair_count(batch: dict) -> int:
-    role, positions = batch[ROLE], batch["position_ids"]
+    role, positions = batch[ROLE], text_positions(batch)
     return int(((positions == 0) & (role > 0)).sum()) // 2
 
 
@@ -102,7 +109,7 @@ def nll_positions(batch: dict, whole_sequence: bool) -> torch.Tensor:
     every one after the sequence's first (`whole_sequence`, ORPO) or the completion's (RPO)."""
     role = batch[ROLE]
     if whole_sequence:
-        keep = (role == CHOSEN) & (batch["position_ids"] > 0)
+        keep = (role == CHOSEN) & (text_positions(batch) > 0)
     else:
         keep = (role == CHOSEN) & (batch["labels"] != IGNORE_INDEX)
     return F.pad(keep[:, 1:], (0, 1), value=False)
@@ -141,10 +148,15 @@ class Preference(Objective):
 
     def token_logps(self, model, batch: dict) -> torch.Tensor:
         """Each position's log-prob of its target: the completions', and the chosen prompt's for ORPO."""
+        return batch_logprobs(model, self.scored(batch), self.chunk_tokens)[..., 0]
+
+    def scored(self, batch: dict) -> dict:
+        """`batch` with the labels its log-probs are taken of (ORPO's NLL scores the chosen
+        prompt too)."""
         if self.nll_weight and self.nll_whole_sequence:
-            chosen = (batch[ROLE] == CHOSEN) & (batch["position_ids"] > 0)
+            chosen = (batch[ROLE] == CHOSEN) & (text_positions(batch) > 0)
             batch = {**batch, "labels": torch.where(chosen, batch["input_ids"], batch["labels"])}
-        return batch_logprobs(model, batch, self.chunk_tokens)[..., 0]
+        return batch
 
     def completion_sums(self, logps: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Each sequence's summed completion log-prob and its completion length."""
@@ -157,14 +169,20 @@ class Preference(Objective):
         return self.completion_sums(batch_logprobs(model, batch, self.chunk_tokens)[..., 0], batch)
 
     def loss_sum(self, model, batch: dict):
+        ref = None if self.reference_free else self.reference(model, batch, self)
+        return self.pair_losses(self.token_logps(model, batch), batch, ref)
+
+    def pair_losses(self, token_logps: torch.Tensor, batch: dict, ref: torch.Tensor | None):
+        """The pairs' loss sum and metric sums from each position's log-prob (`token_logps`), the
+        rows' roles, positions and labels, and each sequence's reference log-prob (None:
+        reference-free), chosen and rejected alternating."""
         s = self.section
-        token_logps = self.token_logps(model, batch)
         logps, lengths = self.completion_sums(token_logps, batch)
         chosen, rejected = logps[0::2], logps[1::2]
-        if self.reference_free:
+        if ref is None:
             ref_chosen = ref_rejected = torch.zeros_like(chosen)
         else:
-            ref = self.reference(model, batch, self).to(chosen.device)
+            ref = ref.to(chosen.device)
             ref_chosen, ref_rejected = ref[0::2], ref[1::2]
         losses = preference_losses(s.loss_type, s.beta, chosen, rejected, ref_chosen, ref_rejected, lengths[0::2],
                                    lengths[1::2], s.label_smoothing, s.simpo_gamma)
@@ -185,6 +203,42 @@ class Preference(Objective):
                     (chosen_r - rejected_r).sum(), chosen.sum(), rejected.sum()]
             sums = torch.stack(sums + ([nll] if nll is not None else []))
         return loss, sums.detach().to("cpu", torch.float64)
+
+    # under pipeline parallelism: the reference first, on every rank; the policy's log-probs and
+    # the loss on the last stage, per pipeline micro-batch (its rows hold whole pairs)
+
+    def stage_batch(self, batch: dict) -> dict:
+        return self.scored(batch)
+
+    def stage_inputs(self, model, batch: dict) -> dict:
+        """The rows' pair roles, positions and labels (which sequence and completion each target
+        belongs to), and each sequence's reference log-prob in a [rows, most sequences per row]
+        table, row by row."""
+        inputs = {ROLE: batch[ROLE], "positions": batch["position_ids"], "labels": batch["labels"]}
+        if not self.reference_free:
+            with torch.no_grad():
+                ref = self.reference(model, batch, self).float().cpu()
+            starts = sequence_starts(batch)
+            table = torch.zeros(len(starts), max(int(starts.max()), 1), dtype=torch.float32)
+            table[torch.arange(table.shape[1])[None] < starts[:, None]] = ref
+            inputs["reference"] = table
+        return inputs
+
+    def stage_loss_sum(self, lm, call, targets: torch.Tensor, **inputs):
+        batch = {ROLE: inputs[ROLE], "position_ids": inputs["positions"],
+                 "labels": inputs["labels"]}
+        ref = None
+        if "reference" in inputs:
+            table = inputs["reference"]
+            ref = table[torch.arange(table.shape[1], device=table.device)[None]
+                        < sequence_starts(batch).to(table.device)[:, None]]
+        logps = stage_logprobs(lm, call, targets, self.chunk_tokens)[..., 0]
+        return self.pair_losses(logps, batch, ref)
+
+
+def sequence_starts(batch: dict) -> torch.Tensor:
+    """Per row, how many sequences start in it."""
+    return ((batch["position_ids"] == 0) & (batch[ROLE] > 0)).sum(1)
 
 
 class ModelReference:

@@ -103,36 +103,42 @@ def load_reward_model(name_or_path: str, engine, dtype, seed: int, pad_token_id:
 
     hf_config = AutoConfig.from_pretrained(resolve_checkpoint_dir(name_or_path))
     model = from_pretrained(name_or_path, engine=engine, dtype=dtype, model_class=reward_model_class(hf_config),
-                            num_labels=1, attn_implementation=attn_implementation, strict=False)
+                            num_labels=1, attn_implementation=attn_implementation, strict=False,
+                            init_missing=lambda model, names: init_score_head(model, names, seed))
     as_reward_config(model.config, pad_token_id)
-    report, head = model.fullshard_load_report, score_head(model)
-    new = [f"score.{n}" for n, _ in head.named_parameters()]
+    report = model.fullshard_load_report
     prefix = f"{getattr(model, 'base_model_prefix', 'model')}."
-    others = [k for k in report.missing if k not in new] + [k for k in report.unexpected if k.startswith(prefix)]
-    if others:
-        raise LoadError(f"checkpoint {name_or_path!r} does not fit {type(model).__name__} beside its score head: "
-                        f"{others[:20]}")
     if report.missing:
-        std = init_score_head(model, seed)
+        std = getattr(model.config.get_text_config(), "initializer_range", 0.02)
         log_rank0(f"{name_or_path}: no score head in the checkpoint (a causal LM): a new one drawn from "
                   f"train.seed={seed}, normal(0, {std}); its head {report.unexpected} is not read")
+    others = [k for k in report.unexpected if k.startswith(prefix)]
+    if others:
+        raise LoadError(f"checkpoint {name_or_path!r} holds tensors {type(model).__name__} has no place for: "
+                        f"{others[:20]}")
     return model
 
 
 @torch.no_grad()
-def init_score_head(model: nn.Module, seed: int) -> float:
-    """The score head drawn from `seed` whole (normal(0, initializer_range), a zero bias) and each
-    rank's region of it copied in: the same head on any world size. Returns the std."""
+def init_score_head(model: nn.Module, names: list[str], seed: int) -> None:
+    """The missing tensors, which must be the score head's: drawn from `seed` whole (weight
+    normal(0, initializer_range), bias 0) and each rank's region copied in, the same head on any
+    world size."""
     from ..loading.shards import local_region
 
+    head = dict(score_head(model).named_parameters())
+    others = [n for n in names if n.removeprefix("score.") not in head]
+    if others:
+        raise LoadError(f"the checkpoint lacks {others[:20]}: of a reward model only the score head may be new")
     std = float(getattr(model.config.get_text_config(), "initializer_range", 0.02))
     generator = torch.Generator().manual_seed(seed)
-    for name, param in score_head(model).named_parameters():
+    for name, param in head.items():
+        if f"score.{name}" not in names:
+            continue
         full = torch.zeros(param.shape) if name == "bias" else torch.empty(param.shape).normal_(0, std,
                                                                                                  generator=generator)
         local, region = local_region(param)
         local.copy_(full[region])
-    return std
 
 
 # --------------------------------------------------------------------------- the score
@@ -148,7 +154,7 @@ def position_scores(model: nn.Module, batch: dict) -> torch.Tensor:
         kept.append(output)
 
     def per_position(module, args, output):
-        output.logits = kept[-1][..., 0]
+        output.logits = kept[-1][..., 0].clone()  # not a view: FSDP's hook on it must not be dropped
         return output
 
     handles = [score_head(model).register_forward_hook(keep), model.register_forward_hook(per_position, prepend=True)]

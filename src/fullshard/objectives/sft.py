@@ -21,6 +21,13 @@ class SFT(Objective):
     def loss_sum(self, model: torch.nn.Module, batch: dict):
         return causal_lm_loss_sum(model, batch, self.chunk_tokens), None
 
+    def stage_loss_sum(self, lm, call, targets: torch.Tensor, **inputs):
+        if self.chunk_tokens > 0:
+            summed = chunked_loss_sum(lm, {}, targets, self.chunk_tokens, call=call)
+            if summed is not None:
+                return summed, None
+        return token_loss_sum(call().logits, targets), None
+
 
 def target_slice(batch: dict) -> torch.Tensor:
     """The next-token targets of every position that has one."""

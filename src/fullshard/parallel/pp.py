@@ -40,6 +40,7 @@ SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
 # InterleavedZeroBubble is left out: with FSDP stages its split weight gradients came out wrong here
 MULTI_STAGE_SCHEDULES = ("Interleaved1F1B", "LoopedBFS")
 PP_SCHEDULES = SINGLE_STAGE_SCHEDULES + MULTI_STAGE_SCHEDULES
+MAX_SCHEDULES = 4  # schedules a pipeline keeps, one per mode and input shape (`Pipeline.schedule`)
 
 
 def check_pipeline_config(pp_size: int, schedule: str, microbatches: int | None, virtual_stages: int,
@@ -226,8 +227,9 @@ class StageInfo:
     layers: range
     base: str
     lm: str = ""  # the causal LM inside the stage module ("" for the stage itself)
-    # on the last stage: (causal LM, its forward call, targets) -> summed loss, set by whoever runs the
-    # pipeline (`fullshard.train.pp_step`: the chunked loss); the stage returns logits without one
+    # on the last stage: (causal LM, its forward call, targets, **loss inputs) -> what the stage
+    # returns (a summed loss, or per-token log-probs), set by whoever runs the pipeline
+    # (`fullshard.train.pp_step`: the chunked loss); the stage returns logits without one
     loss: Callable | None = None
 
     @property
@@ -240,6 +242,7 @@ class StageInfo:
 
 
 TARGETS = "fullshard_targets"  # the keyword argument that hands the last stage its targets
+LOSS_INPUTS = "fullshard_loss_inputs"  # per-row tensors the last stage's loss reads, beside targets
 
 
 def _stage_forward(self, inputs: torch.Tensor, **kwargs) -> torch.Tensor:
@@ -247,9 +250,11 @@ def _stage_forward(self, inputs: torch.Tensor, **kwargs) -> torch.Tensor:
     the causal LM's own forward on the last (its head and whatever it does to the logits), the
     decoder stack's elsewhere, whose final norm is an identity before the last stage. Given its
     targets (`TARGETS`) and a loss, the last stage returns the summed loss instead of the logits,
-    so the loss can go through the head inside the model's call (the chunked loss)."""
+    so the loss can go through the head inside the model's call (the chunked loss); `LOSS_INPUTS`
+    (a dict of per-row tensors, split with the rows) reach that loss as keyword arguments."""
     info: StageInfo = self.fullshard_stage
     targets = kwargs.pop(TARGETS, None)
+    loss_inputs = kwargs.pop(LOSS_INPUTS, None) or {}
     kwargs = {**kwargs, "input_ids" if info.first else "inputs_embeds": inputs, "use_cache": False}
     if not info.last:
         return self.get_submodule(info.base)(**kwargs).last_hidden_state
@@ -259,7 +264,7 @@ def _stage_forward(self, inputs: torch.Tensor, **kwargs) -> torch.Tensor:
         return type(lm).forward(lm, **kwargs)
 
     if targets is not None and info.loss is not None:
-        return info.loss(lm, call, targets)
+        return info.loss(lm, call, targets, **loss_inputs)
     return call().logits
 
 
@@ -354,8 +359,7 @@ class Pipeline:
     dims: object  # the ParallelDims of the run
     tie_group: object = None
     loss_fn: Callable | None = None
-    _schedule: object = None
-    _pipeline_stages: list = field(default_factory=list)
+    _schedules: dict = field(default_factory=dict)
 
     @property
     def has_first(self) -> bool:
@@ -365,18 +369,35 @@ class Pipeline:
     def has_last(self) -> bool:
         return any(s.fullshard_stage.last for s in self.stages)
 
-    def schedule(self):
-        """The schedule, built on first use; its loss function is `self.loss_fn`, read at each call."""
-        if self._schedule is None:
+    def schedule(self, key=None):
+        """The schedule for `key` (a mode and the shape of its inputs), built on its first use; its
+        loss function is `self.loss_fn`, read at each call.
+
+        torch's stages size their receive buffers by a metadata pass (a real forward and backward)
+        on their first step, re-run when a schedule switches between training and forward-only,
+        and that pass drops the gradients accumulated so far. So each mode and input shape keeps a
+        schedule of its own, made when no gradient is pending (every caller keeps its shapes fixed
+        within an optimizer step), and the ranks agree on `key` (the same shapes, the same
+        calls)."""
+        if key not in self._schedules:
             from torch.distributed.pipelining import PipelineStage
             from torch.distributed.pipelining.schedules import get_schedule_class
 
-            self._pipeline_stages = [PipelineStage(s, s.fullshard_stage.index, self.num_stages, self.device,
-                                                   group=self.pp_group) for s in self.stages]
+            stages = [PipelineStage(s, s.fullshard_stage.index, self.num_stages, self.device,
+                                    group=self.pp_group) for s in self.stages]
             cls = get_schedule_class(self.schedule_name)
-            target = self._pipeline_stages[0] if self.schedule_name in SINGLE_STAGE_SCHEDULES else self._pipeline_stages
-            self._schedule = cls(target, n_microbatches=self.microbatches, loss_fn=self._loss, scale_grads=False)
-        return self._schedule
+            target = stages[0] if self.schedule_name in SINGLE_STAGE_SCHEDULES else stages
+            if len(self._schedules) >= MAX_SCHEDULES:  # the oldest shape's buffers go
+                self._schedules.pop(next(iter(self._schedules)))
+            self._schedules[key] = cls(target, n_microbatches=self.microbatches, loss_fn=self._loss,
+                                       scale_grads=False)
+        return self._schedules[key]
+
+    @property
+    def last_rank(self) -> int:
+        """The global rank of this rank's pp peer that runs the last stage (pp rank pp - 1: stage
+        s runs on pp rank s % pp)."""
+        return dist.get_global_rank(self.pp_group, dist.get_world_size(self.pp_group) - 1)
 
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return self.loss_fn(output, target)

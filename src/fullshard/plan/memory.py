@@ -292,8 +292,7 @@ class EstimateSetup:
         return cls(dims.dp_shard, micro_batch_size, seq_len, **{**values, **run})
 
 
-def estimate_memory(model: nn.Module, plan: ShardingPlan, setup: EstimateSetup | int | None = None, *args,
-                    **kwargs) -> MemoryEstimate:
+def estimate_memory(model: nn.Module, plan: ShardingPlan, setup: EstimateSetup | int | None = None, *args, **kwargs):
     """The estimate for `model` (real or on meta) sharded by `plan` under `setup` (an `EstimateSetup`;
     its fields given instead, the old form `estimate_memory(model, plan, 2, 2, 16, cp_size=2)`, are
     read as one). Under ep > 1 each MoE experts module is a unit of its own gathering only this rank's
@@ -327,11 +326,10 @@ def estimate_memory(model: nn.Module, plan: ShardingPlan, setup: EstimateSetup |
     activations += in_flight * tokens * compute_bytes * layout_values(
         model, config, expert_units(model, ep_size, shard_size * cp_size), activation_checkpointing, layers,
         first, last, stage is not None, head is None)
-    host = 0
-    if activation_offload and device_type != "cpu":
-        host, kept = offloaded_bytes(config, in_flight * tokens, compute_bytes, activation_checkpointing, ac_every,
-                                     layers or config.num_hidden_layers, layer_tp, cp_size)
-        activations -= host - kept
+    host, kept = offloaded_bytes(config, in_flight * tokens, compute_bytes, activation_checkpointing, ac_every,
+                                 layers or config.num_hidden_layers, layer_tp, cp_size) if (
+        activation_offload and device_type != "cpu") else (0, 0)
+    activations -= host - kept
     loss, saved_loss = loss_bytes(config, head, tokens, compute_bytes, loss_chunk_tokens, in_flight,
                                   logprobs=reference is not None) if last else (0, 0)
     recompute = recompute_bytes(config, tokens, compute_bytes, layer_tp, cp_size, layers, activation_checkpointing,
@@ -352,11 +350,17 @@ def estimate_memory(model: nn.Module, plan: ShardingPlan, setup: EstimateSetup |
         in_flight=in_flight if stage is not None else 0,
         pipeline_gradients=units["trainable_numel"] * compute_bytes if stage is not None else 0,
         gradients_between_forwards=stage is not None and not all_forwards_first,
-        host_activations=host,
-        reference=units["base_shard"] if reference == "model" else 0,
-        host_reference=units["base_shard"] if reference == "offloaded" else 0,
-        reference_gathered=sum(full[:2]) if reference in ("model", "offloaded", "adapter") else 0,
+        host_activations=host, **reference_bytes(reference, units["base_shard"], sum(full[:2])),
     )
+
+
+def reference_bytes(reference: str | None, shard: int, gathered: int) -> dict[str, int]:
+    """What a preference objective's reference adds: its shards on the device (`model`) or the host
+    (`offloaded`), and the two largest units gathered for its forward (`adapter` runs the same
+    weights again); `precompute` and reference-free losses add nothing."""
+    return dict(reference=shard if reference == "model" else 0,
+                host_reference=shard if reference == "offloaded" else 0,
+                reference_gathered=gathered if reference in ("model", "offloaded", "adapter") else 0)
 
 
 def recompute_bytes(config, tokens: int, compute_bytes: int, tp: int, cp: int, layers: int | None,

@@ -17,6 +17,7 @@ import torch
 
 from ..objectives.logprobs import token_logprobs
 from ..optim import clip_and_step
+from ..parallel.pp import pipeline_of
 from .batches import token_batches
 from .counts import global_counts
 from .losses import aggregate, kl_penalty, policy_loss
@@ -28,7 +29,10 @@ class Rollouts:
     the `T - 1` next-token positions (entry t scores token t + 1, as `token_logprobs` returns):
     `response_mask` (1 on completion tokens), `advantages` (`[n]` per sequence or `[n, T - 1]`),
     `old_logprobs` (None: on-policy, the current log-probs detached), `ref_logprobs` (None: no
-    KL term). `model_inputs`: further per-row model inputs (sliced along with the rows)."""
+    KL term). `model_inputs`: further model inputs, sliced along with the rows: tensors per row or
+    per position (`[n, T, ...]`, cut with the columns), and `images`, a list of one dict of image
+    tensors per row (empty for a row without), concatenated for the rows of a micro-batch as the
+    trainer's rows are (`data.rows.model_inputs`)."""
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
@@ -55,10 +59,19 @@ class Rollouts:
             t = t[pick.to(t.device)]
             return t[:, :columns] if t.dim() > 1 else t
 
+        full = self.input_ids.shape[1]
+
+        def extra(value):  # a list (images: one dict per row), per row, or per position
+            if not isinstance(value, torch.Tensor):
+                return [value[i] for i in index]
+            if value.dim() > 1 and value.shape[1] == full:
+                return cut(value, width)
+            return value[pick.to(value.device)]
+
         return Rollouts(cut(self.input_ids, width), cut(self.attention_mask, width),
                         cut(self.response_mask, width - 1), cut(self.advantages, width - 1),
                         cut(self.old_logprobs, width - 1), cut(self.ref_logprobs, width - 1),
-                        {k: v[pick.to(v.device)] for k, v in self.model_inputs.items()})
+                        {k: extra(v) for k, v in self.model_inputs.items()})
 
 
 @dataclass
@@ -94,12 +107,21 @@ def micro_batch_loss(model, batch: Rollouts, config: UpdateConfig, counts, dp_si
     logprobs, entropy = token_logprobs(
         model, batch.input_ids, attention_mask=batch.attention_mask, temperature=config.temperature,
         chunk_tokens=config.chunk_tokens, return_entropy=True, **batch.model_inputs)
+    return loss_terms(logprobs, entropy, batch, config, counts, dp_size)
+
+
+def loss_terms(logprobs, entropy, batch, config: UpdateConfig, counts, dp_size: int,
+               loss_scale_factor: float | None = None):
+    """`micro_batch_loss` from the log-probs and entropies of `batch`'s rows (anything with
+    `response_mask`, `advantages`, `old_logprobs`, `ref_logprobs` over the same positions)."""
     mask = batch.response_mask.to(logprobs.dtype)
     advantages = batch.advantages.to(logprobs)
     advantages = advantages[:, None].expand_as(logprobs) if advantages.dim() == 1 else advantages
     old = logprobs.detach() if batch.old_logprobs is None else batch.old_logprobs.to(logprobs)
+    if loss_scale_factor is None:
+        loss_scale_factor = config.loss_scale_factor
     scale = dict(global_tokens=counts.tokens, global_sequences=counts.sequences, dp_size=dp_size,
-                 loss_scale_factor=config.loss_scale_factor)
+                 loss_scale_factor=loss_scale_factor)
     pg, stats = policy_loss(logprobs, old, advantages, mask, loss_type=config.loss_type,
                             clip_ratio_low=config.clip_ratio_low, clip_ratio_high=config.clip_ratio_high,
                             clip_ratio_c=config.clip_ratio_c, agg=config.agg, **scale)
@@ -119,6 +141,10 @@ def micro_batch_loss(model, batch: Rollouts, config: UpdateConfig, counts, dp_si
     return loss, terms
 
 
+def term_sums(terms: dict) -> torch.Tensor:
+    return torch.stack([terms.get(name, torch.zeros(())).double().cpu() for name in SUMMED])
+
+
 def _stand_in(model, like: Rollouts) -> torch.Tensor:
     """A forward whose loss is 0 for a rank with fewer sequences than micro-batches: FSDP's
     collectives need every rank to run each one."""
@@ -131,21 +157,28 @@ def policy_update(model, optimizer, rollouts: Rollouts, config: UpdateConfig, *,
                   group=None, repeats: int = 1, scheduler=None) -> dict[str, float]:
     """One optimizer step on this rank's `rollouts` (a collective over `group`, default every
     rank). `dp_size`: the ranks FSDP averages gradients over (dp x cp); `repeats`: ranks holding
-    the same rollouts (tensor-parallel ranks of one data rank). Returns the mini-batch's `loss`,
-    `pg_loss`, `kl`, `entropy` and statistics (global, as one process over all rollouts would
-    compute them), `grad_norm`, `micro_batches`, `skipped`."""
+    the same rollouts (tensor-parallel ranks of one data rank, and the pp ranks of one pipeline:
+    on a pipelined model the last stage computes the loss, `pipeline.py`). Returns the
+    mini-batch's `loss`, `pg_loss`, `kl`, `entropy` and statistics (global, as one process over
+    all rollouts would compute them), `grad_norm`, `micro_batches`, `skipped`."""
     batches = token_batches(rollouts.lengths(), config.max_tokens, padded=True, group=group)
     counts = global_counts([rollouts.response_mask], group=group, repeats=repeats)
-    sums = torch.zeros(len(SUMMED), dtype=torch.float64)
-    for index in batches:
-        if not index:
-            _stand_in(model, rollouts).backward()
-            continue
-        loss, terms = micro_batch_loss(model, rollouts.rows(index), config, counts, dp_size)
-        loss.backward()
-        sums += torch.stack([terms.get(name, torch.zeros(())).double().cpu() for name in SUMMED])
+    step = {}
+    if pipeline_of(model) is not None:
+        from .pipeline import pipelined_sums
+
+        sums, step = pipelined_sums(model, rollouts, batches, config, counts, dp_size)
+    else:
+        sums = torch.zeros(len(SUMMED), dtype=torch.float64)
+        for index in batches:
+            if not index:
+                _stand_in(model, rollouts).backward()
+                continue
+            loss, terms = micro_batch_loss(model, rollouts.rows(index), config, counts, dp_size)
+            loss.backward()
+            sums += term_sums(terms)
     device = next(model.parameters()).device
-    result = clip_and_step(optimizer, config.max_norm, scheduler, values=sums.to(device))
+    result = clip_and_step(optimizer, config.max_norm, scheduler, values=sums.to(device), **step)
     totals = (result.sums.cpu() if result.sums is not None else sums) / (dp_size * repeats)
     out = {name: float(value) for name, value in zip(SUMMED, totals)}
     out.update(grad_norm=float(result.grad_norm), micro_batches=len(batches),

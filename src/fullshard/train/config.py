@@ -734,8 +734,6 @@ def _check_objective(config: TrainConfig) -> None:
     for key, value, why in (("data.streaming", data.streaming, "pairs are prepared once per node"),
                             (config.key("cp_size"), mesh.cp_size > 1,
                              "a pair's sequences are not split over cp ranks yet"),
-                            (config.key("pp_size"), mesh.pp_size > 1,
-                             "the pipeline's last stage computes the SFT loss only yet"),
                             ("data.overlong", data.overlong == "truncate",
                              "pairs longer than data.seq_len are dropped")):
         if value:

@@ -213,7 +213,7 @@ def evaluate(model: torch.nn.Module, batches: list[dict], loss_chunk_tokens: int
     if not batches:
         return None
     if pipeline_of(model) is not None:
-        return pipeline_evaluate(model, batches, loss_chunk_tokens)
+        return pipeline_evaluate(model, batches, loss_chunk_tokens, objective)
     objective = objective or SFT(loss_chunk_tokens)
     model.eval()
     # tp ranks repeat their data rank's sums: they cancel in the ratio
@@ -404,7 +404,7 @@ class Trainer:
                 out = run.objective.run_step(strategy, model, optimizer, scheduler, micro_batches, step)
             elif pipeline_of(model) is not None:
                 out = pipeline_train_step(strategy, model, optimizer, scheduler, micro_batches,
-                                          config.train.loss_chunk_tokens)
+                                          config.train.loss_chunk_tokens, run.objective)
             else:
                 out = train_step(strategy, model, optimizer, scheduler, micro_batches, config.train.loss_chunk_tokens,
                                  run.objective)
