@@ -364,7 +364,7 @@ class Trainer:
         log_rank0(f"{config.model.name_or_path}: {parameters_line(model)}, "
                   f"{describe_mesh(dims)}, {data.describe()} of {config.data.seq_len} tokens, "
                   f"steps {start}..{end} of {config.train.steps}" + (f" (resumed from step {start})" if start else ""))
-        log_rank0(attention_path(model, config.data.packing))
+        log_rank0(attention_path(model, config.data.packing and not rl))  # rollouts: one sequence a row
         split = ContextSplit(dims, rank, text_tokenizer(tokenizer).pad_token_id)
         eval_rows = config.train.eval_batches * config.train.global_batch_size  # the same rows on any batching
         evals = split(data.eval_batches(config.train.micro_batch_size, dp_rank, dp_size, eval_rows))
@@ -450,6 +450,7 @@ class Trainer:
             run.checkpoint = manager.save(end, model, run.optimizer, run.scheduler, states={"strategy": strategy},
                                           extra_state=self._extra_state(run, end), tokenizer=run.tokenizer)
         manager.wait()
+        run.objective.close()
         summary["checkpoint"] = str(run.checkpoint)  # this run's, whatever else the directory holds
         dtype = DTYPES[config.train.export_dtype] if config.train.export_dtype else source_dtype(model)
         if finished and config.checkpoint.export and not lora.enabled:
