@@ -41,7 +41,8 @@ from ..packed_attention import packed_inputs
 
 IGNORE_INDEX = -100
 DEFAULT_LOSS_CHUNK_TOKENS = 1024
-NOT_MODEL_INPUTS = ("labels", "shift_labels", "num_items_in_batch", "pair_role", "pair_margin")
+NOT_MODEL_INPUTS = ("labels", "shift_labels", "num_items_in_batch", "pair_role", "pair_margin",
+                    "pair_sequence", "pair_sequences")
 
 
 # --------------------------------------------------------------------------- the chunk arithmetic
