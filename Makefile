@@ -22,7 +22,7 @@ demo: setup
 # slowest files first (tests/conftest.py's order, kept by --no-loadscope-reorder); the summary ends
 # with the slowest 25 tests and the suite's total wall and CPU time (tests/conftest.py)
 test: setup
-	.venv/bin/ruff check src tests bench examples && $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25 tests
+	.venv/bin/ruff check src tests bench && $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25 tests
 
 clean:
 	rm -rf .venv runs out

@@ -9,8 +9,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 _STARTED = time.monotonic()
 # the slowest files (from the suite's --durations), handed out first so the two xdist workers finish
 # together instead of one starting a long file when the other is nearly done; the rest keep their order
-SLOW_FIRST = ("test_architectures.py", "test_checkpoint.py", "test_readme.py", "test_cli.py", "test_ep.py",
-              "test_vlm.py")
+SLOW_FIRST = ("test_cli.py", "test_vlm.py", "test_rundir.py", "test_architectures.py", "test_generate.py",
+              "test_checkpoint.py", "test_ep.py", "test_tp.py", "test_pp.py", "test_float8.py")
 
 
 def pytest_collection_modifyitems(session, config, items):

@@ -200,7 +200,7 @@ def test_plan_shows_the_mesh_and_what_each_tp_rank_holds(tmp_path, capsys):
     (tmp_path / "dp.yaml").write_text(CONFIG)
     assert main(["plan", str(tmp_path / "dp.yaml"), "--nproc", "2"]) == 0
     assert parameters_mib(capsys.readouterr().out) > parameters_mib(printed)
-    (tmp_path / "bad_tp.yaml").write_text(CONFIG + "fsdp:\n  tp_size: 2\n  tp_plan: {'model.blocks.*': colwise}\n")
+    (tmp_path / "bad_tp.yaml").write_text(CONFIG + "parallel:\n  tp_size: 2\n  tp_plan: {'model.blocks.*': colwise}\n")
     assert main(["plan", str(tmp_path / "bad_tp.yaml"), "--nproc", "2"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("fullshard: error: tp_plan entry 'model.blocks.*': pattern matches no module"), err

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from fullshard.testing import build_model, run_distributed
+from harness.cli import commands_in_group
 
 STEPS = 10
 BF16_TRACK = 0.02  # float8 against bf16: per-step loss within 2% (measured: about 0.1%)
@@ -112,6 +113,7 @@ def _group(tmp: str) -> dict:
     export_hf(model, f"{tmp}/hf")
     dist.barrier()
     out["weights"] = {k: v for k, v in trained["weights"].items()}
+    out["command"] = commands_in_group(tmp, [COMMAND + [f"--train.output_dir={tmp}/out"]])[0]
     return out
 
 
@@ -139,35 +141,29 @@ def test_float8_composes_with_checkpointing_offload_compile_hsdp_and_lora(group)
             assert max(abs(a - b) for a, b in zip(base, losses)) < 1e-5, (recipe, name, base, losses)
 
 
-def test_float8_trains_through_the_command_with_pipeline_stages(tmp_path):
+# `fullshard train` at pp 2 with float8 tensorwise and selective checkpointing, in the group above
+# (`harness.cli.commands_in_group`: the command's checks before launch, then its ranks' side)
+COMMAND = ["train", "--model.name_or_path=micro-llama", "--nproc=2", "--fsdp.pp_size=2", "--fsdp.float8=tensorwise",
+           "--fsdp.activation_checkpointing=selective", "--fsdp.mixed_precision=bf16", "--data.seq_len=32",
+           "--train.steps=3", "--train.micro_batch_size=2", "--train.global_batch_size=2", "--train.log_every=1",
+           "--train.plot=false"]
+
+
+def test_float8_trains_through_the_command_with_pipeline_stages(group):
     """`fullshard train` at pp 2 with float8 tensorwise and selective checkpointing: the trainer's
     optimizer precomputes the scales, the export is an ordinary HF directory in fp32."""
     from transformers import AutoModelForCausalLM
 
     from fullshard.train.metrics import read_metrics
 
-    done = subprocess.run([sys.executable, "-m", "fullshard.cli", "train", "--model.name_or_path=micro-llama",
-                           "--nproc=2", "--fsdp.pp_size=2", "--fsdp.float8=tensorwise",
-                           "--fsdp.activation_checkpointing=selective", "--fsdp.mixed_precision=bf16",
-                           "--data.seq_len=32", "--train.steps=3", "--train.micro_batch_size=2",
-                           "--train.global_batch_size=2", "--train.log_every=1", "--train.plot=false",
-                           f"--train.output_dir={tmp_path}/out"],
-                          capture_output=True, text=True, timeout=600, env=_env())
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "Linear layers in float8" in done.stdout + done.stderr
-    losses = [r["loss"] for r in read_metrics(tmp_path / "out" / "metrics.jsonl") if r["kind"] == "train"]
+    tmp, ranks = group
+    done = ranks[0]["command"]
+    assert done["code"] == 0 and done["launched"], done["output"][-3000:]
+    assert "Linear layers in float8" in done["output"]
+    losses = [r["loss"] for r in read_metrics(tmp / "out" / "metrics.jsonl") if r["kind"] == "train"]
     assert len(losses) == 3 and all(0 < loss < 10 for loss in losses), losses
-    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "hf")
+    exported = AutoModelForCausalLM.from_pretrained(tmp / "out" / "hf")
     assert {t.dtype for t in exported.state_dict().values()} == {torch.float32}
-
-
-def _env() -> dict:
-    import os
-
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    return env
 
 
 def test_float8_tracks_bf16_while_differing_from_it(group):

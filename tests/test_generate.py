@@ -7,7 +7,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from fullshard.cli import main
 from fullshard.testing import build_model, run_distributed
+from harness.cli import commands_in_group
 from fullshard.testing.zoo import VOCAB
 
 NAME = "llama"
@@ -144,14 +146,19 @@ def test_fullshard_generate_command_from_a_directory_and_a_checkpoint(tmp_path):
 
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src"), OMP_NUM_THREADS="1",
                CUDA_VISIBLE_DEVICES="")
-    for source in (tmp_path / "model", tmp_path / "ckpts"):
-        args = [sys.executable, "-m", "fullshard.cli", "generate", str(source), "--nproc", "2", "--max-new-tokens", "6"]
-        for prompt in PROMPTS_CLI:
-            args += ["--prompt", prompt]
-        done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
-        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    prompts = [a for prompt in PROMPTS_CLI for a in ("--prompt", prompt)]
+    # from the directory through a real launch; from the checkpoint through the command's own code in
+    # one spawned group (harness.cli.commands_in_group: all but the launch, which the first shows)
+    args = [sys.executable, "-m", "fullshard.cli", "generate", str(tmp_path / "model"), "--nproc", "2",
+            "--max-new-tokens", "6", *prompts]
+    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    from_checkpoint = run_distributed(commands_in_group, 2, str(tmp_path), [
+        ["generate", str(tmp_path / "ckpts"), "--nproc", "2", "--max-new-tokens", "6", *prompts]])[0][0]
+    assert from_checkpoint["code"] == 0 and from_checkpoint["launched"], from_checkpoint["output"][-3000:]
+    for source, printed in (("model", done.stdout), ("ckpts", from_checkpoint["output"])):
         for prompt, completion in zip(PROMPTS_CLI, expected):
-            assert f"### {prompt}\n{completion}\n" in done.stdout, (source, prompt, completion, done.stdout[-2000:])
+            assert f"### {prompt}\n{completion}\n" in printed, (source, prompt, completion, printed[-2000:])
 
 
 VLM_PROMPTS = [("What is in the pictures?", ["a.png", "b.png"]), ("Say something.", [])]
@@ -181,7 +188,7 @@ def _plain_vlm_completions(model_dir: str, image_dir: str) -> list[str]:
     return completions
 
 
-def test_fullshard_generate_with_images_equals_transformers(tmp_path):
+def test_fullshard_generate_with_images_equals_transformers(tmp_path, monkeypatch, capsys):
     """`fullshard generate --image` on the built-in tiny Qwen2-VL at world 2: a prompt with two images
     on one rank, one without on the other (the ranks agree on the vision path), greedy, token for
     token what transformers' own generate gives; a missing image is one line before launch."""
@@ -213,10 +220,13 @@ def test_fullshard_generate_with_images_equals_transformers(tmp_path):
     for (prompt, _), completion in zip(VLM_PROMPTS, expected):
         assert f"### {prompt}\n{completion}\n" in done.stdout, (prompt, completion, done.stdout[-2000:])
 
-    missing = subprocess.run([*args[:7], "--prompt", "x", "--image", "nowhere.png"], env=env, capture_output=True,
-                             text=True, timeout=60, cwd=tmp_path)
-    assert missing.returncode != 0 and "--image " in missing.stderr and "nowhere.png: no such file" in missing.stderr
-    assert len(missing.stderr.strip().splitlines()) == 1, missing.stderr
+    # refused before launch, in the command's own process: here
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    assert main([*args[3:7], "--prompt", "x", "--image", "nowhere.png"]) != 0
+    refused = capsys.readouterr().err
+    assert "--image " in refused and "nowhere.png: no such file" in refused
+    assert len(refused.strip().splitlines()) == 1, refused
 
 
 USER_SCRIPT = """

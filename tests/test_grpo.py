@@ -1,7 +1,8 @@
 """`fullshard train --train.objective=grpo`: one real launch that learns (the reward of the last 5
-steps well above the first 5's on a task a random policy scores low on), a resume in the middle
-equal to the uninterrupted run, a failing reward function as one line on every rank (one spawned
-group), and the pieces (rewards, prompts, rollout layout, refusals) in process."""
+steps well above the first 5's on a task a random policy scores low on) with an engine process fed
+by `WeightSync`; in one spawned group the same colocated, a resume in the middle equal to the
+uninterrupted run, a failing reward function as one line on every rank; the pieces (rewards,
+prompts, rollout layout, refusals) in process."""
 
 import json
 import subprocess
@@ -56,10 +57,12 @@ def common(root, out: str, *extra) -> list[str]:
 # ---------------------------------------------------------------------------------------------- one launch
 
 
-def test_cli_grpo_learns_with_a_reward_file(tmp_path):
+def test_cli_grpo_learns_with_a_reward_file_and_an_engine(tmp_path):
+    """The real command with an engine process fed by `WeightSync` (the colocated run learns in
+    the group below)."""
     write_inputs(tmp_path)
     args = common(tmp_path, "out", "--train.steps=24", f"--rl.reward=[{tmp_path}/rewards.py:digit_share,format]",
-                  "--rl.reward_weights=[1.0,0.5]")
+                  "--rl.reward_weights=[1.0,0.5]", "--rl.rollout=engines")
     done = subprocess.run([sys.executable, "-m", "fullshard.cli", "train", *args, "--nproc", "2"], cwd=tmp_path,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -71,7 +74,7 @@ def test_cli_grpo_learns_with_a_reward_file(tmp_path):
                  "clip_ratio/high_mean", "completions/mean_length", "completions/max_length",
                  "completions/clipped_ratio", "generation_s", "logprobs_s", "update_s", "sync_s"):
         assert all(name in r for r in rows), name
-    assert all(r["completions"] == 16 and r["rewards/format/mean"] == 0 for r in rows)
+    assert all(r["completions"] == 16 and r["rewards/format/mean"] == 0 and r["sync_s"] > 0 for r in rows)
     assert all(r["completions/max_length"] <= 8 for r in rows)
     output = done.stdout + done.stderr
     assert "  reward " in output and "reward plot" in output
@@ -112,6 +115,8 @@ def _group_runs(root: str) -> dict:
     kl = ("--rl.kl_coef=0.1", "--rl.epochs=2", "--rl.advantage=rloo", "--rl.loss_type=gspo", "--train.steps=2",
           "--checkpoint.export=false")
     out["kl"] = _run(common(root, "kl", *reward, *kl))
+    out["colocated"] = _run(common(root, "colocated", f"--rl.reward={root}/rewards.py:digit_share",
+                                   "--train.steps=24", "--checkpoint.export=false", "--train.plot=false"))
     for name in ("boom", "too_few"):
         out[name] = _run(common(root, name, f"--rl.reward={root}/rewards.py:{name}", "--train.steps=2"))
     return out
@@ -143,6 +148,15 @@ def test_kl_reference_epochs_rloo_gspo(group):
     assert "error" not in results[0]["kl"], results[0]["kl"]
     rows = [r for r in read_metrics(root / "kl" / "metrics.jsonl") if r["kind"] == "train"]
     assert len(rows) == 2 and all(r["kl"] >= 0 for r in rows) and rows[-1]["kl"] > 0  # two updates a step
+
+
+def test_colocated_rollouts_learn(group):
+    """rl.rollout=colocated: the trainer ranks sample, the optimizer state aside meanwhile."""
+    root, results = group
+    assert "error" not in results[0]["colocated"], results[0]["colocated"]
+    rows = [r for r in read_metrics(root / "colocated" / "metrics.jsonl") if r["kind"] == "train"]
+    first, last = (sum(r["reward"] for r in part) / 5 for part in (rows[:5], rows[-5:]))
+    assert first < 0.15 and last > first + 0.2, (first, last)
 
 
 def test_a_failing_reward_function_is_one_line_on_every_rank(group):
@@ -213,7 +227,7 @@ def test_rollout_layout_scores_the_completion_tokens():
 
 @pytest.mark.parametrize("extra, message", [
     (["--parallel.pp_size=2"], "parallel.pp_size is not supported"),
-    (["--rl.rollout=engines"], "rl.rollout is not supported"),
+    (["--rl.rollout=engines", "--lora.r=4"], "lora.r is not supported"),
     (["--data.path=x.jsonl"], "needs rl.reward"),
     (["--rl.reward=[digits,format]", "--rl.reward_weights=[1.0]"], "1 weights for 2 reward functions"),
     (["--rl.reference=none", "--rl.kl_coef=0.1"], "needs a reference"),

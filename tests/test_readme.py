@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from fullshard.testing import run_distributed
+from harness.cli import commands_in_group
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -144,17 +145,14 @@ def scratch(tmp_path_factory):
 
 
 # `make demo`'s command: the one the docs' commands run for real, as a user's shell does (the launcher,
-# torchrun and its ranks); the rest run in one spawned group (`_docs_commands`)
+# torchrun and its ranks); the rest run in one spawned group
 DEMO_COMMAND = "fullshard train"
 
 
 def test_every_shell_command_in_the_readme_runs(scratch):
     """Every `fullshard` line of the docs runs, in the docs' order, after `make demo`'s command ran
-    for real. The others run through the command's own code, `fullshard.cli.main`, in one group of
-    2 ranks: the launching process's side (parsing, every check before launch, the run directory)
-    on the first rank, then, for a command that launches ranks, its rank side on both, as torchrun
-    would start them (only the launch itself is left out: a launch costs a launcher, torchrun's agent
-    and the ranks' imports, and the demo's shows it works)."""
+    for real; the others through the command's own code in one group of 2 ranks
+    (`harness.cli.commands_in_group`: all but the launch itself, which the demo's shows)."""
     commands = [c for c in shell_commands() if c.startswith("fullshard")]
     assert len(commands) >= 8 and DEMO_COMMAND in commands, commands
     demo = commands.index(DEMO_COMMAND)
@@ -168,62 +166,18 @@ def test_every_shell_command_in_the_readme_runs(scratch):
                           env=_env())
     assert proc.returncode == 0, f"{DEMO_COMMAND}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
     assert "launching 2 processes" in proc.stdout
-    ran = run_distributed(_docs_commands, 2, str(scratch), argvs, timeout=900)
-    for argv, (code, launched, output), (_, _, output_1) in zip(argvs, ran[0], ran[1]):
-        assert code == 0, f"fullshard {shlex.join(argv)}\n{output[-3000:]}\n----- rank 1\n{output_1[-2000:]}"
+    ran = run_distributed(commands_in_group, 2, str(scratch), argvs, timeout=900)
+    for argv, done, other in zip(argvs, ran[0], ran[1]):
+        assert done["code"] == 0, f"fullshard {shlex.join(argv)}\n{done['output'][-3000:]}\n----- rank 1\n" \
+                                  f"{other['output'][-2000:]}"
     assert len(ran[0]) == len(argvs)
-    assert sum(launched for _, launched, _ in ran[0]) >= 6  # the docs' runs and generate reached the ranks
+    assert sum(done["launched"] for done in ran[0]) >= 6  # the docs' runs and generate reached the ranks
     # what the README says these commands leave behind
     assert (scratch / "runs/demo/checkpoints").is_dir() and (scratch / "runs/demo/hf/config.json").is_file()
     assert (scratch / "runs/demo/metrics.jsonl").is_file()
     assert (scratch / "out/config.json").is_file()
     assert (scratch / "runs/chat/hf/config.json").is_file()
     assert (scratch / "runs/stage2/checkpoints/step_4").is_dir()  # stage 2: its own steps, from 0
-
-
-def _docs_commands(work: str, argvs: list[list[str]]) -> list[tuple[int, bool, str]]:
-    """`fullshard <argv>` for each argv in turn, on every rank: (exit status, whether it launched
-    ranks, what it printed). The launching side runs on rank 0 alone, as in a shell, with `launch`
-    recording the ranks' command line instead of starting torchrun; both ranks then run that line
-    (`main` under a launcher: the rank side), the process group kept for the next command."""
-    import contextlib
-    import io
-    from unittest import mock
-
-    import torch.distributed as dist
-
-    from fullshard import cli, launch
-
-    os.chdir(work)
-    rank, world, out = dist.get_rank(), dist.get_world_size(), []
-    for argv in argvs:
-        printed, launched = io.StringIO(), []
-
-        def record(nproc, rank_args, *args, **kwargs):
-            if nproc != world:
-                raise AssertionError(f"the docs launch {nproc} ranks; this group has {world}")
-            launched.append(rank_args)
-            return 0
-
-        code = 0
-        if rank == 0:
-            with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed), \
-                    mock.patch.object(cli, "under_launcher", lambda: False), mock.patch.object(cli, "launch", record):
-                code = cli.main(argv)
-        shared = [(code, launched)]
-        dist.broadcast_object_list(shared, src=0)
-        code, launched = shared[0]
-        if code == 0 and launched:
-            with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed), \
-                    mock.patch.object(launch, "_close_process_groups", lambda after_failure: None):
-                code = cli.main(launched[0])
-            codes = [None] * world
-            dist.all_gather_object(codes, code)
-            code = max(codes)
-        out.append((code, bool(launched), printed.getvalue()))
-        if code:
-            break  # the next commands may build on this one's run
-    return out
 
 
 # what the README's blocks take as given (its text says what `model` is); imports they must do themselves

@@ -20,8 +20,8 @@ from .packed_attention import use_attention
 
 def from_pretrained(name_or_path: str, engine=None, dtype=None, model_class=None, revision: str | None = None,
                     cache_dir: str | None = None, lora=None, trust_remote_code: bool = False,
-                    attn_implementation: str | None = None, freeze=None, num_labels: int | None = None,
-                    **load_kwargs) -> nn.Module:
+                    attn_implementation: str | None = None, freeze=None,
+                    num_labels: int | None = None, **load_kwargs) -> nn.Module:
     """The short path: build the model on meta from its config, shard it with `engine`, load it sharded.
 
     `engine` defaults to `FSDP2Engine()` (fp32, auto plan, whole world). `dtype=None` keeps the

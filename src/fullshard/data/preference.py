@@ -143,11 +143,11 @@ class PreferenceTokenize:
 class VisionPreferenceTokenize:
     """Preference records for a vision-language model, images in their prompts (content parts as in
     image-text chat records): each sequence, the prompt with one completion, goes through the
-    processor as an image-text conversation (`vision.VisionTokenize.document`: image tokens expanded,
-    per-token columns, rope rows restarting at the sequence), and the two are joined as one pair
-    document with `pair_role`, its image tensors the chosen sequence's then the rejected one's. The
-    labels are the conversation's assistant turns, so a prompt with assistant turns of its own is
-    one error naming the record. A pair longer than `seq_len` is dropped (and counted)."""
+    processor as an image-text conversation (`vision.VisionTokenize.document`: image tokens
+    expanded, per-token columns, rope rows restarting at the sequence), and the two are joined as
+    one pair document with `pair_role`, its image tensors the chosen sequence's then the rejected
+    one's. The labels are the conversation's assistant turns, so a prompt with assistant turns of
+    its own is one error naming the record. A pair longer than `seq_len` is dropped (counted)."""
 
     def __init__(self, processor, section, base_dir, rope):
         from .vision import VisionTokenize
@@ -173,19 +173,22 @@ class VisionPreferenceTokenize:
 
         for name, value in (("chosen", chosen), ("rejected", rejected)):
             if not isinstance(value, list) or not value:
-                raise RecordError(row, f"has no {name} completion as a list of turns (image-text pairs are "
-                                       "conversations)")
+                raise RecordError(row, f"has no {name} completion as a list of turns "
+                                       "(image-text pairs are conversations)")
         prompt, chosen, rejected = split_prompt(row, prompt, chosen, rejected)
-        if not isinstance(prompt, list) or not prompt or not all(isinstance(t, dict) for t in prompt):
-            raise RecordError(row, "has a prompt that is not a non-empty list of turns (image-text pairs are "
-                                   "conversations)")
+        turns = isinstance(prompt, list) and prompt and all(isinstance(t, dict) for t in prompt)
+        if not turns:
+            raise RecordError(row, "has a prompt that is not a non-empty list of turns "
+                                   "(image-text pairs are conversations)")
         if any(turn.get("role") == "assistant" for turn in prompt):
-            raise RecordError(row, "has assistant turns in its prompt: image-text pairs label every assistant "
-                                   "turn, so their prompts must end before the first one")
+            raise RecordError(row, "has assistant turns in its prompt: image-text pairs label "
+                                   "every assistant turn, so their prompts must end before one")
         docs = [self.vision.document(row, prompt + list(c)) for c in (chosen, rejected)]
-        if any(not d["input_ids"] for d in docs) or sum(len(d["input_ids"]) for d in docs) > self.seq_len:
+        lengths = [len(d["input_ids"]) for d in docs]
+        if min(lengths) == 0 or sum(lengths) > self.seq_len:
             return {"input_ids": [], "labels": [], IMAGES: b"", **{c: [] for c in self.columns}}
-        joined = {key: docs[0][key] + docs[1][key] for key in ("input_ids", "labels", *self.vision.columns)}
+        keys = ("input_ids", "labels", *self.vision.columns)
+        joined = {key: docs[0][key] + docs[1][key] for key in keys}
         joined[ROLE] = [CHOSEN] * len(docs[0]["input_ids"]) + [REJECTED] * len(docs[1]["input_ids"])
         joined[IMAGES] = encode_images(decode_images([docs[0][IMAGES], docs[1][IMAGES]]))
         return joined

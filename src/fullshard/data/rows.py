@@ -23,6 +23,10 @@ from .chat import IGNORE_INDEX
 from .pack import IMAGES, ROPE_COLUMNS, SPLIT_COLUMN
 from .vision import decode_images
 
+# batch columns that are not the model's arguments (targets, counts, pair and margin columns)
+NOT_MODEL_INPUTS = ("labels", "shift_labels", "num_items_in_batch", "pair_role", "pair_margin",
+                    "pair_sequence", "pair_sequences")
+
 
 class Rows:
     """Rows `start..stop` of a packed dataset; `take` reads only the rows asked for."""
@@ -48,6 +52,14 @@ class Rows:
         if rope:  # text positions (documents restart them: what masks them apart), then the rope rows
             rows["position_ids"] = torch.stack([rows["position_ids"], *rope], dim=1)
         return rows
+
+
+def aligned_targets(batch: dict) -> torch.Tensor:
+    """The next-token target of every position, as long as the inputs (the last position of unshifted
+    labels gets none): `shift_labels` as given (context parallelism), else `labels` shifted by one."""
+    if "shift_labels" in batch:
+        return batch["shift_labels"]
+    return torch.nn.functional.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE_INDEX)
 
 
 def decode_rows(blobs) -> list[dict[str, torch.Tensor]]:

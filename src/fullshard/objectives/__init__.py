@@ -1,5 +1,6 @@
-"""What the trainer optimises: one module per objective (`sft`, `preference`, `reward`), each an `Objective`
-(data -> batch -> loss and metrics, `base.py`), and the per-token log-probs they share (`logprobs`)."""
+"""What the trainer optimises: one module per objective (`sft`, `preference`, `reward`), each an
+`Objective` (data -> batch -> loss and metrics, `base.py`), and the per-token log-probs they share
+(`logprobs`)."""
 
 from __future__ import annotations
 

@@ -22,6 +22,9 @@ class Objective:
     shown: tuple[str, ...] | None = None  # the metrics the console line shows (None: the third and fourth)
     runs_own_step = False  # True: `run_step` makes the whole optimizer step (grpo: rollouts, then updates)
 
+    def close(self) -> None:
+        """Release what the objective holds beyond the run's end (grpo: its rollout engines)."""
+
     def count(self, batch: dict) -> int:
         """Units of `batch` the loss is a mean over."""
         raise NotImplementedError

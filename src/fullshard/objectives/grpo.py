@@ -27,21 +27,30 @@ def check_config(config) -> None:
     from ..rl.rewards import load_reward
 
     data, mesh, rl = config.data, config.parallel, config.rl
-    unsupported = (("rl.rollout", rl.rollout == "engines", "engine processes are not built into the command "
-                    "yet (use colocated, or WeightSync from Python as docs/rl.md shows)"),
-                   (config.key("pp_size"), mesh.pp_size > 1, "generate does not run a pipelined model"),
-                   (config.key("cp_size"), mesh.cp_size > 1, "rollouts are not split over cp ranks"),
-                   ("data.streaming", data.streaming, "prompts are read whole"),
-                   ("data.format", data.format == "preference", "prompts come from chat or prompt records"),
-                   ("model.dtype", config.model.dtype == "fp16", "fp16 loss scaling is not in the RL update"))
+    engines = rl.rollout == "engines"
+    unsupported = (
+        ("lora.r", engines and config.lora.enabled, "rl.rollout=engines syncs whole models"),
+        (
+            "model.name_or_path",
+            engines and config.model.name_or_path == "tiny-qwen2-vl",
+            "rl.rollout=engines holds a causal LM",
+        ),
+        (config.key("pp_size"), mesh.pp_size > 1, "generate does not run a pipelined model"),
+        (config.key("cp_size"), mesh.cp_size > 1, "rollouts are not split over cp ranks"),
+        ("data.streaming", data.streaming, "prompts are read whole"),
+        ("data.format", data.format == "preference", "prompts come from chat or prompt records"),
+        ("model.dtype", config.model.dtype == "fp16", "fp16 loss scaling is not in the RL update"),
+    )
     for key, refused, why in unsupported:
         if refused:
             raise ConfigError(f"train.objective=grpo: {key} is not supported ({why})")
     rl.resolved_reference(config.lora.enabled)
     specs = reward_specs(config)
     if rl.reward_weights is not None and len(rl.reward_weights) != len(specs):
-        raise ConfigError(f"rl.reward_weights has {len(rl.reward_weights)} weights for {len(specs)} reward "
-                          f"functions ({', '.join(specs)})")
+        raise ConfigError(
+            f"rl.reward_weights has {len(rl.reward_weights)} weights for {len(specs)} reward "
+            f"functions ({', '.join(specs)})"
+        )
     for spec in specs:
         load_reward(spec)
 
@@ -52,8 +61,10 @@ def reward_specs(config) -> list[str]:
     if not specs and config.data.path is None:
         return ["digits"]
     if not specs:
-        raise ConfigError("train.objective=grpo needs rl.reward: a function (path/to/file.py:function or "
-                          "module:function) or a built-in (accuracy, format, digits)")
+        raise ConfigError(
+            "train.objective=grpo needs rl.reward: a function (path/to/file.py:function or "
+            "module:function) or a built-in (accuracy, format, digits)"
+        )
     return specs
 
 
@@ -69,6 +80,23 @@ def build_grpo(config, data, tokenizer, reference_model) -> "GRPO":
         if next(reference.parameters()).device.type != "cpu":
             offload(reference)
     return GRPO(config, data, tokenizer, reference)
+
+
+def start_engines(config):
+    """`rl.num_engines` engine processes holding the run's model (`rl.engines`)."""
+    from ..data.builtin import BUILTIN_MODELS
+    from ..dtypes import DTYPES
+    from ..rl.engines import Engines
+
+    model = config.model
+    spec = {
+        "builtin": model.name_or_path in BUILTIN_MODELS,
+        "name": model.name_or_path,
+        "seq_len": config.data.seq_len,
+        "dtype": DTYPES[model.dtype],
+        "trust_remote_code": model.trust_remote_code,
+    }
+    return Engines(spec, config.rl.num_engines, timeout_s=config.fsdp.timeout_s)
 
 
 class GRPO(Objective):
@@ -89,12 +117,24 @@ class GRPO(Objective):
         self.reference = reference  # a frozen model, "adapter", or None
         rl = config.rl
         self.update = UpdateConfig(
-            loss_type=rl.loss_type, clip_ratio_low=rl.clip_ratio_low, clip_ratio_high=rl.clip_ratio_high,
-            clip_ratio_c=rl.clip_ratio_c, agg=rl.loss_agg, kl_coef=rl.kl_coef, kl_kind=rl.kl_kind,
-            entropy_coef=rl.entropy_coef, temperature=rl.temperature, max_tokens=rl.max_tokens_per_micro_batch,
-            chunk_tokens=config.train.loss_chunk_tokens or 1 << 30, max_norm=config.train.max_norm)
+            loss_type=rl.loss_type,
+            clip_ratio_low=rl.clip_ratio_low,
+            clip_ratio_high=rl.clip_ratio_high,
+            clip_ratio_c=rl.clip_ratio_c,
+            agg=rl.loss_agg,
+            kl_coef=rl.kl_coef,
+            kl_kind=rl.kl_kind,
+            entropy_coef=rl.entropy_coef,
+            temperature=rl.temperature,
+            max_tokens=rl.max_tokens_per_micro_batch,
+            chunk_tokens=config.train.loss_chunk_tokens or 1 << 30,
+            max_norm=config.train.max_norm,
+        )
         self.metrics = ("reward", "reward_std", *(f"rewards/{n}/mean" for n in self.rewards.names))
-
+        self.engines, self.pushed = (
+            (start_engines(config) if rl.rollout == "engines" else None),
+            False,
+        )
 
     def run_step(self, strategy, model, optimizer, scheduler, batches: list, step: int):
         """Sample, score, take log-probs, update; returns the trainer's `StepOutput`."""
@@ -108,7 +148,9 @@ class GRPO(Objective):
         rewards, table = self._score(rows, completions)
         rollouts = self._rollouts(model, completions, rewards, seconds)
         update = self._update(model, optimizer, scheduler, rollouts, dims, on_device, seconds)
-        metrics, units, tokens = self._metrics(rewards, table, completions, update, rollouts, dims.tp)
+        metrics, units, tokens = self._metrics(
+            rewards, table, completions, update, rollouts, dims.tp
+        )
         metrics.update(seconds, step_s=time.perf_counter() - started)
         result = StepResult(update["grad_norm"], update["skipped"])
         return StepOutput(update["loss"], tokens, result, metrics, units)
@@ -120,22 +162,58 @@ class GRPO(Objective):
 
         with agreed(ConfigError):
             prompts = [self.data.prompt_ids(row) for row in rows]
+        if self.engines is not None:
+            return self._from_engines(model, prompts, step, seconds)
         started = time.perf_counter()
         if on_device:  # the optimizer state leaves the device while the KV cache needs it
             offload(None, optimizer)
         seconds["sync_s"] = time.perf_counter() - started
         started = time.perf_counter()
         eos = self.tokenizer.eos_token_id
-        completions = sample(model, prompts, self.rl.group_size, max_new_tokens=self.rl.max_new_tokens,
-                             temperature=self.rl.temperature, top_p=self.rl.top_p,
-                             pad_token_id=self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None
-                             else eos, eos_token_id=eos, seed=rollout_seed(self.seed, step, dp_rank))
+        completions = sample(
+            model,
+            prompts,
+            self.rl.group_size,
+            max_new_tokens=self.rl.max_new_tokens,
+            temperature=self.rl.temperature,
+            top_p=self.rl.top_p,
+            pad_token_id=self.tokenizer.pad_token_id
+            if self.tokenizer.pad_token_id is not None
+            else eos,
+            eos_token_id=eos,
+            seed=rollout_seed(self.seed, step, dp_rank),
+        )
         seconds["generation_s"] = time.perf_counter() - started
         started = time.perf_counter()
         if on_device:
             onload(None, optimizer)
         seconds["sync_s"] += time.perf_counter() - started
         return completions
+
+    def _from_engines(self, model, prompts, step, seconds):
+        """The engines' samples; the first step sends them the weights they start from."""
+        seconds["sync_s"] = 0.0 if self.pushed else self.engines.push(model)
+        self.pushed = True
+        started, eos = time.perf_counter(), self.tokenizer.eos_token_id
+        completions = self.engines.sample(
+            prompts,
+            self.rl.group_size,
+            seed=self.seed,
+            step=step,
+            eos_token_id=eos,
+            pad_token_id=self.tokenizer.pad_token_id
+            if self.tokenizer.pad_token_id is not None
+            else eos,
+            max_new_tokens=self.rl.max_new_tokens,
+            temperature=self.rl.temperature,
+            top_p=self.rl.top_p,
+        )
+        seconds["generation_s"] = time.perf_counter() - started
+        return completions
+
+    def close(self) -> None:
+        if self.engines is not None:
+            self.engines.close()
 
     def _score(self, rows, completions):
         """Every completion's weighted reward and each function's values, agreed over the ranks."""
@@ -144,7 +222,10 @@ class GRPO(Objective):
         group = self.rl.group_size
         texts = self.tokenizer.batch_decode(completions.completion_ids, skip_special_tokens=True)
         prompts = [self.data.prompt(row) for row in rows for _ in range(group)]
-        shown = [[{"role": "assistant", "content": t}] if isinstance(p, list) else t for p, t in zip(prompts, texts)]
+        shown = [
+            [{"role": "assistant", "content": t}] if isinstance(p, list) else t
+            for p, t in zip(prompts, texts)
+        ]
         records = [self.data.columns(row) for row in rows]
         keys = list(dict.fromkeys(k for record in records for k in record))
         columns = {k: [record.get(k) for record in records for _ in range(group)] for k in keys}
@@ -159,8 +240,11 @@ class GRPO(Objective):
 
         group, kind = self.rl.group_size, self.rl.advantage
         rewards = rewards.float()
-        advantages = rloo_advantages(rewards, group) if kind == "rloo" else \
-            group_advantages(rewards, group, norm_by_std=kind == "grpo")
+        advantages = (
+            rloo_advantages(rewards, group)
+            if kind == "rloo"
+            else group_advantages(rewards, group, norm_by_std=kind == "grpo")
+        )
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         rollouts = as_rollouts(completions, advantages, pad)
         device = next(model.parameters()).device
@@ -169,13 +253,17 @@ class GRPO(Objective):
         rollouts.response_mask = rollouts.response_mask.to(device)
         rollouts.advantages = rollouts.advantages.to(device)
         started = time.perf_counter()
-        options = dict(max_tokens=self.update.max_tokens, temperature=self.rl.temperature,
-                       chunk_tokens=self.update.chunk_tokens)
+        options = dict(
+            max_tokens=self.update.max_tokens,
+            temperature=self.rl.temperature,
+            chunk_tokens=self.update.chunk_tokens,
+        )
         if self.rl.epochs > 1:  # on-policy at one epoch: the current log-probs, detached
             rollouts.old_logprobs = sequence_logprobs(model, ids, mask, **options)
         if self.reference is not None:
-            rollouts.ref_logprobs = reference_logprobs(self.reference, ids, mask, policy=model,
-                                                       offloaded=device.type != "cpu", **options)
+            rollouts.ref_logprobs = reference_logprobs(
+                self.reference, ids, mask, policy=model, offloaded=device.type != "cpu", **options
+            )
         seconds["logprobs_s"] = time.perf_counter() - started
         return rollouts
 
@@ -185,9 +273,18 @@ class GRPO(Objective):
         started = time.perf_counter()
         for epoch in range(self.rl.epochs):  # the schedule steps once per batch of rollouts
             last = epoch == self.rl.epochs - 1
-            update = policy_update(model, optimizer, rollouts, self.update, dp_size=dims.dp_size,
-                                   repeats=dims.tp, scheduler=scheduler if last else None)
+            update = policy_update(
+                model,
+                optimizer,
+                rollouts,
+                self.update,
+                dp_size=dims.dp_size,
+                repeats=dims.tp,
+                scheduler=scheduler if last else None,
+            )
         seconds["update_s"] = time.perf_counter() - started
+        if self.engines is not None:  # the engines sample the next step from the updated weights
+            seconds["sync_s"] += self.engines.push(model)
         return update
 
     def _metrics(self, rewards, table, completions, update, rollouts, repeats: int):
@@ -196,25 +293,46 @@ class GRPO(Objective):
         lengths = torch.tensor([len(c) for c in completions.completion_ids], dtype=torch.float64)
         stds = rewards.view(-1, group).std(dim=1)
         known = ~torch.isnan(table)
-        sums = torch.cat([torch.stack([rewards.sum(), stds.sum(), torch.tensor(float(len(stds))), lengths.sum(),
-                                       torch.tensor(float(sum(completions.clipped))),
-                                       torch.tensor(float(len(lengths))),
-                                       rollouts.attention_mask.sum().double().cpu()]),
-                          torch.nan_to_num(table).sum(dim=0), known.sum(dim=0).double()])
+        sums = torch.cat(
+            [
+                torch.stack(
+                    [
+                        rewards.sum(),
+                        stds.sum(),
+                        torch.tensor(float(len(stds))),
+                        lengths.sum(),
+                        torch.tensor(float(sum(completions.clipped))),
+                        torch.tensor(float(len(lengths))),
+                        rollouts.attention_mask.sum().double().cpu(),
+                    ]
+                ),
+                torch.nan_to_num(table).sum(dim=0),
+                known.sum(dim=0).double(),
+            ]
+        )
         extremes = torch.stack([lengths.max(), -lengths.min()])
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(sums)
             dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
             sums = sums / repeats
         reward, std, groups, length, clipped, count, tokens = sums[:7].tolist()
-        per_function = sums[7:7 + functions] / sums[7 + functions:].clamp(min=1)
+        per_function = sums[7 : 7 + functions] / sums[7 + functions :].clamp(min=1)
         metrics = {"reward": reward / count, "reward_std": std / groups}
-        for name, value, seen in zip(self.rewards.names, per_function.tolist(), sums[7 + functions:].tolist()):
+        for name, value, seen in zip(
+            self.rewards.names, per_function.tolist(), sums[7 + functions :].tolist()
+        ):
             metrics[f"rewards/{name}/mean"] = value if seen else None
-        metrics.update({"completions/mean_length": length / count, "completions/max_length": float(extremes[0]),
-                        "completions/min_length": float(-extremes[1]), "completions/clipped_ratio": clipped / count,
-                        "entropy": update["entropy"], "clip_ratio/low_mean": update["clip_ratio/low_mean"],
-                        "clip_ratio/high_mean": update["clip_ratio/high_mean"]})
+        metrics.update(
+            {
+                "completions/mean_length": length / count,
+                "completions/max_length": float(extremes[0]),
+                "completions/min_length": float(-extremes[1]),
+                "completions/clipped_ratio": clipped / count,
+                "entropy": update["entropy"],
+                "clip_ratio/low_mean": update["clip_ratio/low_mean"],
+                "clip_ratio/high_mean": update["clip_ratio/high_mean"],
+            }
+        )
         if self.reference is not None:
             metrics["kl"] = update["kl"]
         return metrics, int(round(count)), int(round(tokens))

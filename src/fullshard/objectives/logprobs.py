@@ -34,15 +34,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..checkpoint.rng import capture_rng_state, restore_rng_state
-from ..data.rows import model_inputs
+from ..data.rows import NOT_MODEL_INPUTS, aligned_targets, model_inputs  # noqa: F401 (this module's names too)
 from ..errors import ConfigError
 from ..log import warn_rank0
 from ..packed_attention import packed_inputs
+from .pipeline import pipeline_outputs
 
 IGNORE_INDEX = -100
 DEFAULT_LOSS_CHUNK_TOKENS = 1024
-NOT_MODEL_INPUTS = ("labels", "shift_labels", "num_items_in_batch", "pair_role", "pair_margin",
-                    "pair_sequence", "pair_sequences")
 
 
 # --------------------------------------------------------------------------- the chunk arithmetic
@@ -278,14 +277,6 @@ def logits_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: fl
 # --------------------------------------------------------------------------- batches
 
 
-def aligned_targets(batch: dict) -> torch.Tensor:
-    """The next-token target of every position, as long as the inputs (the last position of unshifted
-    labels gets none): `shift_labels` as given (context parallelism), else `labels` shifted by one."""
-    if "shift_labels" in batch:
-        return batch["shift_labels"]
-    return F.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE_INDEX)
-
-
 def forward_inputs(model: nn.Module, batch: dict) -> dict:
     """A micro-batch as the model's keyword arguments: labels left out, images concatenated, packed
     documents kept apart (`packed_inputs`)."""
@@ -311,9 +302,10 @@ def batch_logprobs(model: nn.Module, batch: dict, chunk_tokens: int = DEFAULT_LO
     rank of the pipeline getting them (no gradient: a loss over them runs inside the pipeline,
     `Objective.stage_loss_sum`)."""
     if getattr(model, "fullshard_pipeline", None) is not None:
-        from ..train.pp_step import pipeline_logprobs
+        def stage(lm, call, targets, **inputs):
+            return stage_logprobs(lm, call, targets, chunk_tokens, temperature, entropy)
 
-        return pipeline_logprobs(model, batch, chunk_tokens, temperature, entropy)
+        return pipeline_outputs(model, batch, stage)
     inputs, targets = forward_inputs(model, batch), aligned_targets(batch)
     if chunk_tokens > 0:
         out = chunked_logprobs(model, inputs, targets, chunk_tokens, temperature, entropy)

@@ -23,6 +23,7 @@ from ..data.preference import ROLE
 from ..data.prepare import on_node_first_rank
 from ..data.rows import eval_batches
 from ..errors import ConfigError
+from ..fsdp import reshard_all
 from .preference import text_positions
 
 
@@ -68,6 +69,7 @@ def compute_table(model, objective, row_sets: list, micro_batch_size: int, dp_ra
                 if count:
                     mine[row_key(ids, roles)], logps = logps[:count], logps[count:]
     model.train()
+    reshard_all(model)  # a no-grad forward leaves the root unit gathered
     parts = [mine]
     if dist.is_initialized() and dist.get_world_size() > 1:
         parts = [None] * dist.get_world_size()

@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..data.preference import CHOSEN, ROLE
+from ..fsdp import reshard_all
 from .base import Objective
 from .logprobs import DEFAULT_LOSS_CHUNK_TOKENS, IGNORE_INDEX, aligned_targets, batch_logprobs, stage_logprobs
 
@@ -279,7 +280,9 @@ class ModelReference:
 
     def __call__(self, policy, batch: dict, objective: Preference) -> torch.Tensor:
         with torch.no_grad():
-            return objective.sequence_logps(self.model, batch)[0]
+            logps = objective.sequence_logps(self.model, batch)[0]
+        reshard_all(self.model)  # a no-grad forward leaves the root unit gathered until the next one
+        return logps
 
 
 class AdapterReference:

@@ -1,24 +1,26 @@
-"""Reward models (`train.objective=reward`): one score per sequence, trained on preference pairs with
-the Bradley-Terry loss of TRL's `RewardTrainer`.
+"""Reward models (`train.objective=reward`): one score per sequence, trained on preference pairs
+with the Bradley-Terry loss of TRL's `RewardTrainer`.
 
 The model is the checkpoint config's `AutoModelForSequenceClassification` class with one output
 (`num_labels=1`) and the run's pad token id in its config (TRL sets it too: it is what transformers
-finds the scored token by). From a causal-LM checkpoint the base loads as usual, the causal LM's head
-is not read, and the `score` head is new: drawn from the run's seed as transformers initialises it
-(normal, std `initializer_range`), the whole tensor on every rank and each rank's region copied in,
-so every world size starts from the same head.
+finds the scored token by). From a causal-LM checkpoint the base loads as usual, the causal LM's
+head is not read, and the `score` head is new: drawn from the run's seed as transformers
+initialises it (normal, std `initializer_range`), the whole tensor on every rank and each rank's
+region copied in, so every world size starts from the same head.
 
-Where the score is read: transformers' `*ForSequenceClassification` apply `score` at every position
-and read each row at its last token that is not the pad token (`(arange * (ids != pad)).argmax(-1)`,
-the first token when every one is padding). A row here holds several sequences (a pair's chosen and
-rejected, more pairs when packed), so the score head's output at every position is kept and each
-sequence read at its own last position whose token is not the pad token: where transformers reads
-that sequence alone, so the export scores as training did.
+Where the score is read: transformers' `*ForSequenceClassification` apply `score` at every
+position and read each row at its last token that is not the pad token
+(`(arange * (ids != pad)).argmax(-1)`, the first token when every one is padding). A row here holds
+several sequences (a pair's chosen and rejected, more pairs when packed), so the score head's
+output at every position is kept and each sequence read at its own last position whose token is
+not the pad token: where transformers reads that sequence alone, so the export scores as training
+did.
 
 The loss of a pair: -log sigmoid(r_chosen - r_rejected - margin) + c (r_chosen + r_rejected)^2, the
 margin from the records when they have one, c `reward.center_coefficient` (TRL's
-`center_rewards_coefficient`); summed over pairs and divided by the step's pairs, TRL's mean over a
-batch. Metrics, TRL's names: `accuracy` (r_chosen > r_rejected) and `margin` (r_chosen - r_rejected).
+`center_rewards_coefficient`); summed over pairs and divided by the step's pairs, TRL's mean over
+a batch. Metrics, TRL's names: `accuracy` (r_chosen > r_rejected) and `margin`
+(r_chosen - r_rejected).
 """
 
 from __future__ import annotations
@@ -74,8 +76,9 @@ def reward_model_class(hf_config):
     try:
         return transformers.AutoModelForSequenceClassification._model_mapping[type(hf_config)]
     except KeyError:
-        raise ConfigError(f"{type(hf_config).__name__} has no sequence-classification class in transformers: "
-                          "train.objective=reward cannot build a reward model from it") from None
+        raise ConfigError(f"{type(hf_config).__name__} has no sequence-classification class in "
+                          "transformers: train.objective=reward cannot build a reward model from it"
+                          ) from None
 
 
 def as_reward_config(hf_config, pad_token_id: int):
@@ -88,7 +91,8 @@ def as_reward_config(hf_config, pad_token_id: int):
 def score_head(model: nn.Module) -> nn.Linear:
     head = getattr(model, "score", None)
     if not isinstance(head, nn.Linear) or head.out_features != 1:
-        raise ConfigError(f"{type(model).__name__} has no one-output `score` head to train as a reward model")
+        raise ConfigError(f"{type(model).__name__} has no one-output `score` head to train as a "
+                          "reward model")
     return head
 
 
@@ -102,20 +106,22 @@ def load_reward_model(name_or_path: str, engine, dtype, seed: int, pad_token_id:
     from ..pretrained import from_pretrained
 
     hf_config = AutoConfig.from_pretrained(resolve_checkpoint_dir(name_or_path))
-    model = from_pretrained(name_or_path, engine=engine, dtype=dtype, model_class=reward_model_class(hf_config),
-                            num_labels=1, attn_implementation=attn_implementation, strict=False,
+    model = from_pretrained(name_or_path, engine=engine, dtype=dtype,
+                            model_class=reward_model_class(hf_config), num_labels=1,
+                            attn_implementation=attn_implementation, strict=False,
                             init_missing=lambda model, names: init_score_head(model, names, seed))
     as_reward_config(model.config, pad_token_id)
     report = model.fullshard_load_report
-    prefix = f"{getattr(model, 'base_model_prefix', 'model')}."
     if report.missing:
         std = getattr(model.config.get_text_config(), "initializer_range", 0.02)
-        log_rank0(f"{name_or_path}: no score head in the checkpoint (a causal LM): a new one drawn from "
-                  f"train.seed={seed}, normal(0, {std}); its head {report.unexpected} is not read")
+        log_rank0(f"{name_or_path}: no score head in the checkpoint (a causal LM): a new one drawn "
+                  f"from train.seed={seed}, normal(0, {std}); its head {report.unexpected} is not "
+                  "read")
+    prefix = f"{getattr(model, 'base_model_prefix', 'model')}."
     others = [k for k in report.unexpected if k.startswith(prefix)]
     if others:
-        raise LoadError(f"checkpoint {name_or_path!r} holds tensors {type(model).__name__} has no place for: "
-                        f"{others[:20]}")
+        raise LoadError(f"checkpoint {name_or_path!r} holds tensors {type(model).__name__} has no "
+                        f"place for: {others[:20]}")
     return model
 
 
@@ -129,14 +135,16 @@ def init_score_head(model: nn.Module, names: list[str], seed: int) -> None:
     head = dict(score_head(model).named_parameters())
     others = [n for n in names if n.removeprefix("score.") not in head]
     if others:
-        raise LoadError(f"the checkpoint lacks {others[:20]}: of a reward model only the score head may be new")
+        raise LoadError(f"the checkpoint lacks {others[:20]}: of a reward model only the score "
+                        "head may be new")
     std = float(getattr(model.config.get_text_config(), "initializer_range", 0.02))
     generator = torch.Generator().manual_seed(seed)
     for name, param in head.items():
         if f"score.{name}" not in names:
             continue
-        full = torch.zeros(param.shape) if name == "bias" else torch.empty(param.shape).normal_(0, std,
-                                                                                                 generator=generator)
+        full = torch.zeros(param.shape)
+        if name != "bias":
+            full.normal_(0, std, generator=generator)
         local, region = local_region(param)
         local.copy_(full[region])
 
@@ -145,19 +153,20 @@ def init_score_head(model: nn.Module, names: list[str], seed: int) -> None:
 
 
 def position_scores(model: nn.Module, batch: dict) -> torch.Tensor:
-    """[rows, seq]: the score head's output at every position. The model runs as usual; its output's
-    `logits` (transformers' one pooled score per row) are replaced by these before FSDP's post-forward
-    sees them, so its backward hooks sit on what the loss uses."""
+    """[rows, seq]: the score head's output at every position. The model runs as usual; its
+    output's `logits` (transformers' one pooled score per row) are replaced by these before FSDP's
+    post-forward sees them, so its backward hooks sit on what the loss uses."""
     kept = []
 
     def keep(module, args, output):
         kept.append(output)
 
     def per_position(module, args, output):
-        output.logits = kept[-1][..., 0].clone()  # not a view: FSDP's hook on it must not be dropped
+        output.logits = kept[-1][..., 0].clone()  # not a view: FSDP's hook on it must stay
         return output
 
-    handles = [score_head(model).register_forward_hook(keep), model.register_forward_hook(per_position, prepend=True)]
+    handles = [score_head(model).register_forward_hook(keep),
+               model.register_forward_hook(per_position, prepend=True)]
     try:
         return model(**forward_inputs(model, batch)).logits
     finally:
@@ -166,9 +175,10 @@ def position_scores(model: nn.Module, batch: dict) -> torch.Tensor:
 
 
 def score_positions(batch: dict, pad_token_id: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per sequence (2k pair k's chosen, 2k + 1 its rejected), the flat index of its first token and
-    of the token its score is read at: its last that is not `pad_token_id` (its first if none is)."""
-    role, ids, positions = batch[ROLE].flatten(), batch["input_ids"].flatten(), batch["position_ids"]
+    """Per sequence (2k pair k's chosen, 2k + 1 its rejected), the flat index of its first token
+    and of the token its score is read at: its last that is not `pad_token_id` (else its first)."""
+    role, ids = batch[ROLE].flatten(), batch["input_ids"].flatten()
+    positions = batch["position_ids"]
     positions = (positions[:, 0] if positions.ndim == 3 else positions).flatten()
     starts = (positions == 0) & (role > 0)
     seq = torch.where(role > 0, starts.cumsum(0) - 1, -1)

@@ -13,7 +13,8 @@ from .batches import token_batches
 from .counts import GlobalCounts, global_counts
 from .losses import AGG_MODES, KL_KINDS, LOSS_TYPES, aggregate, kl_penalty, masked_mean, policy_loss
 from .phases import adapters_disabled, offload, onload, reference_logprobs, sequence_logprobs
-from .update import Rollouts, UpdateConfig, policy_update
+from .terms import Rollouts, UpdateConfig
+from .update import policy_update
 
 __all__ = ["AGG_MODES", "GlobalCounts", "KL_KINDS", "LOSS_TYPES", "Rollouts", "UpdateConfig",
            "adapters_disabled", "aggregate", "global_counts", "group_advantages", "kl_penalty",

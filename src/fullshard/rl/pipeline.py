@@ -20,8 +20,9 @@ import torch.distributed as dist
 
 from ..errors import ConfigError
 from ..objectives.logprobs import stage_logprobs
+from ..objectives.pipeline import run_pipeline, sum_tied_gradients
 from ..parallel.pp import pipeline_of
-from .update import SUMMED, Rollouts, UpdateConfig, loss_terms, term_sums
+from .terms import SUMMED, Rollouts, UpdateConfig, loss_terms, term_sums
 
 
 def pipelined_sums(
@@ -30,7 +31,6 @@ def pipelined_sums(
     """Every micro-batch's forward and backward through the pipeline; returns the terms' sums
     (counted once per pp rank, as `policy_update`'s `repeats` expects) and the clip's arguments
     (the norm over every stage, a tied weight's second end left out)."""
-    from ..train.pp_step import run_pipeline, sum_tied_gradients
 
     if rollouts.model_inputs:
         raise ConfigError(

@@ -57,7 +57,9 @@ def _same(answer: str | None, expected: str | None) -> bool:
     if answer is None or expected is None:
         return False
     try:
-        return math.isclose(float(answer), float(expected.replace(",", "")), rel_tol=1e-9, abs_tol=1e-9)
+        return math.isclose(
+            float(answer), float(expected.replace(",", "")), rel_tol=1e-9, abs_tol=1e-9
+        )
     except ValueError:
         return answer.replace(" ", "") == expected.replace(" ", "")
 
@@ -67,11 +69,18 @@ def accuracy(prompts, completions, completion_ids, **columns) -> list[float | No
     `answer` (as it is, or its `\\boxed{}`), or the final answer of its `solution`; else 0. None
     for a record with neither."""
     if columns.get("answer") is not None:
-        expected = [None if a is None else boxed(str(a)) or str(a).strip() for a in columns["answer"]]
+        expected = [
+            None if a is None else boxed(str(a)) or str(a).strip() for a in columns["answer"]
+        ]
     else:
-        expected = [None if s is None else final_answer(str(s)) for s in
-                    columns.get("solution") or [None] * len(completions)]
-    return [None if e is None else float(_same(final_answer(_text(c)), e)) for c, e in zip(completions, expected)]
+        expected = [
+            None if s is None else final_answer(str(s))
+            for s in columns.get("solution") or [None] * len(completions)
+        ]
+    return [
+        None if e is None else float(_same(final_answer(_text(c)), e))
+        for c, e in zip(completions, expected)
+    ]
 
 
 FORMAT = re.compile(r"^\s*<think>.*?</think>\s*<answer>.*?</answer>\s*$", re.DOTALL)
@@ -99,8 +108,10 @@ def load_reward(spec: str):
         return BUILTIN[spec]
     where, sep, name = spec.rpartition(":")
     if not sep or not where or not name:
-        raise ConfigError(f"rl.reward={spec!r} is no built-in ({', '.join(BUILTIN)}) and not "
-                          "path/to/file.py:function or module:function")
+        raise ConfigError(
+            f"rl.reward={spec!r} is no built-in ({', '.join(BUILTIN)}) and not "
+            "path/to/file.py:function or module:function"
+        )
     if where.endswith(".py"):
         path = Path(where).expanduser()
         if not path.is_file():
@@ -110,14 +121,16 @@ def load_reward(spec: str):
         try:
             module_spec.loader.exec_module(module)
         except Exception as err:  # noqa: BLE001 - the user's file: named, one line
-            raise ConfigError(f"rl.reward={spec!r}: importing {str(path)!r} raised "
-                              f"{type(err).__name__}: {err}") from None
+            raise ConfigError(
+                f"rl.reward={spec!r}: importing {str(path)!r} raised {type(err).__name__}: {err}"
+            ) from None
     else:
         try:
             module = importlib.import_module(where)
         except Exception as err:  # noqa: BLE001
-            raise ConfigError(f"rl.reward={spec!r}: importing module {where!r} raised "
-                              f"{type(err).__name__}: {err}") from None
+            raise ConfigError(
+                f"rl.reward={spec!r}: importing module {where!r} raised {type(err).__name__}: {err}"
+            ) from None
     function = getattr(module, name, None)
     if not callable(function):
         raise ConfigError(f"rl.reward={spec!r}: {where!r} has no function {name!r}")
@@ -125,7 +138,7 @@ def load_reward(spec: str):
 
 
 def reward_name(spec: str) -> str:
-    """The name a function's metrics go under (`rewards/<name>/mean`): TRL's, the function's name."""
+    """The name its metrics go under (`rewards/<name>/mean`): the function's name, as TRL's."""
     return spec.rpartition(":")[2] or spec
 
 
@@ -135,25 +148,42 @@ class Rewards:
 
     def __init__(self, specs: list[str], weights: list[float] | None = None):
         if not specs:
-            raise ConfigError("train.objective=grpo needs rl.reward: name a function (path/to/file.py:function, "
-                              f"module:function) or a built-in ({', '.join(BUILTIN)})")
+            raise ConfigError(
+                "train.objective=grpo needs rl.reward: name a function (path/to/file.py:function, "
+                f"module:function) or a built-in ({', '.join(BUILTIN)})"
+            )
         if weights is not None and len(weights) != len(specs):
-            raise ConfigError(f"rl.reward_weights has {len(weights)} weights for {len(specs)} reward functions")
+            raise ConfigError(
+                f"rl.reward_weights has {len(weights)} weights for {len(specs)} reward functions"
+            )
         self.specs, self.functions = list(specs), [load_reward(spec) for spec in specs]
         self.names = [reward_name(spec) for spec in specs]
-        self.weights = torch.tensor(weights if weights is not None else [1.0] * len(specs), dtype=torch.float64)
+        self.weights = torch.tensor(
+            weights if weights is not None else [1.0] * len(specs), dtype=torch.float64
+        )
 
-    def score(self, prompts: list, completions: list, completion_ids: list[list[int]],
-              columns: dict[str, list]) -> tuple[torch.Tensor, torch.Tensor]:
+    def score(
+        self,
+        prompts: list,
+        completions: list,
+        completion_ids: list[list[int]],
+        columns: dict[str, list],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(`[n]` weighted sums, `[n, functions]` values); a function that raises or returns other
         than one number or None per completion is a `ConfigError` naming it."""
         table = torch.full((len(completions), len(self.functions)), math.nan, dtype=torch.float64)
         for index, (spec, function) in enumerate(zip(self.specs, self.functions)):
             try:
-                values = function(prompts=prompts, completions=completions, completion_ids=completion_ids,
-                                  **columns)
+                values = function(
+                    prompts=prompts,
+                    completions=completions,
+                    completion_ids=completion_ids,
+                    **columns,
+                )
             except Exception as err:  # noqa: BLE001 - the user's function: named, one line
-                raise ConfigError(f"reward function {spec!r} raised {type(err).__name__}: {err}") from None
+                raise ConfigError(
+                    f"reward function {spec!r} raised {type(err).__name__}: {err}"
+                ) from None
             table[:, index] = self._checked(spec, values, len(completions))
         # TRL: a completion no function applies to sums to 0 (nansum)
         return (torch.nan_to_num(table) * self.weights).sum(dim=1), table
@@ -161,11 +191,21 @@ class Rewards:
     @staticmethod
     def _checked(spec: str, values, count: int) -> torch.Tensor:
         if not isinstance(values, (list, tuple)) or len(values) != count:
-            got = f"{len(values)} values" if isinstance(values, (list, tuple)) else type(values).__name__
-            raise ConfigError(f"reward function {spec!r} returned {got} for {count} completions "
-                              "(one float or None each)")
+            got = (
+                f"{len(values)} values"
+                if isinstance(values, (list, tuple))
+                else type(values).__name__
+            )
+            raise ConfigError(
+                f"reward function {spec!r} returned {got} for {count} completions "
+                "(one float or None each)"
+            )
         try:
-            return torch.tensor([math.nan if v is None else float(v) for v in values], dtype=torch.float64)
+            return torch.tensor(
+                [math.nan if v is None else float(v) for v in values], dtype=torch.float64
+            )
         except (TypeError, ValueError):
-            raise ConfigError(f"reward function {spec!r} returned a value that is not a number or None: "
-                              f"{next(v for v in values if not isinstance(v, (int, float, type(None))))!r}") from None
+            raise ConfigError(
+                f"reward function {spec!r} returned a value that is not a number or None: "
+                f"{next(v for v in values if not isinstance(v, (int, float, type(None))))!r}"
+            ) from None

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .update import Rollouts
+from .terms import Rollouts
 
 
 @dataclass
@@ -30,7 +30,7 @@ class Completions:
 
 def rollout_seed(seed: int, step: int, dp_rank: int) -> int:
     """The sampling seed of a step on a data-parallel rank."""
-    return (seed * 1_000_003 + step * 7919 + dp_rank) % (2 ** 63)
+    return (seed * 1_000_003 + step * 7919 + dp_rank) % (2**63)
 
 
 def left_padded(prompts: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,13 +40,24 @@ def left_padded(prompts: list[list[int]], pad_token_id: int) -> tuple[torch.Tens
     mask = torch.zeros(len(prompts), width, dtype=torch.long)
     for row, prompt in enumerate(prompts):
         if prompt:
-            ids[row, width - len(prompt):] = torch.tensor(prompt)
-            mask[row, width - len(prompt):] = 1
+            ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            mask[row, width - len(prompt) :] = 1
     return ids, mask
 
 
-def sample(model, prompts: list[list[int]], group_size: int, *, max_new_tokens: int, temperature: float,
-           top_p: float, pad_token_id: int, eos_token_id, seed: int, **model_inputs) -> Completions:
+def sample(
+    model,
+    prompts: list[list[int]],
+    group_size: int,
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    pad_token_id: int,
+    eos_token_id,
+    seed: int,
+    **model_inputs,
+) -> Completions:
     """`group_size` completions of each prompt from the (sharded) model, at `temperature` and
     `top_p` with no top-k cut; a collective on every rank of the model."""
     from ..generation import generate
@@ -54,14 +65,24 @@ def sample(model, prompts: list[list[int]], group_size: int, *, max_new_tokens: 
     ids, mask = left_padded(prompts, pad_token_id)
     ids, mask = ids.repeat_interleave(group_size, 0), mask.repeat_interleave(group_size, 0)
     torch.manual_seed(seed)
-    out = generate(model, ids, mask, do_sample=True, temperature=temperature, top_p=top_p, top_k=0,
-                   max_new_tokens=max_new_tokens, pad_token_id=pad_token_id, eos_token_id=eos_token_id,
-                   **model_inputs)
+    out = generate(
+        model,
+        ids,
+        mask,
+        do_sample=True,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=0,
+        max_new_tokens=max_new_tokens,
+        pad_token_id=pad_token_id,
+        eos_token_id=eos_token_id,
+        **model_inputs,
+    )
     ends = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or ())
     completions, clipped = [], []
-    for row in out[:, ids.shape[1]:].tolist():
+    for row in out[:, ids.shape[1] :].tolist():
         stop = next((i for i, token in enumerate(row) if token in ends), None)
-        completions.append(row if stop is None else row[:stop + 1])
+        completions.append(row if stop is None else row[: stop + 1])
         clipped.append(stop is None)
     return Completions([p for p in prompts for _ in range(group_size)], completions, clipped)
 
@@ -74,8 +95,10 @@ def as_rollouts(completions: Completions, advantages: torch.Tensor, pad_token_id
     ids = torch.full((len(lengths), width), pad_token_id, dtype=torch.long)
     attention = torch.zeros(len(lengths), width, dtype=torch.long)
     response = torch.zeros(len(lengths), width - 1)
-    for row, (prompt, completion) in enumerate(zip(completions.prompt_ids, completions.completion_ids)):
-        ids[row, :lengths[row]] = torch.tensor(prompt + completion)
-        attention[row, :lengths[row]] = 1
-        response[row, len(prompt) - 1:lengths[row] - 1] = 1
+    for row, (prompt, completion) in enumerate(
+        zip(completions.prompt_ids, completions.completion_ids)
+    ):
+        ids[row, : lengths[row]] = torch.tensor(prompt + completion)
+        attention[row, : lengths[row]] = 1
+        response[row, len(prompt) - 1 : lengths[row] - 1] = 1
     return Rollouts(ids, attention, response, advantages.float())

@@ -389,11 +389,12 @@ class RLSection:
 
 @dataclass
 class RewardSection:
-    """The reward model of train.objective=reward (TRL's RewardTrainer loss): -log sigmoid(r_chosen - r_rejected -
-    margin), the margin from the records' margin field when they have one."""
+    """The reward model of train.objective=reward (TRL's RewardTrainer loss):
+    -log sigmoid(r_chosen - r_rejected - margin), the records' margin field when they have one."""
 
     center_coefficient: NonNegativeFloat = 0.0
-    """TRL's center_rewards_coefficient: adds this times (r_chosen + r_rejected)^2, keeping scores near 0 (0: off)"""
+    """TRL's center_rewards_coefficient: adds this times (r_chosen + r_rejected)^2, keeping scores
+    near 0 (0: off)"""
 
 
 SECTIONS = {"model": ModelSection, "data": DataSection, "train": TrainSection, "optim": OptimSection,
@@ -726,7 +727,8 @@ def _check_objective(config: TrainConfig) -> None:
         return check_config(config)
     if objective == "sft":
         if data.format == "preference":
-            raise ConfigError("data.format=preference holds pairs for train.objective=dpo or reward, not sft")
+            raise ConfigError("data.format=preference holds pairs for train.objective=dpo or "
+                              "reward, not sft")
         return
     if data.format != "preference":
         raise ConfigError(f"train.objective={objective} trains on pairs: set data.format=preference "
@@ -737,9 +739,12 @@ def _check_objective(config: TrainConfig) -> None:
         if value:
             raise ConfigError(f"train.objective={objective}: {key} is not supported ({why})")
     if objective == "reward":
-        for key, value, why in ((config.key("pp_size"), mesh.pp_size > 1, "the pipeline reads no scores yet"),
-                                (config.key("cp_size"), mesh.cp_size > 1, "a sequence's score is on one cp rank"),
-                                ("lora.r", config.lora.enabled, "the score head would not train beside the adapters")):
+        for key, value, why in ((config.key("pp_size"), mesh.pp_size > 1,
+                                 "the pipeline reads no scores yet"),
+                                (config.key("cp_size"), mesh.cp_size > 1,
+                                 "a sequence's score is on one cp rank"),
+                                ("lora.r", config.lora.enabled,
+                                 "the score head would not train beside the adapters")):
             if value:
                 raise ConfigError(f"train.objective=reward: {key} is not supported ({why})")
         return

@@ -256,7 +256,8 @@ def build_meta_model(config: TrainConfig):
     hf_config = load_hf_config(directory, config.model.trust_remote_code, name)
     # the model class is transformers' own (config.architectures); init_empty_model(trust_remote_code=True)
     # would pass the flag on to the model's __init__
-    return init_empty_model(hf_config, _reward_class(name, hf_config) if reward else None, dtype=dtype)
+    model_class = _reward_class(name, hf_config) if reward else None
+    return init_empty_model(hf_config, model_class, dtype=dtype)
 
 
 def _reward_class(name: str, hf_config):
@@ -265,10 +266,12 @@ def _reward_class(name: str, hf_config):
 
     stored = getattr(hf_config, "architectures", None) or []
     other = [a for a in stored if a.endswith(HEADS_WITHOUT_TOKENS[1:])]
-    if other or (any(a.endswith(HEADS_WITHOUT_TOKENS[0]) for a in stored) and hf_config.num_labels != 1):
-        raise ConfigError(f"model.name_or_path={name!r} is a {(other or stored)[0]} checkpoint with "
-                          f"{hf_config.num_labels} outputs: train.objective=reward trains a one-output score head "
-                          "(a causal-LM checkpoint, or a sequence-classification one with num_labels 1)")
+    classifier = any(a.endswith(HEADS_WITHOUT_TOKENS[0]) for a in stored)
+    if other or (classifier and hf_config.num_labels != 1):
+        raise ConfigError(f"model.name_or_path={name!r} is a {(other or stored)[0]} checkpoint "
+                          f"with {hf_config.num_labels} outputs: train.objective=reward trains a "
+                          "one-output score head (a causal-LM checkpoint, or a "
+                          "sequence-classification one with num_labels 1)")
     hf_config.num_labels = 1
     return reward_model_class(hf_config)
 

@@ -183,11 +183,12 @@ def build_model(config: TrainConfig, strategy: TrainingSession, tokenizer) -> to
         from ..objectives import reward as reward_model
 
         pad = text_tokenizer(tokenizer).pad_token_id
-        pad = text_tokenizer(tokenizer).eos_token_id if pad is None else pad  # TRL's choice, and the packer's
+        pad = text_tokenizer(tokenizer).eos_token_id if pad is None else pad  # TRL's, the packer's
     if config.model.name_or_path not in BUILTIN_MODELS:
         if reward:
-            return reward_model.load_reward_model(config.model.name_or_path, strategy.engine(), dtype,
-                                                  config.train.seed, pad, config.model.attn_implementation).train()
+            return reward_model.load_reward_model(
+                config.model.name_or_path, strategy.engine(), dtype, config.train.seed, pad,
+                config.model.attn_implementation).train()
         from ..pretrained import from_pretrained
 
         return from_pretrained(config.model.name_or_path, engine=strategy.engine(), dtype=dtype, lora=lora,
@@ -371,7 +372,7 @@ class Trainer:
         log_rank0(f"{config.model.name_or_path}: {parameters_line(model)}, "
                   f"{describe_mesh(dims)}, {data.describe()} of {config.data.seq_len} tokens, "
                   f"steps {start}..{end} of {config.train.steps}" + (f" (resumed from step {start})" if start else ""))
-        log_rank0(attention_path(model, config.data.packing))
+        log_rank0(attention_path(model, config.data.packing and not rl))  # rollouts: one sequence a row
         split = ContextSplit(dims, rank, text_tokenizer(tokenizer).pad_token_id)
         eval_rows = config.train.eval_batches * config.train.global_batch_size  # the same rows on any batching
         evals = split(data.eval_batches(config.train.micro_batch_size, dp_rank, dp_size, eval_rows))
@@ -457,6 +458,7 @@ class Trainer:
             run.checkpoint = manager.save(end, model, run.optimizer, run.scheduler, states={"strategy": strategy},
                                           extra_state=self._extra_state(run, end), tokenizer=run.tokenizer)
         manager.wait()
+        run.objective.close()
         summary["checkpoint"] = str(run.checkpoint)  # this run's, whatever else the directory holds
         dtype = DTYPES[config.train.export_dtype] if config.train.export_dtype else source_dtype(model)
         if finished and config.checkpoint.export and not lora.enabled:
