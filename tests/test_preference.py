@@ -202,6 +202,10 @@ def _fullshard_runs(root: str) -> dict:
                                        "--preference.reference=precompute")
     out["pp2_lora_adapter"] = run("pp2_lora", *pp, *lora, "--preference.reference=adapter")
     out["pp2_orpo"] = run("pp2_orpo", *pp, "--preference.loss_type=orpo")  # its prompt scored too
+    # cp 2 (dp 1): each sequence's parts summed over the cp ranks, one pair's chosen start counted once
+    out["cp2"] = run("cp2", "--fsdp.cp_size=2")
+    out["cp2_packed"] = run("cp2_packed", "--fsdp.cp_size=2", "--data.packing=true", "--data.seq_len=40",
+                            f"--train.global_batch_size={BATCH // 2}")
     return out
 
 
@@ -282,7 +286,8 @@ def test_lora_adapter_reference_equals_a_frozen_base_copy(runs):
 
 @pytest.mark.parametrize("layout, plain", [("pp2", "sigmoid"), ("pp2_packed_precompute", "packed"),
                                            ("pp2_lora_adapter", "lora_adapter"),
-                                           ("pp2_orpo", "orpo")])
+                                           ("pp2_orpo", "orpo"), ("cp2", "sigmoid"),
+                                           ("cp2_packed", "packed")])
 def test_dpo_under_pipeline_parallelism_equals_the_plain_run(runs, layout, plain):
     """pp 2: the reference first (a pipelined frozen copy, the precomputed table, the adapters
     off), then the policy's log-probs and the loss on the last stage, per pipeline micro-batch."""
@@ -345,8 +350,8 @@ def test_bad_preference_records_name_file_and_line(tmp_path):
     (["--train.objective=dpo", "--data.format=preference", "--preference.reference=adapter"], "lora.r is unset"),
     (["--train.objective=dpo", "--data.format=preference", "--preference.loss_type=orpo",
       "--preference.sft_weight=1"], "built in"),
-    (["--train.objective=dpo", "--data.format=preference", "--fsdp.cp_size=2"],
-     "fsdp.cp_size is not supported"),
+    (["--train.objective=dpo", "--data.format=preference", "--fsdp.cp_size=2",
+      "--preference.reference=precompute"], "preference.reference=precompute is not supported"),
 ])
 def test_combinations_that_do_not_fit_are_one_line(overrides, message):
     from fullshard.train import ConfigError, load_config

@@ -24,7 +24,8 @@ from .pack import IMAGES, ROPE_COLUMNS, SPLIT_COLUMN
 from .vision import decode_images
 
 # batch columns that are not the model's arguments (targets, counts, pair and margin columns)
-NOT_MODEL_INPUTS = ("labels", "shift_labels", "num_items_in_batch", "pair_role", "pair_margin")
+NOT_MODEL_INPUTS = ("labels", "shift_labels", "num_items_in_batch", "pair_role", "pair_margin",
+                    "pair_sequence", "pair_sequences")
 
 
 class Rows:

@@ -46,9 +46,26 @@ def text_positions(batch: dict) -> torch.Tensor:
     return positions[:, 0] if positions.ndim == 3 else positions
 
 
+CP_SEQUENCE, CP_SEQUENCES = "pair_sequence", "pair_sequences"  # `context_parallel_pairs`' columns
+
+
+def context_parallel_pairs(batch: dict, part: dict, cp_rank: int, cp_size: int) -> dict:
+    """`part` (this cp rank's share of `batch`, `parallel.cp.context_parallel_batch`) with what the
+    pair losses need of the whole rows: each aligned position's sequence (numbered before the
+    split), the number of sequences, and the pair roles of its own positions."""
+    seq, count = sequence_index(batch)
+    width = part["input_ids"].shape[1]
+    piece = slice(cp_rank * width, (cp_rank + 1) * width)
+    pad = width * cp_size - seq.shape[1]
+    return {**part, CP_SEQUENCE: F.pad(seq, (0, pad), value=-1)[:, piece].contiguous(),
+            CP_SEQUENCES: torch.tensor(count), ROLE: F.pad(batch[ROLE], (0, pad))[:, piece].contiguous()}
+
+
 def sequence_index(batch: dict) -> tuple[torch.Tensor, int]:
     """For each position, the sequence its target belongs to (-1: padding), aligned with
     `aligned_targets`, and the number of sequences: 2k is pair k's chosen, 2k + 1 its rejected."""
+    if CP_SEQUENCE in batch:  # a cp rank's part: numbered over the whole rows before the split
+        return batch[CP_SEQUENCE], int(batch[CP_SEQUENCES])
     role, positions = batch[ROLE], text_positions(batch)
     starts = (positions == 0) & (role > 0)
     seq = (starts.flatten().cumsum(0) - 1).view_as(role)
@@ -64,8 +81,9 @@ def sequence_sums(values: torch.Tensor, seq: torch.Tensor, count: int) -> torch.
 
 
 def pair_count(batch: dict) -> int:
+    """The pairs whose chosen sequence starts in `batch` (under cp: in this rank's part)."""
     role, positions = batch[ROLE], text_positions(batch)
-    return int(((positions == 0) & (role > 0)).sum()) // 2
+    return int(((positions == 0) & (role == CHOSEN)).sum())
 
 
 def log1mexp(x: torch.Tensor) -> torch.Tensor:
@@ -124,6 +142,7 @@ class Preference(Objective):
 
     def __init__(self, section, reference, chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS):
         self.section, self.reference, self.chunk_tokens = section, reference, chunk_tokens
+        self.cp_group = None  # under context parallelism: the group a sequence's parts are summed over
         orpo = section.loss_type == "orpo"
         self.nll_weight = 1.0 if orpo else section.sft_weight  # ORPO's term has weight one
         self.nll_whole_sequence = orpo
@@ -163,7 +182,12 @@ class Preference(Objective):
         """Each sequence's summed completion log-prob and its completion length."""
         seq, count = sequence_index(batch)
         valid = (aligned_targets(batch) != IGNORE_INDEX).to(logps.device)
-        return sequence_sums(logps * valid, seq, count), sequence_sums(valid.to(logps.dtype), seq, count)
+        sums = sequence_sums(logps * valid, seq, count), sequence_sums(valid.to(logps.dtype), seq, count)
+        if CP_SEQUENCE in batch:  # each cp rank holds a part of every sequence: the whole sums
+            from torch.distributed.nn.functional import all_reduce
+
+            sums = tuple(all_reduce(s, group=self.cp_group) for s in sums)
+        return sums
 
     def sequence_logps(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Each sequence's summed completion log-prob and its completion length."""
@@ -171,7 +195,13 @@ class Preference(Objective):
 
     def loss_sum(self, model, batch: dict):
         ref = None if self.reference_free else self.reference(model, batch, self)
-        return self.pair_losses(self.token_logps(model, batch), batch, ref)
+        loss, sums = self.pair_losses(self.token_logps(model, batch), batch, ref)
+        if CP_SEQUENCE in batch:
+            # every cp rank has the whole pairs' loss: each counts 1 / cp of it (and of its gradient,
+            # which the all-reduce's backward sums over the cp ranks onto each one's own part)
+            cp = dist.get_world_size(self.cp_group)
+            loss, sums = loss / cp, sums / cp
+        return loss, sums
 
     def pair_losses(self, token_logps: torch.Tensor, batch: dict, ref: torch.Tensor | None):
         """The pairs' loss sum and metric sums from each position's log-prob (`token_logps`), the

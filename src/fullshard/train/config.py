@@ -734,8 +734,6 @@ def _check_objective(config: TrainConfig) -> None:
         raise ConfigError(f"train.objective={objective} trains on pairs: set data.format=preference "
                           "(prompt / chosen / rejected records)")
     for key, value, why in (("data.streaming", data.streaming, "pairs are prepared once per node"),
-                            (config.key("cp_size"), mesh.cp_size > 1,
-                             "a pair's sequences are not split over cp ranks yet"),
                             ("data.overlong", data.overlong == "truncate",
                              "pairs longer than data.seq_len are dropped")):
         if value:
@@ -743,12 +741,23 @@ def _check_objective(config: TrainConfig) -> None:
     if objective == "reward":
         for key, value, why in ((config.key("pp_size"), mesh.pp_size > 1,
                                  "the pipeline reads no scores yet"),
+                                (config.key("cp_size"), mesh.cp_size > 1,
+                                 "a sequence's score is on one cp rank"),
                                 ("lora.r", config.lora.enabled,
                                  "the score head would not train beside the adapters")):
             if value:
                 raise ConfigError(f"train.objective=reward: {key} is not supported ({why})")
         return
-    config.preference.resolved_reference(config.lora.enabled)
+    strategy, section = config.preference.resolved_reference(config.lora.enabled), config.preference
+    if mesh.cp_size > 1:
+        for key, value, why in ((config.key("pp_size"), mesh.pp_size > 1, "with cp_size > 1"),
+                                ("preference.reference=precompute", strategy == "precompute",
+                                 "its pass reads whole rows"),
+                                ("preference.sft_weight / loss_type=orpo",
+                                 section.sft_weight or section.loss_type == "orpo", "their NLL term")):
+            if value:
+                raise ConfigError(f"train.objective=dpo under {config.key('cp_size')}={mesh.cp_size}: {key} "
+                                  f"is not supported ({why})")
 
 
 # ---------------------------------------------------------------------------------------------- help

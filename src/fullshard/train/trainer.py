@@ -89,7 +89,13 @@ class ContextSplit:
             return micro_batches
         from ..parallel.cp import context_parallel_batch
 
-        return [context_parallel_batch(b, self.cp_rank, self.cp, self.pad_token_id) for b in micro_batches]
+        from ..objectives.preference import ROLE, context_parallel_pairs
+
+        parts = []
+        for batch in micro_batches:
+            part = context_parallel_batch(batch, self.cp_rank, self.cp, self.pad_token_id)
+            parts.append(context_parallel_pairs(batch, part, self.cp_rank, self.cp) if ROLE in batch else part)
+        return parts
 
 
 def load_tokenizer(config: TrainConfig):
@@ -341,6 +347,8 @@ class Trainer:
         objective = build_grpo(config, data, tokenizer, reference) if rl else build_objective(
             config.train.objective, config.train.loss_chunk_tokens, config.preference, config.lora.enabled, reference,
             config.reward)
+        if strategy.engine().meshes.cp is not None:  # the pair losses sum each sequence's parts over cp
+            objective.cp_group = strategy.engine().meshes.cp.get_group()
         optimizer = strategy.create_optimizer(
             model, lr=config.optim.lr, weight_decay=config.optim.weight_decay, name=config.optim.name,
             betas=tuple(config.optim.betas), eps=config.optim.eps, decay_embeddings=config.optim.decay_embeddings)
