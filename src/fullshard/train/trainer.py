@@ -87,9 +87,8 @@ class ContextSplit:
     def __call__(self, micro_batches: list[dict]) -> list[dict]:
         if self.cp == 1:
             return micro_batches
-        from ..parallel.cp import context_parallel_batch
-
         from ..objectives.preference import ROLE, context_parallel_pairs
+        from ..parallel.cp import context_parallel_batch
 
         parts = []
         for batch in micro_batches:
