@@ -35,7 +35,7 @@ def run(name: str, extra: list[str], root: Path) -> dict:
     """One launch of the command; each phase's median seconds over the steps after the first two."""
     out = root / name.split()[0]
     command = [sys.executable, "-m", "fullshard.cli", "train", "--train.objective=grpo", "--nproc", "2",
-               f"--train.steps={STEPS}",
+               f"--train.steps={STEPS}", "--train.log_every=1",
                f"--train.output_dir={out}", *extra]
     subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
