@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from fullshard.testing import run_distributed
+from harness.trl_peer import in_order
 
 PAIRS, STEPS, BATCH = 12, 3, 4
 TOL = 1e-5
@@ -59,7 +60,6 @@ def trl_losses(base, data, out, loss_type: str, sft_weight: float = 0.0, lora: d
     """TRL's raw loss of each step: `DPOTrainer` (`sft_weight`: its `sft` loss added with that weight;
     `lora`: PEFT LoRA fields, the adapters disabled as the reference), or `ORPOTrainer` for orpo."""
     from datasets import load_dataset
-    from torch.utils.data import SequentialSampler
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     common = dict(output_dir=str(out), per_device_train_batch_size=BATCH, max_steps=STEPS, learning_rate=1e-3,
@@ -81,16 +81,7 @@ def trl_losses(base, data, out, loss_type: str, sft_weight: float = 0.0, lora: d
         args = DPOConfig(**common, loss_type=losses, loss_weights=[1.0, sft_weight] if sft_weight else None,
                          max_length=None)
 
-    class InOrder(trainer_cls):
-        losses: list
-
-        def _get_train_sampler(self, *args, **kwargs):
-            return SequentialSampler(self.train_dataset)
-
-        def compute_loss(self, *args, **kwargs):
-            loss = super().compute_loss(*args, **kwargs)
-            self.losses.append(float((loss[0] if isinstance(loss, tuple) else loss).detach()))
-            return loss
+    InOrder = in_order(trainer_cls)
 
     model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
     if lora is not None:  # the adapters fullshard initialises: PEFT's draws after seeding with train.seed

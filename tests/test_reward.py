@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from fullshard.testing import run_distributed
+from harness.trl_peer import in_order
 
 PAIRS, STEPS, BATCH, CENTER = 12, 3, 4, 0.01
 TOL = 1e-5
@@ -74,20 +75,10 @@ def scores_of(model, data) -> torch.Tensor:
 
 def trl_run(base, data, out) -> tuple[list[float], torch.Tensor]:
     from datasets import load_dataset
-    from torch.utils.data import SequentialSampler
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
     from trl import RewardConfig, RewardTrainer
 
-    class InOrder(RewardTrainer):
-        losses: list
-
-        def _get_train_sampler(self, *args, **kwargs):
-            return SequentialSampler(self.train_dataset)
-
-        def compute_loss(self, *args, **kwargs):
-            loss = super().compute_loss(*args, **kwargs)
-            self.losses.append(float((loss[0] if isinstance(loss, tuple) else loss).detach()))
-            return loss
+    InOrder = in_order(RewardTrainer)
 
     args = RewardConfig(output_dir=str(out), per_device_train_batch_size=BATCH, max_steps=STEPS,
                         learning_rate=1e-3, lr_scheduler_type="constant", weight_decay=0.0,
