@@ -310,13 +310,34 @@ def test_a_steps_prompts_are_in_one_order_at_any_world_size(tmp_path):
     assert sorted(sum(orders[1][:8], [])) == list(range(64)) and orders[1][8] != orders[1][0]
 
 
+def splitmix64_reference(seed: int, counter: int) -> int:
+    """SplitMix64's `counter`-th output from `seed`, in Python's unbounded integers."""
+    mask = (1 << 64) - 1
+    z = (seed + counter * 0x9E3779B97F4A7C15) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return z ^ (z >> 31)
+
+
 def test_the_gumbel_sampler_draws_the_tempered_top_p_distribution():
     """Greedy decoding over `StreamSampler`'s scores is a categorical sample of softmax(logits / T)
     cut to its top-p nucleus: token frequencies over many streams and over one stream's steps
-    match those probabilities; a row's draws follow its seed alone."""
-    from fullshard.rl.sampling import StreamSampler, completion_seeds
+    match those probabilities; a row's draws follow its seed alone, SplitMix64's outputs (int64
+    arithmetic in torch, wrapping, against Python's integers)."""
+    from fullshard.rl.sampling import StreamSampler, completion_seeds, gumbel_noise, stream_uniforms
 
     logits, temperature, top_p = torch.tensor([1.0, 0.8, 0.5, 0.2, -0.2, -3.0]), 0.7, 0.95
+    seeds = completion_seeds(5, 1, 0, 3)
+    uniforms = stream_uniforms(torch.tensor(seeds), step=2, size=7)
+    reference = [[(splitmix64_reference(s, 2 * 7 + v + 1) >> 11) * 2.0**-53 for v in range(7)]
+                 for s in seeds]
+    assert uniforms.tolist() == reference
+    one = StreamSampler([7])
+
+    def one_step(t: int) -> int:  # the sampler's t-th call on one row
+        assert one.step == t
+        return one(None, logits[None]).argmax(-1).item()
+
     probs = torch.softmax(logits / temperature, -1)
     ascending, order = probs.sort()
     kept = order[ascending.cumsum(0) > 1 - top_p]  # transformers' rule: the tail to 1 - top_p cut
@@ -326,8 +347,9 @@ def test_the_gumbel_sampler_draws_the_tempered_top_p_distribution():
     n = 20000
     many = StreamSampler(completion_seeds(0, 0, 0, n), temperature, top_p)
     across = many(None, logits.repeat(n, 1)).argmax(-1)
-    one = StreamSampler([7])  # one stream's successive steps, untempered and uncut
-    along = torch.cat([one(None, logits[None]).argmax(-1) for _ in range(n)])
+    # one stream's steps 0..n-1 (untempered, uncut): its counters run on across steps
+    along = (logits + gumbel_noise(torch.tensor([7]), 0, n * len(logits)).view(n, -1)).argmax(-1)
+    assert along[:3].tolist() == [one_step(t) for t in range(3)]
     for tokens, target in ((across, expected), (along, torch.softmax(logits, -1))):
         frequencies = torch.bincount(tokens, minlength=len(logits)) / n
         assert (frequencies - target).abs().max() < 0.012, (frequencies, target)  # 3.5 sigma at n

@@ -6,13 +6,16 @@ resumed at another world size, or in engine processes draws the same completions
 weights. transformers' `generate` draws one `torch.multinomial` over the whole batch from the
 global generator, which ties a row's tokens to the batch it sits in; here `generate` decodes
 greedily over scores that `StreamSampler` makes: temperature, then top-p (transformers' own
-warpers, so the distribution is `do_sample=True`'s with `top_k=0`), then Gumbel noise drawn per row
-from that row's own `torch.Generator`. The argmax of logits plus Gumbel noise is an exact sample of
-the softmax (the Gumbel-max trick), and each row consumes one noise vector per decode step, so its
-tokens depend only on its stream and the model's logits.
+warpers, so the distribution is `do_sample=True`'s with `top_k=0`), then Gumbel noise of the row's
+own stream. The argmax of logits plus Gumbel noise is an exact sample of the softmax (the
+Gumbel-max trick), and each row takes one noise vector per decode step, so its tokens depend only
+on its stream and the model's logits.
 
-The noise is drawn on the host (the same on CPU and GPU; one vocabulary-sized vector per row and
-token, copied to the logits' device).
+The noise is counter-based, as JAX's and Philox's streams are: uniform draw (row, decode step t,
+token v) is SplitMix64's output for the row's seed at counter t x vocabulary + v + 1, computed with
+int64 arithmetic on the logits' device for the whole [rows, vocabulary] block at once. Integer
+arithmetic is exact, so the draws are the same on CPU and GPU, and no per-row generator state is
+kept or moved.
 """
 
 from __future__ import annotations
@@ -20,6 +23,17 @@ from __future__ import annotations
 import hashlib
 
 import torch
+
+_BITS = 64
+
+
+def _int64(constant: int) -> int:
+    """An unsigned 64-bit constant as the int64 with its bits (torch's multiply wraps)."""
+    return constant - (1 << _BITS) if constant >= 1 << (_BITS - 1) else constant
+
+
+GAMMA = _int64(0x9E3779B97F4A7C15)  # SplitMix64's increment (the golden ratio)
+MIX1, MIX2 = _int64(0xBF58476D1CE4E5B9), _int64(0x94D049BB133111EB)
 
 
 def completion_seed(seed: int, step: int, index: int) -> int:
@@ -33,10 +47,29 @@ def completion_seeds(seed: int, step: int, first: int, count: int) -> list[int]:
     return [completion_seed(seed, step, index) for index in range(first, first + count)]
 
 
-def gumbel_noise(generator: torch.Generator, size: int) -> torch.Tensor:
-    """`size` standard Gumbel draws (-log(-log u), u uniform in double precision) from one stream."""
-    uniform = torch.rand(size, generator=generator, dtype=torch.float64)
-    return uniform.log_().neg_().log_().neg_()  # u = 0 gives -inf: never chosen
+def _shift_right(z: torch.Tensor, bits: int) -> torch.Tensor:
+    """A logical right shift of int64 bits (torch's `>>` keeps the sign)."""
+    return (z >> bits) & ((1 << (_BITS - bits)) - 1)
+
+
+def splitmix64(z: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's output function (Steele, Lea, Flood 2014) on int64 bits, elementwise."""
+    z = (z ^ _shift_right(z, 30)) * MIX1
+    z = (z ^ _shift_right(z, 27)) * MIX2
+    return z ^ _shift_right(z, 31)
+
+
+def stream_uniforms(seeds: torch.Tensor, step: int, size: int) -> torch.Tensor:
+    """[rows, size] uniform draws in [0, 1) (53 bits), row i from stream `seeds[i]` at decode step
+    `step`, on `seeds`' device."""
+    counters = torch.arange(size, dtype=torch.int64, device=seeds.device) + (step * size + 1)
+    bits = splitmix64(seeds[:, None] + counters[None, :] * GAMMA)
+    return _shift_right(bits, 11).double() * 2.0**-53
+
+
+def gumbel_noise(seeds: torch.Tensor, step: int, size: int) -> torch.Tensor:
+    """Standard Gumbel draws, -log(-log u), of `stream_uniforms` (u = 0: -inf, never chosen)."""
+    return stream_uniforms(seeds, step, size).log_().neg_().log_().neg_()
 
 
 class StreamSampler:
@@ -47,7 +80,7 @@ class StreamSampler:
     def __init__(self, seeds: list[int], temperature: float = 1.0, top_p: float = 1.0):
         from transformers import TemperatureLogitsWarper, TopPLogitsWarper
 
-        self.generators = [torch.Generator().manual_seed(s) for s in seeds]
+        self.seeds, self.step = torch.tensor(seeds, dtype=torch.int64), 0
         self.warpers = []
         if temperature != 1.0:
             self.warpers.append(TemperatureLogitsWarper(temperature))
@@ -57,12 +90,14 @@ class StreamSampler:
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         for warper in self.warpers:
             scores = warper(input_ids, scores)
-        if not self.generators:
+        if not len(self.seeds):
             return scores
-        if len(self.generators) != scores.shape[0]:
-            raise ValueError(f"{scores.shape[0]} rows to sample, {len(self.generators)} streams")
-        noise = torch.stack([gumbel_noise(g, scores.shape[-1]) for g in self.generators])
-        return scores + noise.to(device=scores.device, dtype=scores.dtype)
+        if len(self.seeds) != scores.shape[0]:
+            raise ValueError(f"{scores.shape[0]} rows to sample, {len(self.seeds)} streams")
+        self.seeds = self.seeds.to(scores.device)
+        noise = gumbel_noise(self.seeds, self.step, scores.shape[-1])
+        self.step += 1  # one call per decode step: the rows' next draws
+        return scores + noise.to(scores.dtype)
 
 
 def sampling_options(seeds: list[int], temperature: float, top_p: float) -> dict:
