@@ -47,24 +47,27 @@ def completion_seeds(seed: int, step: int, first: int, count: int) -> list[int]:
     return [completion_seed(seed, step, index) for index in range(first, first + count)]
 
 
-def _shift_right(z: torch.Tensor, bits: int) -> torch.Tensor:
-    """A logical right shift of int64 bits (torch's `>>` keeps the sign)."""
-    return (z >> bits) & ((1 << (_BITS - bits)) - 1)
+def _shift_right(z: torch.Tensor, bits: int, out: torch.Tensor) -> torch.Tensor:
+    """A logical right shift of int64 bits into `out` (torch's `>>` keeps the sign)."""
+    torch.bitwise_right_shift(z, bits, out=out)
+    return out.bitwise_and_((1 << (_BITS - bits)) - 1)
 
 
-def splitmix64(z: torch.Tensor) -> torch.Tensor:
-    """SplitMix64's output function (Steele, Lea, Flood 2014) on int64 bits, elementwise."""
-    z = (z ^ _shift_right(z, 30)) * MIX1
-    z = (z ^ _shift_right(z, 27)) * MIX2
-    return z ^ _shift_right(z, 31)
+def splitmix64_(z: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's output function (Steele, Lea, Flood 2014) on int64 bits, elementwise, in
+    place (one scratch tensor: the [rows, vocabulary] blocks are large)."""
+    scratch = torch.empty_like(z)
+    z.bitwise_xor_(_shift_right(z, 30, scratch)).mul_(MIX1)
+    z.bitwise_xor_(_shift_right(z, 27, scratch)).mul_(MIX2)
+    return z.bitwise_xor_(_shift_right(z, 31, scratch))
 
 
 def stream_uniforms(seeds: torch.Tensor, step: int, size: int) -> torch.Tensor:
     """[rows, size] uniform draws in [0, 1) (53 bits), row i from stream `seeds[i]` at decode step
     `step`, on `seeds`' device."""
     counters = torch.arange(size, dtype=torch.int64, device=seeds.device) + (step * size + 1)
-    bits = splitmix64(seeds[:, None] + counters[None, :] * GAMMA)
-    return _shift_right(bits, 11).double() * 2.0**-53
+    bits = splitmix64_(seeds[:, None] + counters.mul_(GAMMA)[None, :])
+    return _shift_right(bits, 11, bits).double().mul_(2.0**-53)
 
 
 def gumbel_noise(seeds: torch.Tensor, step: int, size: int) -> torch.Tensor:
