@@ -244,7 +244,7 @@ def test_stage_two_from_an_sft_checkpoint_equals_it_from_the_export(runs, object
 def test_an_sft_checkpoint_into_a_reward_model_passes_preflight(runs):
     """What `fullshard train` checks before launch: the SFT checkpoint fits the reward model but
     for its LM head (not read) and the new score head; a checkpoint of another model still does
-    not fit."""
+    not fit; its optimizer state, which has none for the new head, is refused in one line."""
     from fullshard.train import ConfigError, load_config
     from fullshard.train.preflight import check_before_launch
 
@@ -256,6 +256,8 @@ def test_an_sft_checkpoint_into_a_reward_model_passes_preflight(runs):
                         "--model.name_or_path=tiny-llama")  # wider: shapes differ
     with pytest.raises(ConfigError, match="does not fit"):
         check_before_launch(load_config(None, other), 2)
+    with pytest.raises(ConfigError, match="set checkpoint.init_optimizer=false"):
+        check_before_launch(load_config(None, [*argv, "--checkpoint.init_optimizer=true"]), 2)
 
 
 @pytest.mark.parametrize("overrides, message", [

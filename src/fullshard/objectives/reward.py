@@ -151,6 +151,11 @@ def init_score_head(model: nn.Module, names: list[str], seed: int) -> None:
         local.copy_(full[region])
 
 
+SFT_OPTIMIZER = ("checkpoint.init_from={path!r} is a causal LM's checkpoint, whose optimizer state "
+                 "has none for the reward model's new score head: set "
+                 "checkpoint.init_optimizer=false (the weights are read, the optimizer starts anew)")
+
+
 def new_head_keys(metadata, model: nn.Module) -> list[str]:
     """The score head's keys when a checkpoint's index (`metadata`) is a causal LM's of this reward
     model's base (an SFT run's): every base weight there in its shape, the LM head beside them,
@@ -178,6 +183,8 @@ def init_reward_from(manager, path, model: nn.Module, optimizer, seed: int) -> d
     checkpoint = broadcast_from_rank0(run_agreed(lambda: str(resolve_run_checkpoint(path)),
                                                  on_rank=0, error_type=CheckpointError))
     new = new_head_keys(CheckpointReader(Path(checkpoint), share=None).metadata, model)
+    if new and optimizer is not None:
+        raise ConfigError(SFT_OPTIMIZER.format(path=path))
     extra = manager.init_from(checkpoint, model, optimizer, strict=not new)
     if new:
         init_score_head(model, new, seed)
