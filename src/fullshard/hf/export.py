@@ -2,14 +2,16 @@
 
 The files hold what transformers' `save_pretrained` writes: the Hub's names and layout, from a
 recipe (`export_recipe`; `fullshard.lora.merge_recipe` for LoRA merged) mapping each Hub tensor to
-the state tensor it is, or the region of it (one expert of a fused MoE tensor), by transformers'
-own conversion run backwards (`fullshard.loading.convert.hub_views`). The same recipe drives the
+the state tensor it is, the region of it (one expert of a fused MoE tensor), or the concatenation
+of several (Qianfan-OCR's vision `qkv` of `q_proj`, `k_proj`, `v_proj`), by transformers' own
+conversion run backwards (`fullshard.loading.convert.hub_views`). The same recipe drives the
 offline export and the weight stream (`fullshard.hf.stream`), so all three give the same tensors.
 
 No rank ever holds the whole model. Live, every file is created at its final size first (a
 safetensors header follows from names, shapes and dtypes alone), then every rank writes its own
-rows of each row-sharded (FSDP, EP) tensor straight into every Hub tensor they overlap, cast to the
-written dtype: no gather, and each rank writes 1/N of the bytes. Tensors in other layouts (TP,
+rows of each row-sharded (FSDP, EP) tensor straight into every Hub tensor they overlap (into its
+place among the parts of a fused one), cast to the written dtype: no gather, and each rank writes
+1/N of the bytes. Tensors in other layouts (TP,
 merged LoRA weights) are gathered one state tensor at a time and written by the rank they are dealt
 to. Offline, one process streams the DCP checkpoint tensor by tensor, with no process group.
 """
@@ -37,7 +39,7 @@ from ..distributed import all_ranks_agree_ok, broadcast_from_rank0, get_rank, ge
 from ..dtypes import SAFETENSORS_NAMES, dtype_name, resolve_dtype
 from ..errors import CheckpointError
 from ..fsdp import model_class_name, reshard_all
-from ..loading.convert import HubView, hub_views
+from ..loading.convert import HubConcat, HubView, hub_views
 from ..tensors import holds_part, replicated, tensor_aliases
 
 WEIGHTS_NAME = "model.safetensors"
@@ -98,27 +100,41 @@ class ExportRecipe:
     `names`: Hub name -> state key (tied aliases left out). `views`: for a Hub tensor that is a
     region of its state tensor (one expert of a fused tensor), [sizes, strides, offset] in it.
     `merges`: Hub name -> {"terms": [[A key or None, B key, scaling], ...], "fan_in_fan_out": bool},
-    the LoRA terms merged into it. `fp32`: half dtype's name -> Hub names transformers keeps in fp32
-    at that dtype. `adapter`: a LoRA model's adapter name and its file names (state key by PEFT's
-    file name)."""
+    the LoRA terms merged into it. `fused`: Hub name -> {"dim": d, "parts": [entry, ...]} for a Hub
+    tensor that is the concatenation along d of several entries of `names` (each with its view and
+    merge), which are then its parts and not written themselves (Qianfan-OCR's vision `qkv`).
+    `fp32`: half dtype's name -> Hub names transformers keeps in fp32 at that dtype. `adapter`: a
+    LoRA model's adapter name and its file names (state key by PEFT's file name)."""
 
     names: dict[str, str] = field(default_factory=dict)
     views: dict[str, list] = field(default_factory=dict)
     merges: dict[str, dict] = field(default_factory=dict)
+    fused: dict[str, dict] = field(default_factory=dict)
     fp32: dict[str, list[str]] = field(default_factory=dict)
     adapter: dict | None = None
 
     def to_json(self) -> dict:
         """The form `model_meta.json` keeps (empty parts left out)."""
         out = {"names": self.names, "merges": self.merges, "views": self.views}
-        out.update({key: value for key, value in (("fp32", self.fp32), ("adapter", self.adapter)) if value})
+        optional = (("fused", self.fused), ("fp32", self.fp32), ("adapter", self.adapter))
+        out.update({key: value for key, value in optional if value})
         return out
 
     @classmethod
     def from_json(cls, data: dict) -> "ExportRecipe":
-        """A recipe from its JSON form, as every fullshard since the recipe was recorded wrote it."""
+        """A recipe from its JSON form, as every fullshard since the recipe was recorded wrote it
+        (one without `fused` writes every entry of `names`)."""
         return cls(names=dict(data["names"]), views=dict(data.get("views", {})), merges=dict(data.get("merges", {})),
-                   fp32=dict(data.get("fp32", {})), adapter=data.get("adapter"))
+                   fused=dict(data.get("fused", {})), fp32=dict(data.get("fp32", {})), adapter=data.get("adapter"))
+
+    def hub_names(self) -> list[str]:
+        """The Hub tensors written, in order: every entry of `names` but the parts of a fused one,
+        which is written where its first part stands."""
+        fused_of = {part: hub for hub, spec in self.fused.items() for part in spec["parts"]}
+        out: dict[str, None] = {}
+        for name in self.names:
+            out.setdefault(fused_of.get(name, name))
+        return list(out)
 
 
 def alias_names(model: torch.nn.Module) -> set[str]:
@@ -136,32 +152,42 @@ def alias_names(model: torch.nn.Module) -> set[str]:
 
 def hub_recipe(model: torch.nn.Module, names: dict[str, str], merges: dict, shapes) -> ExportRecipe:
     """A recipe in the Hub's layout: `names` (the model's own output name -> state key) and `merges`
-    (output name -> LoRA terms) renamed and split as transformers' `save_pretrained` writes them
-    (`fullshard.loading.convert.hub_views`); `views` gives, for a Hub tensor that is a region of its
-    state tensor (one expert of a fused tensor), its sizes, strides and offset in it."""
+    (output name -> LoRA terms) renamed, split and fused as transformers' `save_pretrained` writes
+    them (`fullshard.loading.convert.hub_views`); `views` gives, for a Hub tensor that is a region of
+    its state tensor (one expert of a fused tensor), its sizes, strides and offset in it; `fused`,
+    for a Hub tensor concatenated from several, its parts (entries under the model's own names)."""
     try:
         views = hub_views(model, {out: tuple(shapes[key]) for out, key in names.items()})
     except ValueError as err:
         raise CheckpointError(f"cannot export {model_class_name(model)} in the Hub layout: {err}") from None
     recipe = ExportRecipe()
     for hub_name, view in views.items():
-        recipe.names[hub_name] = names[view.source]
-        if view.source in merges:
-            recipe.merges[hub_name] = merges[view.source]
-        if view.view is not None:
-            recipe.views[hub_name] = [list(view.view[0]), list(view.view[1]), view.view[2]]
-    recipe.fp32 = kept_in_fp32(model, {hub_name: view.source for hub_name, view in views.items()})
+        fused = isinstance(view, HubConcat)
+        for part in view.parts:
+            entry = part.source if fused else hub_name  # a fused tensor's parts keep the model's names
+            if fused and (entry in views or entry in recipe.names):
+                raise CheckpointError(f"cannot export {model_class_name(model)} in the Hub layout: "
+                                      f"{entry!r}, a part of {hub_name!r}, is also another tensor's name")
+            recipe.names[entry] = names[part.source]
+            if part.source in merges:
+                recipe.merges[entry] = merges[part.source]
+            if part.view is not None:
+                recipe.views[entry] = [list(part.view[0]), list(part.view[1]), part.view[2]]
+        if fused:
+            recipe.fused[hub_name] = {"dim": view.dim, "parts": [part.source for part in view.parts]}
+    recipe.fp32 = kept_in_fp32(model, {hub_name: [part.source for part in view.parts]
+                                       for hub_name, view in views.items()})
     return recipe
 
 
-def kept_in_fp32(model: torch.nn.Module, own_names: dict[str, str]) -> dict[str, list[str]]:
+def kept_in_fp32(model: torch.nn.Module, own_names: dict[str, list[str]]) -> dict[str, list[str]]:
     """transformers' rule for what stays fp32 when a model is loaded in a half dtype
     (`from_pretrained(dtype=...)`, then `save_pretrained` writes it so): `_keep_in_fp32_modules`
     in fp16, `_keep_in_fp32_modules_strict` in fp16 and bf16 (DeepSeek-V3's router weight and
     `e_score_correction_bias`), their globs searched in the model's own tensor names as transformers
-    does. `own_names`: Hub name -> the model's name of the tensor it comes from. Returns, per half
-    dtype's name, the Hub names kept in fp32 (recorded in the recipe, so an offline export without
-    the model follows it too)."""
+    does. `own_names`: Hub name -> the model's names of the tensors it comes from (one of them
+    matching keeps it). Returns, per half dtype's name, the Hub names kept in fp32 (recorded in the
+    recipe, so an offline export without the model follows it too)."""
     plan_of = getattr(model, "_get_dtype_plan", None)
     if not callable(plan_of):
         return {}
@@ -172,7 +198,7 @@ def kept_in_fp32(model: torch.nn.Module, own_names: dict[str, str]) -> dict[str,
         globs = [glob for glob, dtype in plan_of(half).items() if dtype == torch.float32]
         if globs:
             pattern = build_glob_alternation(globs)[0]
-            names = [hub for hub, own in own_names.items() if pattern.search(own)]
+            names = [hub for hub, owns in own_names.items() if any(pattern.search(own) for own in owns)]
             if names:
                 kept[dtype_name(half)] = names
     return kept
@@ -180,18 +206,29 @@ def kept_in_fp32(model: torch.nn.Module, own_names: dict[str, str]) -> dict[str,
 
 def export_recipe(model: torch.nn.Module, shapes) -> ExportRecipe:
     """What an export writes from a model's state (`shapes`: state key -> anything with a `.shape`, or
-    the shape): Hub name -> state key (tied aliases left out), and where a Hub tensor is a region of
-    its state tensor, the region. A LoRA model's recipe (`fullshard.lora.merge_recipe`) also merges
-    adapters; this is the plain one."""
+    the shape): Hub name -> state key (tied aliases left out), where a Hub tensor is a region of
+    its state tensor, the region, and where it is fused from several, its parts. A LoRA model's
+    recipe (`fullshard.lora.merge_recipe`) also merges adapters; this is the plain one."""
     aliases = alias_names(model)
     shapes = {k: tuple(getattr(v, "shape", v)) for k, v in shapes.items()}
     return hub_recipe(model, {k: k for k in shapes if k not in aliases}, {}, shapes)
 
 
-def recipe_view(recipe: ExportRecipe, name: str) -> HubView:
-    """Where the Hub tensor `name` of a recipe lies in its state tensor."""
+def recipe_view(recipe: ExportRecipe, name: str) -> HubView | HubConcat:
+    """Where the Hub tensor `name` of a recipe lies in its state tensor (`HubView`, `source` the state
+    key), or, for one fused from several, the concatenation of its parts' (`HubConcat`)."""
+    spec = recipe.fused.get(name)
+    if spec is not None:
+        return HubConcat(tuple(recipe_view(recipe, part) for part in spec["parts"]), int(spec["dim"]))
     view = recipe.views.get(name)
     return HubView(recipe.names[name], None if view is None else (tuple(view[0]), tuple(view[1]), int(view[2])))
+
+
+def recipe_parts(recipe: ExportRecipe, name: str) -> list[tuple[str, HubView]]:
+    """The entries the Hub tensor `name` is made of and their views: itself, or a fused one's parts
+    (an entry's LoRA terms are `recipe.merges[entry]`)."""
+    spec = recipe.fused.get(name)
+    return [(part, recipe_view(recipe, part)) for part in (spec["parts"] if spec else [name])]
 
 
 def merge_lora(base: torch.Tensor, terms: list[tuple[torch.Tensor | None, torch.Tensor, float]],
@@ -377,33 +414,69 @@ def merged_full(state: dict, key: str, merge: dict | None) -> torch.Tensor:
     return merge_lora(gather_full(state[key]), terms, merge["fan_in_fan_out"])
 
 
+@dataclass(frozen=True)
+class Slot:
+    """Where a part of a fused Hub tensor lands in it: from `start` along `dim` of the fused `shape`."""
+
+    dim: int
+    start: int
+    shape: tuple[int, ...]
+
+
+def slot_runs(slot: Slot | None, part_shape: tuple[int, ...], lo: int, hi: int) -> list[tuple[int, int, int]]:
+    """The elements [lo, hi) of a part (in its contiguous layout) as runs of the Hub tensor it is
+    written into: (element offset in the Hub tensor, lo, hi) each; a single run where the part is
+    the whole Hub tensor (`slot` None) or fused along the first dim (Qianfan-OCR's `qkv`)."""
+    if slot is None:
+        return [(lo, lo, hi)]
+    inner = 1
+    for size in part_shape[slot.dim + 1:]:
+        inner *= size
+    block, fused_block = part_shape[slot.dim] * inner, slot.shape[slot.dim] * inner
+    runs = []
+    while lo < hi:
+        outer, within = divmod(lo, block)
+        end = min(hi, (outer + 1) * block)
+        runs.append((outer * fused_block + slot.start * inner + within, lo, end))
+        lo = end
+    return runs
+
+
 @dataclass
 class Unit:
-    """The Hub tensors one state tensor gives (itself, renamed, or its regions: one per expert of a
-    fused tensor), gathered or written together; `merge` the LoRA terms merged into it first."""
+    """The Hub tensors one state tensor gives (itself, renamed, its regions: one per expert of a
+    fused tensor, or its part of a Hub tensor fused from several, at `Slot`), gathered or written
+    together; `merge` the LoRA terms merged into it first."""
 
     key: str
-    outputs: list[tuple[Entry, HubView]]
+    outputs: list[tuple[Entry, HubView, Slot | None]]
     merge: dict | None
 
 
-def export_units(recipe: ExportRecipe, entries: list[Entry]) -> list[Unit]:
-    """The entries grouped by the state tensor they come from, in the order of their first entry."""
+def export_units(recipe: ExportRecipe, entries: list[Entry], shapes: dict) -> list[Unit]:
+    """The entries' parts grouped by the state tensor they come from (`shapes`: state key -> shape),
+    in the order of their first entry."""
     units: dict[str, Unit] = {}
     for entry in entries:
-        view = recipe_view(recipe, entry.name)
-        unit = units.setdefault(view.source, Unit(view.source, [], recipe.merges.get(entry.name)))
-        unit.outputs.append((entry, view))
+        spec, start = recipe.fused.get(entry.name), 0
+        for part_name, view in recipe_parts(recipe, entry.name):
+            slot = None
+            if spec is not None:  # the parts follow each other along the fused dim
+                slot = Slot(int(spec["dim"]), start, entry.shape)
+                start += view.shape(shapes)[slot.dim]
+            unit = units.setdefault(view.source, Unit(view.source, [], recipe.merges.get(part_name)))
+            unit.outputs.append((entry, view, slot))
     return list(units.values())
 
 
 def recipe_entries(recipe: ExportRecipe, state: dict, out_dtype: torch.dtype) -> list[Entry]:
     """The Hub tensors a recipe writes from `state` (this rank's part of it): name, shape, dtype written."""
     entries = []
-    for name, key in recipe.names.items():
+    shapes = {key: tuple(tensor.shape) for key, tensor in state.items()}
+    for name in recipe.hub_names():
         view = recipe_view(recipe, name)
-        shape = view.view[0] if view.view is not None else tuple(state[key].shape)
-        entries.append(Entry(name, tuple(shape), written_dtype(recipe, name, state[key].dtype, out_dtype)))
+        stored = state[view.parts[0].source].dtype
+        entries.append(Entry(name, view.shape(shapes), written_dtype(recipe, name, stored, out_dtype)))
     return entries
 
 
@@ -527,10 +600,21 @@ def contiguous_region(view: HubView, numel: int) -> tuple[int, int] | None:
     return (offset, offset + size) if same else None
 
 
+def write_part(writer: RegionWriter, places: dict, entry: Entry, slot: Slot | None, part_shape: tuple[int, ...],
+               first: int, flat: torch.Tensor) -> None:
+    """Elements `first` on of a Hub tensor's part (`flat`, on any device and in any dtype) into its
+    place in the file: one write, or one per run where the part is fused along a later dim."""
+    path, offset = places[entry.name]
+    for at, lo, hi in slot_runs(slot, part_shape, first, first + flat.numel()):
+        piece = flat[lo - first:hi - first].to("cpu", entry.dtype)
+        writer.write(path, offset + at * entry.dtype.itemsize, piece)
+
+
 def write_own_rows(writer: RegionWriter, unit: Unit, places: dict, rows: tuple[int, torch.Tensor | None],
                    full_shape: tuple[int, ...]) -> None:
     """This rank's rows of a row-sharded state tensor into every Hub tensor of its unit that they
-    overlap (each Hub tensor one run of the state tensor's elements), cast to the written dtype."""
+    overlap (each Hub tensor, or part of a fused one, one run of the state tensor's elements), cast
+    to the written dtype."""
     first, local = rows
     if local is None or not local.numel():
         return
@@ -540,13 +624,12 @@ def write_own_rows(writer: RegionWriter, unit: Unit, places: dict, rows: tuple[i
     numel = 1
     for dim in full_shape:
         numel *= dim
-    for entry, view in unit.outputs:
+    for entry, view, slot in unit.outputs:
         region_lo, region_hi = contiguous_region(view, numel)
         lo, hi = max(region_lo, held_lo), min(region_hi, held_lo + flat.numel())
         if lo < hi:
-            path, offset = places[entry.name]
-            piece = flat[lo - held_lo:hi - held_lo].to("cpu", entry.dtype)
-            writer.write(path, offset + (lo - region_lo) * entry.dtype.itemsize, piece)
+            part_shape = view.shape({unit.key: full_shape})
+            write_part(writer, places, entry, slot, part_shape, lo - region_lo, flat[lo - held_lo:hi - held_lo])
 
 
 def in_place(unit: Unit, tensor) -> tuple[int, torch.Tensor | None] | None:
@@ -556,7 +639,7 @@ def in_place(unit: Unit, tensor) -> tuple[int, torch.Tensor | None] | None:
         return None
     rows = own_rows(tensor)
     numel = tensor.numel()
-    if rows is None or any(contiguous_region(view, numel) is None for _, view in unit.outputs):
+    if rows is None or any(contiguous_region(view, numel) is None for _, view, _ in unit.outputs):
         return None
     return rows
 
@@ -576,8 +659,12 @@ def write_units(writer: RegionWriter, units: list[Unit], state: dict, places: di
             continue
         full = merged_full(state, unit.key, unit.merge).contiguous()
         if first_holder(tensor) if staged else number % world == rank:
-            for entry, view in unit.outputs:
-                writer.write(*places[entry.name], view.of(full).to("cpu", entry.dtype))
+            for entry, view, slot in unit.outputs:
+                if slot is None:
+                    writer.write(*places[entry.name], view.of(full).to("cpu", entry.dtype))
+                else:
+                    part = view.of(full).contiguous()
+                    write_part(writer, places, entry, slot, tuple(part.shape), 0, part.reshape(-1))
         del full
 
 
@@ -609,7 +696,7 @@ def write_export(model: torch.nn.Module, output_dir: str | os.PathLike, state: d
     out_dtype = resolve_dtype(dtype) or source_dtype(model)
     max_bytes = parse_size(max_shard_size)
     entries = recipe_entries(recipe, state, out_dtype)
-    units = export_units(recipe, entries)
+    units = export_units(recipe, entries, {key: tuple(tensor.shape) for key, tensor in state.items()})
     staged = holds_part(model)
     if staged:
         entries = every_rank_part(entries, lambda entry: entry.name)
