@@ -528,8 +528,9 @@ def _weights_out(model, directory: str, **lora) -> dict:
 
     export_hf(model, directory, **lora)
     streamed = dict(hf_weights(model, bucket_bytes=64 * 1024, **lora))
-    sent = {name: tensor for bucket in buckets_to_first(model, lambda n: torch.empty(n, dtype=torch.uint8),
-                                                        bucket_bytes=64 * 1024, **lora) for name, tensor in bucket.pairs}
+    buffer = lambda nbytes: torch.empty(nbytes, dtype=torch.uint8)  # noqa: E731
+    buckets = buckets_to_first(model, buffer, bucket_bytes=64 * 1024, **lora)
+    sent = {name: tensor for bucket in buckets for name, tensor in bucket.pairs}
     first = torch.distributed.get_rank() == 0
     return {"streamed": streamed if first else {}, "sent": sent}
 
@@ -617,27 +618,32 @@ def _resume(directories: dict, checkpoint_root: str) -> dict:
 def _hub_files(directory) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    return {k: v for f in sorted(Path(directory).glob("*.safetensors")) for k, v in load_file(f).items()}
+    files = sorted(Path(directory).glob("*.safetensors"))
+    return {key: tensor for f in files for key, tensor in load_file(f).items()}
 
 
 def _differences(label: str, got: dict, expected: dict) -> list[str]:
     """Where two sets of Hub tensors differ: keys, dtypes, bits."""
     if set(got) != set(expected):
         return [f"{label}: keys differ: {sorted(set(got) ^ set(expected))[:4]}"]
-    wrong = [k for k in expected if got[k].dtype != expected[k].dtype or not torch.equal(got[k], expected[k])]
+    wrong = [k for k in expected
+             if got[k].dtype != expected[k].dtype or not torch.equal(got[k], expected[k])]
     return [f"{label}: {len(wrong)} tensors differ, first {wrong[:2]}"] if wrong else []
 
 
-def _hub_layout_problems(model_type: str, directory: str, trained: dict, resumed: dict, tmp_path: Path) -> list:
-    """Every way fullshard puts weights out in the Hub layout against transformers' `save_pretrained`
-    of the same weights (key for key, bitwise): live at world 2 and 1, streamed, sent, and exported
-    offline from the checkpoint the world-1 run resumed from."""
+def _hub_layout_problems(model_type: str, directory: str, trained: dict, resumed: dict,
+                         tmp_path: Path) -> list:
+    """Every way fullshard puts weights out in the Hub layout against transformers'
+    `save_pretrained` of the same weights (key for key, bitwise): live at world 2 and 1, streamed,
+    sent, and exported offline from the checkpoint the world-1 run resumed from."""
     from fullshard import export_hf, hf_weights
 
     problems = []
-    for label, run, export in (("world 2", trained, directory + "-export"), ("world 1", resumed, directory + "-resumed")):
+    runs = (("world 2", trained, directory + "-export"),
+            ("world 1", resumed, directory + "-resumed"))
+    for label, run, export in runs:
         model = build_vlm(model_type)
-        model.load_state_dict(run["state"], strict=False)  # parameters: a buffer not loaded shows below
+        model.load_state_dict(run["state"], strict=False)  # parameters; a miss would show below
         reference = tmp_path / f"{model_type}-reference-{label[-1]}"
         model.save_pretrained(reference)
         expected = _hub_files(reference)
@@ -646,10 +652,11 @@ def _hub_layout_problems(model_type: str, directory: str, trained: dict, resumed
         problems += _differences(f"{model_type} {label} WeightSync's stream", run["sent"], expected)
     checkpoint = tmp_path / "ckpt" / model_type / "step_1"
     offline = export_hf(checkpoint, tmp_path / f"{model_type}-offline")
-    problems += _differences(f"{model_type} offline export", _hub_files(offline), _hub_files(directory + "-resumed"))
+    world_1 = _hub_files(directory + "-resumed")
+    problems += _differences(f"{model_type} offline export", _hub_files(offline), world_1)
     problems += _differences(f"{model_type} checkpoint's hf_weights", dict(hf_weights(checkpoint)),
-                             _hub_files(directory + "-resumed"))
-    return problems + _old_recipe_problems(model_type, checkpoint, _hub_files(directory + "-resumed"))
+                             world_1)
+    return problems + _old_recipe_problems(model_type, checkpoint, world_1)
 
 
 def _old_recipe_problems(model_type: str, checkpoint: Path, hub: dict) -> list[str]:
@@ -663,7 +670,8 @@ def _old_recipe_problems(model_type: str, checkpoint: Path, hub: dict) -> list[s
     fused = recorded.pop("fused", {})
     if bool(fused) != (model_type == "qianfan_ocr"):
         return [f"{model_type}: the recipe fuses {sorted(fused)[:2]}"]
-    old = dict(_hub_tensors(CheckpointReader(checkpoint), ExportRecipe.from_json(recorded), torch.float32))
+    old_recipe = ExportRecipe.from_json(recorded)
+    old = dict(_hub_tensors(CheckpointReader(checkpoint), old_recipe, torch.float32))
     expected = {k: v for k, v in hub.items() if k not in fused}
     for name, spec in fused.items():
         expected.update(zip(spec["parts"], hub[name].chunk(len(spec["parts"]), spec["dim"])))
@@ -671,8 +679,9 @@ def _old_recipe_problems(model_type: str, checkpoint: Path, hub: dict) -> list[s
 
 
 def _merged_problems(model_type: str, directory: str, out: dict, tmp_path: Path) -> list:
-    """A LoRA model on the vision tower, merged: the export has save_pretrained's keys and, loaded by
-    plain transformers, the LoRA model's logits; stream, sent and offline export equal it bitwise."""
+    """A LoRA model on the vision tower, merged: the export has save_pretrained's keys and, loaded
+    by plain transformers, the LoRA model's logits; stream, sent and offline export equal it
+    bitwise."""
     import transformers
 
     from fullshard import export_hf
@@ -684,8 +693,9 @@ def _merged_problems(model_type: str, directory: str, out: dict, tmp_path: Path)
                         f"{sorted(set(exported) ^ set(_hub_files(directory)))[:4]}")
     problems += _differences(f"{model_type} LoRA merged hf_weights", out["streamed"], exported)
     problems += _differences(f"{model_type} LoRA merged WeightSync's stream", out["sent"], exported)
-    offline = export_hf(tmp_path / "ckpt" / f"{model_type}-lora", tmp_path / f"{model_type}-lora-offline")
-    problems += _differences(f"{model_type} LoRA merged offline export", _hub_files(offline), exported)
+    offline = _hub_files(export_hf(tmp_path / "ckpt" / f"{model_type}-lora",
+                                   tmp_path / f"{model_type}-lora-offline"))
+    problems += _differences(f"{model_type} LoRA merged offline export", offline, exported)
     merged = transformers.AutoModelForImageTextToText.from_pretrained(directory + "-lora").eval()
     batch = _inputs(model_type).batch([True, False], seed=7)
     batch.pop("labels")
@@ -694,8 +704,8 @@ def _merged_problems(model_type: str, directory: str, out: dict, tmp_path: Path)
         plain = transformers.AutoModelForImageTextToText.from_pretrained(directory).eval()
         moved = (plain(**batch, use_cache=False).logits - out["logits"]).abs().max().item()
     if not gap <= 1e-5 or not moved > 1e-4:
-        problems.append(f"{model_type} LoRA merged: logits differ by {gap:.2e} from the LoRA model's, "
-                        f"which differ by {moved:.2e} from the base model's")
+        problems.append(f"{model_type} LoRA merged: logits differ by {gap:.2e} from the LoRA "
+                        f"model's, which differ by {moved:.2e} from the base model's")
     return problems
 
 
@@ -717,9 +727,11 @@ def test_vlm_export_and_checkpoints(tmp_path):
     resumed = run_distributed(_resume, 1, directories, str(tmp_path / "ckpt"), timeout=900)[0]
     problems = []
     for model_type, directory in directories.items():
-        problems += _hub_layout_problems(model_type, directory, trained[model_type], resumed[model_type], tmp_path)
+        problems += _hub_layout_problems(model_type, directory, trained[model_type],
+                                         resumed[model_type], tmp_path)
         if model_type in VISION_LORA:
-            problems += _merged_problems(model_type, directory, trained[model_type]["lora"], tmp_path)
+            lora = trained[model_type]["lora"]
+            problems += _merged_problems(model_type, directory, lora, tmp_path)
         exported = transformers.AutoModelForImageTextToText.from_pretrained(directory + "-export").eval()
         batch = _inputs(model_type).batch([True, False], seed=7)
         batch.pop("labels")

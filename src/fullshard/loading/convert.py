@@ -361,7 +361,8 @@ class HubView:
         return full.as_strided(size, stride, full.storage_offset() + offset)
 
     def take(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-        """This region of its model tensor in `tensors` (model name -> whole tensor), a view of it."""
+        """This region of its model tensor in `tensors` (model name -> whole tensor), a view of
+        it."""
         return self.of(tensors[self.source])
 
 
@@ -382,7 +383,8 @@ class HubConcat:
         return tuple(fused)
 
     def take(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The fused tensor from its whole model tensors (`tensors`: model name -> tensor), a new one."""
+        """The fused tensor from its whole model tensors (`tensors`: model name -> tensor), a new
+        one."""
         return torch.cat([part.take(tensors) for part in self.parts], self.dim)
 
 
@@ -403,7 +405,8 @@ class _RevertedOps(TorchFunctionMode):
             return args[0]
         out = func(*args, **kwargs)
         if func is torch.cat:
-            self.cats.append((out, list(args[0]), kwargs.get("dim", args[1] if len(args) > 1 else 0)))
+            dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
+            self.cats.append((out, list(args[0]), dim))
         return out
 
     def concat_of(self, tensor: torch.Tensor, region) -> HubConcat | None:
@@ -412,7 +415,8 @@ class _RevertedOps(TorchFunctionMode):
         for out, inputs, dim in self.cats:
             if out is tensor:
                 parts = [region(part) for part in inputs]
-                if all(part is not None for part in parts) and len({p.source for p in parts}) == len(parts):
+                distinct = len({part.source for part in parts if part is not None}) == len(parts)
+                if distinct:
                     return HubConcat(tuple(parts), dim % tensor.dim())
         return None
 
@@ -454,7 +458,7 @@ def hub_views(model, shapes: dict[str, tuple[int, ...]]) -> dict[str, HubView | 
     views: dict[str, HubView | HubConcat] = {}
     for hub_name, tensor in reverted.items():
         view = region(tensor) or ops.concat_of(tensor, region)
-        if view is not None:  # else made of several model tensors some other way: they keep their names
+        if view is not None:  # else made of several some other way: they keep their names
             views[hub_name] = view
     covered = {part.source for view in views.values()
                for part in (view.parts if isinstance(view, HubConcat) else (view,))}
