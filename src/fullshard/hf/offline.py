@@ -25,21 +25,23 @@ from ..fsdp import model_class_name
 from .export import (
     DEFAULT_SHARD_SIZE,
     Entry,
-    ExportRecipe,
     SafetensorsStream,
     export_config,
-    export_recipe,
     finish_directory,
-    merge_lora,
     parse_size,
     plan_files,
+    staging_dir,
+)
+from .lora import ADAPTER_WEIGHTS, is_peft_model, merge_recipe
+from .recipe import (
+    ExportRecipe,
+    export_recipe,
+    merge_lora,
     recipe_parts,
     recipe_view,
     source_dtype,
-    staging_dir,
     written_dtype,
 )
-from .lora import ADAPTER_WEIGHTS, is_peft_model, merge_recipe
 
 
 def model_meta(model: torch.nn.Module, shapes: dict) -> dict:
@@ -161,7 +163,8 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, output_dir: str | os.Pa
     for name in recipe.hub_names():
         view = recipe_view(recipe, name)
         stored = items[view.parts[0].source].properties.dtype
-        entries.append(Entry(name, view.shape(shapes), written_dtype(recipe, name, stored, out_dtype)))
+        written = written_dtype(recipe, name, stored, out_dtype)
+        entries.append(Entry(name, view.shape(shapes), written))
     files = plan_files(entries, parse_size(max_shard_size))
     output_dir = Path(output_dir)
     staging = staging_dir(output_dir)

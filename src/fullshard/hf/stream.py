@@ -34,20 +34,12 @@ from ..distributed import all_gather_slots, current_device, get_rank, get_world_
 from ..dtypes import resolve_dtype
 from ..errors import CheckpointError
 from ..fsdp import reshard_all
+from ..loading.convert import HubConcat, HubView
 from ..tensors import local_tensor
-from .export import (
-    ExportRecipe,
-    HubConcat,
-    HubView,
-    export_recipe,
-    merge_lora,
-    recipe_entries,
-    recipe_parts,
-    recipe_view,
-    source_dtype,
-)
+from .export import recipe_entries
 from .lora import adapter_file_names, is_peft_model, merge_recipe
 from .offline import checkpoint_hf_weights
+from .recipe import ExportRecipe, export_recipe, merge_lora, recipe_parts, recipe_view, source_dtype
 
 DEFAULT_BUCKET_BYTES = 256 * 2**20
 ALIGN = 8  # every packed region starts 8-byte aligned, so it can be viewed as any dtype
@@ -147,7 +139,8 @@ def _local_units(state: dict, recipe: ExportRecipe, out_dtype: torch.dtype | Non
             for part, view in parts:
                 merge = recipe.merges.get(part)
                 if merge is None:  # gathered as written: a cast halves what a bf16 export moves
-                    unit.inputs.append(Input(view.source, tuple(state[view.source].shape), entry.dtype))
+                    shape = tuple(state[view.source].shape)
+                    unit.inputs.append(Input(view.source, shape, entry.dtype))
                     continue
                 unit.merges[view.source] = merge
                 keys = [view.source, *(k for a, b, _ in merge["terms"] for k in (a, b) if k is not None)]
@@ -309,7 +302,8 @@ def unit_outputs(unit: StreamUnit, tensors: list[torch.Tensor]) -> list[tuple[st
 def output_size(unit: StreamUnit) -> tuple[int, int]:
     """How many Hub tensors the unit gives, and their bytes."""
     shapes = {item.key: item.shape for item in unit.inputs}
-    nbytes = sum(shape_numel(view.shape(shapes)) * dtype.itemsize for _, dtype, view in unit.outputs)
+    nbytes = sum(shape_numel(view.shape(shapes)) * dtype.itemsize
+                 for _, dtype, view in unit.outputs)
     return len(unit.outputs), nbytes
 
 
