@@ -415,8 +415,8 @@ class _RevertedOps(TorchFunctionMode):
         for out, inputs, dim in self.cats:
             if out is tensor:
                 parts = [region(part) for part in inputs]
-                distinct = len({part.source for part in parts if part is not None}) == len(parts)
-                if distinct:
+                sources = {part.source for part in parts if part is not None}
+                if len(sources) == len(parts):  # each a region of a model tensor of its own
                     return HubConcat(tuple(parts), dim % tensor.dim())
         return None
 
@@ -431,8 +431,8 @@ def hub_views(model, shapes: dict[str, tuple[int, ...]]) -> dict[str, HubView | 
     and offset inside its model tensor say which region it is (`HubView`), so an export writes (and
     a stream gathers) the model's own rows without building the Hub tensors first. A Hub tensor
     concatenated from several model tensors is a `HubConcat` of their regions. One made any other
-    way from several (none in transformers' mappings today) is written as the model tensors it is
-    made of, under their own names, which transformers' loader takes as they are."""
+    way from several is written as the model tensors it is made of, under their own names, which
+    transformers' loader takes as they are."""
     try:
         from transformers import PreTrainedModel
         from transformers.core_model_loading import revert_weight_conversion
@@ -460,7 +460,6 @@ def hub_views(model, shapes: dict[str, tuple[int, ...]]) -> dict[str, HubView | 
         view = region(tensor) or ops.concat_of(tensor, region)
         if view is not None:  # else made of several some other way: they keep their names
             views[hub_name] = view
-    covered = {part.source for view in views.values()
-               for part in (view.parts if isinstance(view, HubConcat) else (view,))}
+    covered = {part.source for view in views.values() for part in view.parts}
     views.update({name: HubView(name) for name in shapes if name not in covered})
     return views
