@@ -631,18 +631,17 @@ def _differences(label: str, got: dict, expected: dict) -> list[str]:
     return [f"{label}: {len(wrong)} tensors differ, first {wrong[:2]}"] if wrong else []
 
 
-def _hub_layout_problems(model_type: str, directory: str, trained: dict, resumed: dict,
-                         tmp_path: Path) -> list:
+def _hub_layout_problems(model, directory: str, trained: dict, resumed: dict, tmp_path: Path) -> list:
     """Every way fullshard puts weights out in the Hub layout against transformers'
     `save_pretrained` of the same weights (key for key, bitwise): live at world 2 and 1, streamed,
-    sent, and exported offline from the checkpoint the world-1 run resumed from."""
+    sent, and exported offline from the checkpoint the world-1 run resumed from. `model`: a plain
+    one of the type, given each run's weights in turn."""
     from fullshard import export_hf, hf_weights
 
-    problems = []
+    model_type, problems = model.config.model_type, []
     runs = (("world 2", trained, directory + "-export"),
             ("world 1", resumed, directory + "-resumed"))
     for label, run, export in runs:
-        model = build_vlm(model_type)
         model.load_state_dict(run["state"], strict=False)  # parameters; a miss would show below
         reference = tmp_path / f"{model_type}-reference-{label[-1]}"
         model.save_pretrained(reference)
@@ -718,16 +717,17 @@ def test_vlm_export_and_checkpoints(tmp_path):
     frozen) resumes at world 1 and trains what the uninterrupted run trained."""
     import transformers
 
-    directories = {}
+    directories, models = {}, {}
     for model_type in EXPORTED:
         directory = tmp_path / model_type
-        build_vlm(model_type).save_pretrained(directory)
+        models[model_type] = build_vlm(model_type)
+        models[model_type].save_pretrained(directory)
         directories[model_type] = str(directory)
     trained = run_distributed(_train_and_save, 2, directories, str(tmp_path / "ckpt"), timeout=900)[0]
     resumed = run_distributed(_resume, 1, directories, str(tmp_path / "ckpt"), timeout=900)[0]
     problems = []
     for model_type, directory in directories.items():
-        problems += _hub_layout_problems(model_type, directory, trained[model_type],
+        problems += _hub_layout_problems(models[model_type], directory, trained[model_type],
                                          resumed[model_type], tmp_path)
         if model_type in VISION_LORA:
             lora = trained[model_type]["lora"]
