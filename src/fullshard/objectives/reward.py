@@ -158,15 +158,16 @@ SFT_OPTIMIZER = ("checkpoint.init_from={path!r} is a causal LM's checkpoint, who
 
 def new_head_keys(metadata, model: nn.Module) -> list[str]:
     """The score head's keys when a checkpoint's index (`metadata`) is a causal LM's of this reward
-    model's base (an SFT run's): every base weight there in its shape, the LM head beside them,
-    no score head. [] otherwise: the checkpoint is read as it is (a reward run's), strictly."""
+    model's base (an SFT run's): every base weight there in its shape, no score head, nothing else
+    but the LM head (none saved when tied). [] otherwise: the checkpoint is read as it is (a
+    reward run's), strictly."""
     from ..checkpoint.fit import weights_apart
 
     missing, unexpected, reshaped = weights_apart(metadata, model.state_dict(), model)
     head = sorted(f"score.{name}" for name, _ in score_head(model).named_parameters())
     prefix = f"{getattr(model, 'base_model_prefix', 'model')}."
     base_only = not reshaped and not any(k.startswith(prefix) for k in unexpected)
-    return head if missing == head and unexpected and base_only else []
+    return head if missing == head and base_only else []
 
 
 def init_reward_from(manager, path, model: nn.Module, optimizer, seed: int) -> dict:
