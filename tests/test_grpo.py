@@ -2,9 +2,10 @@
 steps well above the first 5's on a task a random policy scores low on) with an engine process fed
 by `WeightSync`; in one spawned group the same colocated, sampling the engine's completions step by
 step, a resume in the middle equal to the uninterrupted run, a failing reward function as one line
-on every rank; beside the group, at world 1, the same run and a run resumed at world 2, equal to
-it; the pieces (per-completion sampling streams, rewards, prompts, rollout layout, refusals) in
-process."""
+on every rank, engines (started by rank 0 in the group) under pp 2 and tp 2 equal to a world-1
+colocated run and under LoRA equal to LoRA colocated; beside the group, at world 1, the same run
+and a run resumed at world 2, equal to it; the pieces (per-completion sampling streams, rewards,
+prompts, rollout layout, refusals) in process."""
 
 import json
 import subprocess
@@ -132,6 +133,33 @@ def _group_runs(root: str) -> dict:
                                    "--train.plot=false"))
     for name in ("boom", "too_few"):
         out[name] = _run(common(root, name, f"--rl.reward={root}/rewards.py:{name}", "--train.steps=2"))
+    out.update(_engine_runs(root))
+    return out
+
+
+# a short run with a reference model and two updates a step (old log-probs), as `short_1` runs it
+SHORT = ("--model.name_or_path=micro-llama", "--train.steps=3", "--rl.kl_coef=0.1", "--rl.epochs=2")
+# LoRA moving fast enough that stale or wrongly merged weights in the engine sample other
+# completions from step 2 on (checked: an engine that drops the pushes fails the comparison)
+LORA = ("--model.name_or_path=micro-llama", "--train.steps=3", "--lora.r=4", "--lora.alpha=32",
+        "--optim.lr=0.1")
+
+
+def _engine_runs(root) -> dict:
+    """Engines started by rank 0 inside the group, as the CLI starts them: under pp 2 and tp 2
+    (dp 1: the two ranks send the same prompts), and LoRA (merged weights) beside LoRA colocated;
+    with each run's seconds."""
+    import time
+
+    reward, out = f"--rl.reward={root}/rewards.py:digit_share", {}
+    runs = {"engines_pp": (*SHORT, "--parallel.pp_size=2"),
+            "engines_tp": (*SHORT, "--parallel.tp_size=2"),
+            "lora_engines": LORA, "lora_colocated": LORA}
+    for name, extra in runs.items():
+        started = time.perf_counter()
+        rollout = "colocated" if name.endswith("colocated") else "engines"
+        out[name] = _run(common(root, name, reward, f"--rl.rollout={rollout}", *extra))
+        out[name]["seconds"] = time.perf_counter() - started
     return out
 
 
@@ -142,7 +170,8 @@ def _world_1_runs(root) -> dict:
               "--train.steps=6"]
     return {"world_1": _run(common(root, "world_1", *reward)),
             "first_1": _run(common(root, "resumed_1_to_2", *reward, "--checkpoint.every=3",
-                                   "--train.stop_after=3"))}
+                                   "--train.stop_after=3")),
+            "short_1": _run(common(root, "short_1", reward[0], *SHORT))}
 
 
 @pytest.fixture(scope="module")
@@ -215,6 +244,38 @@ def test_resume_at_another_world_size_equals_the_uninterrupted_run(group):
                        if row["kind"] == "train"] for run in ("resumed_1_to_2", "whole"))
     assert_same_steps(resumed, whole)
     assert_close_exports(root, "resumed_1_to_2")
+
+
+def train_rows(root, name: str) -> list[dict]:
+    return [row for row in read_metrics(root / name / "metrics.jsonl") if row["kind"] == "train"]
+
+
+@pytest.mark.parametrize("layout", ["pp", "tp"])
+def test_engines_under_pp_and_tp_equal_world_1_colocated(group, layout):
+    """rl.rollout=engines at pp 2 and at tp 2 (dp 1), with a reference model (pipelined or
+    tensor-parallel as the policy) and two updates a step: the world-1 colocated run, step by step
+    (completions, loss, grad norm, KL: counted once per pipeline and per tp group) and exported."""
+    root, results, single = group
+    name = f"engines_{layout}"
+    assert "summary" in single["short_1"], single["short_1"]
+    assert all("summary" in results[rank][name] for rank in (0, 1)), results[0][name]
+    rows, reference = train_rows(root, name), train_rows(root, "short_1")
+    assert len(rows) == 3 and rows[-1]["kl"] > 0
+    assert_same_steps(rows, reference)
+    assert all(abs(a["kl"] - b["kl"]) <= 1e-5 * max(1.0, b["kl"]) for a, b in zip(rows, reference))
+    assert_close_exports(root, name, "short_1")
+
+
+def test_lora_with_engines_equals_lora_colocated(group):
+    """The engine samples from the merged weights `WeightSync` pushes under the base model's names:
+    the colocated LoRA run's completions and updates, step by step, and its export."""
+    root, results, _ = group
+    names = ("lora_engines", "lora_colocated")
+    assert all("summary" in results[0][name] for name in names), results[0]
+    rows = train_rows(root, "lora_engines")
+    assert len(rows) == 3
+    assert_same_steps(rows, train_rows(root, "lora_colocated"))
+    assert_close_exports(root, "lora_engines", "lora_colocated")
 
 
 def test_kl_reference_epochs_rloo_gspo(group):
@@ -401,8 +462,8 @@ def test_rollout_layout_scores_the_completion_tokens():
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--parallel.pp_size=2"], "parallel.pp_size is not supported"),
-    (["--rl.rollout=engines", "--lora.r=4"], "lora.r is not supported"),
+    (["--parallel.pp_size=2"], r"pp_size is not supported \(rl.rollout=colocated generates"),
+    (["--rl.rollout=engines", "--model.name_or_path=tiny-qwen2-vl"], "engines holds a causal LM"),
     (["--data.path=x.jsonl"], "needs rl.reward"),
     (["--rl.reward=[digits,format]", "--rl.reward_weights=[1.0]"], "1 weights for 2 reward functions"),
     (["--rl.reference=none", "--rl.kl_coef=0.1"], "needs a reference"),
@@ -413,6 +474,14 @@ def test_what_grpo_refuses_is_one_line_before_launch(extra, message):
 
     with pytest.raises(ConfigError, match=message):
         load_config(None, ["--train.objective=grpo", *extra])
+
+
+def test_engines_take_pp_and_lora():
+    from fullshard.train.config import load_config
+
+    config = load_config(None, ["--train.objective=grpo", "--rl.rollout=engines",
+                                "--parallel.pp_size=2", "--lora.r=4"])
+    assert config.parallel.pp_size == 2 and config.lora.enabled
 
 
 def test_global_batch_counts_completions():

@@ -31,13 +31,17 @@ def check_config(config) -> None:
     data, mesh, rl = config.data, config.parallel, config.rl
     engines = rl.rollout == "engines"
     unsupported = (
-        ("lora.r", engines and config.lora.enabled, "rl.rollout=engines syncs whole models"),
         (
             "model.name_or_path",
             engines and config.model.name_or_path == "tiny-qwen2-vl",
             "rl.rollout=engines holds a causal LM",
         ),
-        (config.key("pp_size"), mesh.pp_size > 1, "generate does not run a pipelined model"),
+        (
+            config.key("pp_size"),
+            mesh.pp_size > 1 and not engines,
+            "rl.rollout=colocated generates on the trainer, and generate does not run a pipelined "
+            "model: use rl.rollout=engines",
+        ),
         (config.key("cp_size"), mesh.cp_size > 1, "rollouts are not split over cp ranks"),
         ("data.streaming", data.streaming, "prompts are read whole"),
         ("data.format", data.format == "preference", "prompts come from chat or prompt records"),
@@ -153,7 +157,7 @@ class GRPO(Objective):
         rollouts = self._rollouts(model, completions, rewards, seconds)
         update = self._update(model, optimizer, scheduler, rollouts, dims, on_device, seconds)
         metrics, units, tokens = self._metrics(
-            rewards, table, completions, update, rollouts, dims.tp
+            rewards, table, completions, update, rollouts, dims.tp * dims.pp
         )
         metrics.update(seconds, step_s=time.perf_counter() - started)
         result = StepResult(update["grad_norm"], update["skipped"])
@@ -287,7 +291,7 @@ class GRPO(Objective):
                 rollouts,
                 self.update,
                 dp_size=dims.dp_size,
-                repeats=dims.tp,
+                repeats=dims.tp * dims.pp,  # the ranks holding this data rank's rollouts
                 scheduler=scheduler if last else None,
             )
         seconds["update_s"] = time.perf_counter() - started

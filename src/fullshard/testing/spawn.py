@@ -144,9 +144,11 @@ def _spawn(fn: Callable, world_size: int, port: int, device: str, init: bool, ar
         os.close(handle)
     with _environment(HIDE_GPUS if device == "cpu" else {}):  # a spawned child copies the environment at start
         environment = dict(os.environ)
+        # not daemonic: a rank may start processes of its own, as torchrun's workers may (rollout
+        # engines, `rl.engines`); the `finally` below kills and joins every rank however it ends
         procs = [
             ctx.Process(target=_worker, args=(rank, world_size, port, device, init, fn, args, kwargs, results,
-                                              environment, output), daemon=True)
+                                              environment, output), daemon=False)
             for rank in range(world_size)
         ]
         for proc in procs:
