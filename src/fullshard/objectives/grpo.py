@@ -236,9 +236,11 @@ class GRPO(Objective):
         records = [self.data.columns(row) for row in rows]
         keys = list(dict.fromkeys(k for record in records for k in record))
         columns = {k: [record.get(k) for record in records for _ in range(group)] for k in keys}
-        with agreed(ConfigError):  # a reward model's chat template may fail on one rank alone
-            encoded = self.rewards.encode(prompts, shown)
-        scores = self.rewards.model_scores(encoded)  # sharded forwards: every rank in step
+        scores = {}
+        if self.rewards.models:
+            with agreed(ConfigError):  # a reward model's chat template may fail on one rank alone
+                encoded = self.rewards.encode(prompts, shown)
+            scores = self.rewards.model_scores(encoded)  # sharded forwards: every rank in step
         with agreed(ConfigError):
             return self.rewards.score(prompts, shown, completions.completion_ids, columns, scores)
 

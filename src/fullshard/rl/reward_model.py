@@ -100,7 +100,9 @@ def load_reward_model(spec: str, engine_config, dtype, max_tokens: int = 4096) -
 
     from ..distributed import agreed
     from ..engine import FSDP2Engine
+    from ..log import log_rank0
     from ..pretrained import from_pretrained
+    from ..tensors import parameter_counts
     from .phases import offload
 
     path = str(Path(spec).expanduser())
@@ -109,9 +111,17 @@ def load_reward_model(spec: str, engine_config, dtype, max_tokens: int = 4096) -
         tokenizer = AutoTokenizer.from_pretrained(path)
     engine = FSDP2Engine(reward_engine_config(engine_config))
     model = from_pretrained(path, engine=engine, dtype=dtype).eval().requires_grad_(False)
-    if next(model.parameters()).device.type != "cpu":
+    offloaded = next(model.parameters()).device.type != "cpu"
+    if offloaded:
         offload(model)
-    return RewardModel(spec, model, tokenizer, max_tokens)
+    scorer = RewardModel(spec, model, tokenizer, max_tokens, offloaded=offloaded)
+    ranks = engine.dims.world_size
+    where = f"{ranks} rank{'s' if ranks > 1 else ''}"
+    where += ", on the host between its forwards" if offloaded else ""
+    log_rank0(f"rl.reward {spec}: a reward model ({type(model).__name__.removeprefix('FSDP')}, "
+              f"{parameter_counts(model)[0]:,} parameters) sharded over {where}; its metric "
+              f"rewards/{scorer.name}/mean")
+    return scorer
 
 
 class RewardModel:
@@ -120,12 +130,14 @@ class RewardModel:
     rank of its mesh. `encode` (may fail on one rank: run it under `agreed`) and `scores` (the
     forwards, every rank in step) are its two halves."""
 
-    def __init__(self, spec: str, model: nn.Module, tokenizer, max_tokens: int = 4096):
+    def __init__(self, spec: str, model: nn.Module, tokenizer, max_tokens: int = 4096,
+                 offloaded: bool = False):
         if tokenizer.pad_token_id is None:  # TRL: the end of text pads
             tokenizer.pad_token = tokenizer.eos_token
         model.config.get_text_config().pad_token_id = tokenizer.pad_token_id
-        self.spec, self.name, self.model, self.tokenizer = spec, reward_model_name(spec), model, tokenizer
-        self.max_tokens = max_tokens
+        self.spec, self.name = spec, reward_model_name(spec)
+        self.model, self.tokenizer = model, tokenizer
+        self.max_tokens, self.offloaded = max_tokens, offloaded  # on the host between forwards
 
     def __call__(self, prompts, completions, completion_ids=None, **columns) -> list[float]:
         return self.scores(self.encode(prompts, completions)).tolist()
@@ -143,8 +155,8 @@ class RewardModel:
 
     def _chat(self, messages: list[dict]) -> str:
         if getattr(self.tokenizer, "chat_template", None) is None:
-            raise ConfigError(f"reward model {self.spec!r}: its tokenizer has no chat template, and "
-                              "a prompt is a conversation (save one with its tokenizer)")
+            raise ConfigError(f"reward model {self.spec!r}: its tokenizer has no chat template, "
+                              "and a prompt is a conversation (save one with its tokenizer)")
         try:
             return self.tokenizer.apply_chat_template(messages, tokenize=False)
         except Exception as err:  # noqa: BLE001 - the template is the user's: named, one line
@@ -160,15 +172,13 @@ class RewardModel:
     def scores(self, encoded: list[list[int]]) -> torch.Tensor:
         """`[n]` float32 scores of the encoded texts, in padded micro-batches of at most
         `max_tokens` tokens; every rank calls it together (a rank's list may be empty)."""
-        from ..distributed import current_device
         from ..fsdp import reshard_all
         from .batches import token_batches
         from .phases import offload, onload
 
-        offloaded = current_device().type != "cpu"
         lengths = [max(len(ids), 1) for ids in encoded]
         out = torch.zeros(len(encoded), dtype=torch.float32)
-        if offloaded:
+        if self.offloaded:
             onload(self.model)
         try:
             for index in token_batches(lengths, self.max_tokens, padded=True):
@@ -178,7 +188,7 @@ class RewardModel:
                     out[torch.tensor(index)] = values
         finally:
             reshard_all(self.model)
-            if offloaded:
+            if self.offloaded:
                 offload(self.model)
         return out
 
