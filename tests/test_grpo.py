@@ -168,8 +168,23 @@ def _reward_model_runs(root, out: dict) -> None:
     finally:
         RewardModel.encode, RewardModel.scores = encode, scores
     out["rm_scored"] = seen
+    out["rm_alone"] = _rank_0_alone(root)
     out["no_template"] = _run(common(root, "no_template", f"--rl.reward={root}/base", "--train.steps=2",
                                      "--checkpoint.export=false", "--train.plot=false"))
+
+
+UNEVEN = (["1+1=", "what comes after 3?", "a"], ["2", " 4", "bcdefghijklmnopqrstuvwxyz" * 3])
+
+
+def _rank_0_alone(root) -> list[float]:
+    """Scores from `fullshard.rl.reward_model` directly, texts on rank 0 only (two micro-batches of
+    at most 64 tokens): rank 1, with none, takes part in each sharded forward."""
+    from fullshard.engine import EngineConfig
+    from fullshard.rl.reward_model import load_reward_model
+
+    scorer = load_reward_model(f"{root}/rm", EngineConfig(), torch.float32, max_tokens=64)
+    prompts, completions = UNEVEN if torch.distributed.get_rank() == 0 else ([], [])
+    return scorer(prompts, completions)
 
 
 @pytest.fixture(scope="module")
@@ -246,6 +261,12 @@ def test_reward_model_scores_equal_a_plain_one_process_scoring(group):
     diff = max(abs(a - b) for a, b in zip(ours, theirs))
     assert diff <= 1e-5 and len(set(theirs)) > 1 and max(map(abs, theirs)) > 0.1, (diff, theirs[:4])
     assert get_config_model_id(model.config).split("/")[-1] == "rm"  # TRL's metric name for it
+    alone = [texts[0] + texts[1] for texts in zip(*UNEVEN)]
+    with torch.no_grad():
+        expected = [model(torch.tensor([tokenizer(t, add_special_tokens=False)["input_ids"]])).logits[0, 0].item()
+                    for t in alone]
+    assert results[1]["rm_alone"] == [] and len(results[0]["rm_alone"]) == 3
+    assert max(abs(a - b) for a, b in zip(results[0]["rm_alone"], expected)) <= 1e-5
 
 
 def test_grpo_with_a_reward_model_weighted_with_a_function(group):

@@ -166,6 +166,8 @@ class RewardModel:
     def encode(self, prompts: list, completions: list) -> list[list[int]]:
         """Each completion's tokens as the reward model reads them (no special tokens added)."""
         texts = self.texts(prompts, completions)
+        if not texts:  # a rank with none (the tokenizer refuses an empty batch)
+            return []
         return [list(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
 
     @torch.no_grad()
