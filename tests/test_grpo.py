@@ -3,9 +3,9 @@ steps well above the first 5's on a task a random policy scores low on) with an 
 by `WeightSync`; in one spawned group the same colocated, sampling the engine's completions step by
 step, a resume in the middle equal to the uninterrupted run, a failing reward function as one line
 on every rank, a trained reward model's scores against transformers' in one process and its run
-weighted beside a function; beside the group, at world 1, the same run and a run resumed at world 2, equal to
-it; the pieces (per-completion sampling streams, rewards, prompts, rollout layout, refusals) in
-process."""
+weighted beside a function; beside the group, at world 1, the same run and a run resumed at world
+2, equal to it; the pieces (per-completion sampling streams, rewards, prompts, rollout layout,
+refusals) in process."""
 
 import json
 import subprocess
@@ -50,7 +50,8 @@ def write_inputs(root):
     (root / "template.jinja").write_text(TEMPLATE)
 
 
-RM_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</{{ m['role'] }}>{% endfor %}")
+RM_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</{{ m['role'] }}>"
+               "{% endfor %}")
 
 
 def write_reward_models(root):
@@ -176,15 +177,17 @@ def _reward_model_runs(root, out: dict) -> None:
 
     RewardModel.encode, RewardModel.scores = recorded_encode, recorded_scores
     try:  # a small token budget: several micro-batches, as many on each rank
-        out["rm"] = _run(common(root, "rm", f"--rl.reward=[{root}/rm,{root}/rewards.py:digit_share]",
-                                "--rl.reward_weights=[0.5,1.0]", "--train.steps=2", "--checkpoint.export=false",
-                                "--train.plot=false", "--rl.max_tokens_per_micro_batch=160"))
+        out["rm"] = _run(common(
+            root, "rm", f"--rl.reward=[{root}/rm,{root}/rewards.py:digit_share]",
+            "--rl.reward_weights=[0.5,1.0]", "--train.steps=2", "--checkpoint.export=false",
+            "--train.plot=false", "--rl.max_tokens_per_micro_batch=160"))
     finally:
         RewardModel.encode, RewardModel.scores = encode, scores
     out["rm_scored"] = seen
     out["rm_alone"] = _rank_0_alone(root)
-    out["no_template"] = _run(common(root, "no_template", f"--rl.reward={root}/base", "--train.steps=2",
-                                     "--checkpoint.export=false", "--train.plot=false"))
+    out["no_template"] = _run(common(root, "no_template", f"--rl.reward={root}/base",
+                                     "--train.steps=2", "--checkpoint.export=false",
+                                     "--train.plot=false"))
 
 
 UNEVEN = (["1+1=", "what comes after 3?", "a"], ["2", " 4", "bcdefghijklmnopqrstuvwxyz" * 3])
@@ -308,6 +311,13 @@ def test_a_failing_reward_function_is_one_line_on_every_rank(group):
         assert "\n" not in few and "rewards.py:too_few" in few and "returned 1 values for 8 completions" in few, few
 
 
+@torch.no_grad()
+def plain_score(model, tokenizer, text: str) -> float:
+    """transformers' score of one text alone, tokenized as TRL tokenizes it for a reward model."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return model(torch.tensor([ids])).logits[0, 0].item()
+
+
 def test_reward_model_scores_equal_a_plain_one_process_scoring(group):
     """The scores of a step's completions, from the reward model sharded over 2 ranks in token-
     budget micro-batches, equal transformers' `AutoModelForSequenceClassification` scoring each
@@ -317,29 +327,26 @@ def test_reward_model_scores_equal_a_plain_one_process_scoring(group):
     from trl.trainer.utils import get_config_model_id
 
     root, results, _ = group
-    model = AutoModelForSequenceClassification.from_pretrained(str(root / "rm"), dtype=torch.float32).eval()
+    model = AutoModelForSequenceClassification.from_pretrained(str(root / "rm"),
+                                                               dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(str(root / "rm"))
     scored = [call for rank in (0, 1) for call in results[rank]["rm_scored"]]
-    assert len(scored) == 4 and all(len(call["scores"]) == 8 for call in scored)  # 2 steps x 2 ranks
+    # 2 steps x 2 ranks, 8 completions each
+    assert len(scored) == 4 and all(len(call["scores"]) == 8 for call in scored)
     kinds, ours, theirs = set(), [], []
     for call in scored:
         for prompt, completion, score in zip(call["prompts"], call["completions"], call["scores"]):
             conversation = isinstance(prompt, list)
             kinds.add(conversation)
-            text = (apply_chat_template({"messages": prompt + completion}, tokenizer)["text"] if conversation
-                    else prompt + completion)
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-            with torch.no_grad():
-                theirs.append(model(torch.tensor([ids])).logits[0, 0].item())
+            text = (apply_chat_template({"messages": prompt + completion}, tokenizer)["text"]
+                    if conversation else prompt + completion)
+            theirs.append(plain_score(model, tokenizer, text))
             ours.append(score)
     assert kinds == {True, False}  # text prompts and conversations both scored
     diff = max(abs(a - b) for a, b in zip(ours, theirs))
     assert diff <= 1e-5 and len(set(theirs)) > 1 and max(map(abs, theirs)) > 0.1, (diff, theirs[:4])
     assert get_config_model_id(model.config).split("/")[-1] == "rm"  # TRL's metric name for it
-    alone = [texts[0] + texts[1] for texts in zip(*UNEVEN)]
-    with torch.no_grad():
-        expected = [model(torch.tensor([tokenizer(t, add_special_tokens=False)["input_ids"]])).logits[0, 0].item()
-                    for t in alone]
+    expected = [plain_score(model, tokenizer, p + c) for p, c in zip(*UNEVEN)]
     assert results[1]["rm_alone"] == [] and len(results[0]["rm_alone"]) == 3
     assert max(abs(a - b) for a, b in zip(results[0]["rm_alone"], expected)) <= 1e-5
 
@@ -372,22 +379,23 @@ def test_a_reward_model_without_a_chat_template_is_one_line_on_every_rank(group)
     ("accuracy", "is both a built-in and a directory here"),
     ("twice", "both log as rewards/rm/mean"),
 ])
-def test_bad_reward_model_directories_are_one_line_before_launch(tmp_path, monkeypatch, entry, message):
+def test_bad_reward_model_directories_are_one_line_before_launch(tmp_path, monkeypatch, entry,
+                                                                  message):
     from transformers import LlamaConfig
 
     from fullshard.train.config import load_config
 
-    for name, kind, labels in (("causal", "LlamaForCausalLM", 1), ("three", "LlamaForSequenceClassification", 3),
-                               ("untokenized", "LlamaForSequenceClassification", 1),
-                               ("a/rm", "LlamaForSequenceClassification", 1),
-                               ("b/rm", "LlamaForSequenceClassification", 1)):
+    classifier = "LlamaForSequenceClassification"
+    for name, kind, labels in (("causal", "LlamaForCausalLM", 1), ("three", classifier, 3),
+                               ("untokenized", classifier, 1), ("a/rm", classifier, 1),
+                               ("b/rm", classifier, 1)):
         LlamaConfig(num_labels=labels, architectures=[kind]).save_pretrained(tmp_path / name)
     for name in ("a/rm", "b/rm"):
         (tmp_path / name / "tokenizer.json").write_text("{}")
     (tmp_path / "empty").mkdir()
     (tmp_path / "accuracy").mkdir()
     monkeypatch.chdir(tmp_path)
-    spec = "[a/rm,b/rm]" if entry == "twice" else entry if entry == "accuracy" else str(tmp_path / entry)
+    spec = {"twice": "[a/rm,b/rm]", "accuracy": "accuracy"}.get(entry, str(tmp_path / entry))
     with pytest.raises(ConfigError, match=message) as raised:
         load_config(None, ["--train.objective=grpo", f"--rl.reward={spec}"])
     assert "\n" not in str(raised.value)
