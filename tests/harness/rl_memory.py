@@ -1,0 +1,154 @@
+"""The plan's estimate of a GRPO step's phases and of a reward model's step against their measured
+peaks: on every rank of one spawned group, a tiny Llama's colocated GRPO step is run once to warm up
+(the optimizer state exists from then on, its gradients are None between steps) and again phase by
+phase (generation, the old policy's and the reference's log-probs, the update), each phase's peak of
+live tensor bytes measured with torch's FSDPMemTracker; then a one-output sequence-classification
+model's reward step, measured the same way. `tests/test_memory.py` asserts on it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from harness.memory_matrix import LLAMA
+
+PROMPTS, GROUP, PROMPT_LEN, NEW_TOKENS, MAX_TOKENS = 2, 4, 32, 96, 512  # per rank: 8 completions
+REWARD_ROWS, REWARD_SEQ = 2, 128
+
+
+def _strategy(rows: int, world: int):
+    from fullshard.faces.lightrft import FSDPStrategy
+
+    strategy = FSDPStrategy(seed=0, max_norm=1.0, micro_train_batch_size=rows, train_batch_size=rows * world,
+                            config={"mixed_precision": "fp32"})
+    strategy.setup_distributed()
+    return strategy
+
+
+def _models(strategy):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**LLAMA)
+    torch.manual_seed(0)
+    model = strategy.prepare_model(LlamaForCausalLM._from_config(config, dtype=torch.float32), is_training=True)
+    torch.manual_seed(0)
+    reference = LlamaForCausalLM._from_config(config, dtype=torch.float32)
+    # sharded as the trainer's `build_reference` shards it: like the policy, then frozen
+    reference = strategy.prepare_model(reference, is_training=True).eval().requires_grad_(False)
+    return config, model, reference
+
+
+def _phases(model, reference, optimizer, prompts, seed: int) -> dict:
+    """The calls `objectives.grpo.GRPO.run_step` makes, each a function of what the one before made."""
+    from fullshard.rl.phases import reference_logprobs, sequence_logprobs
+    from fullshard.rl.rollout import as_rollouts, sample
+    from fullshard.rl.update import UpdateConfig, policy_update
+
+    update = UpdateConfig(kl_coef=0.1, max_tokens=MAX_TOKENS, entropy_coef=0.01)
+    options = dict(max_tokens=MAX_TOKENS, chunk_tokens=update.chunk_tokens)
+    state: dict = {}
+
+    def generation():
+        state["completions"] = sample(model, prompts, GROUP, max_new_tokens=NEW_TOKENS, temperature=1.0,
+                                      top_p=1.0, pad_token_id=0, eos_token_id=None, seed=seed)
+
+    def logprobs():
+        rollouts = as_rollouts(state["completions"], torch.randn(PROMPTS * GROUP), 0)
+        rollouts.old_logprobs = sequence_logprobs(model, rollouts.input_ids, rollouts.attention_mask, **options)
+        rollouts.ref_logprobs = reference_logprobs(reference, rollouts.input_ids, rollouts.attention_mask,
+                                                   offloaded=False, **options)
+        state["rollouts"] = rollouts
+
+    def step():
+        policy_update(model, optimizer, state["rollouts"], update, dp_size=torch.distributed.get_world_size())
+
+    return {"generation": generation, "logprobs": logprobs, "update": step, "state": state}
+
+
+def measure_grpo() -> dict:
+    """This rank's measured peak of each phase, and the plan's estimate of it."""
+    import torch.distributed as dist
+
+    from fullshard.plan.memory import measured_phase_peaks
+    from fullshard.plan.rl import RLSetup, estimate_grpo
+    from fullshard.tensors import local_tensor
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    strategy = _strategy(GROUP, world)
+    config, model, reference = _models(strategy)
+    optimizer = strategy.create_optimizer(model, lr=1e-4)
+    generator = torch.Generator().manual_seed(rank)
+    prompts = torch.randint(1, config.vocab_size, (PROMPTS, PROMPT_LEN), generator=generator).tolist()
+    warm = _phases(model, reference, optimizer, prompts, seed=rank)
+    for name in ("generation", "logprobs", "update"):
+        warm[name]()
+    phases = _phases(model, reference, optimizer, prompts, seed=100 + rank)
+    held = [local_tensor(p) for p in reference.parameters()]  # the reference's shards, live all step
+    peaks = measured_phase_peaks(model, optimizer, {name: phases[name] for name in
+                                                    ("generation", "logprobs", "update")}, held)
+    with torch.device("meta"):
+        from transformers import LlamaForCausalLM
+
+        planned = LlamaForCausalLM._from_config(config, dtype=torch.float32)
+    setup = RLSetup(completions=PROMPTS * GROUP, prompt_len=PROMPT_LEN, max_new_tokens=NEW_TOKENS,
+                    max_tokens=MAX_TOKENS, reference="model")
+    estimate = estimate_grpo(planned, {"mixed_precision": "fp32"}, world, setup, device_type="cpu")
+    return {"peak": peaks, "estimate": {name: phase.total for name, phase in estimate.phases.items()},
+            "total": estimate.total}
+
+
+def measure_reward() -> dict:
+    """A reward model's step (each row a pair's chosen and rejected halves): peak and estimate."""
+    import torch.distributed as dist
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    from fullshard.data.preference import CHOSEN, REJECTED, ROLE
+    from fullshard.objectives.reward import Reward
+    from fullshard.plan.memory import estimate_run, measured_peak_bytes
+    from fullshard.train.step import train_step
+
+    world = dist.get_world_size()
+    strategy = _strategy(REWARD_ROWS, world)
+    config = LlamaConfig(**LLAMA, num_labels=1, pad_token_id=0)
+    torch.manual_seed(0)
+    model = strategy.prepare_model(LlamaForSequenceClassification._from_config(config, dtype=torch.float32),
+                                   is_training=True)
+    optimizer = strategy.create_optimizer(model, lr=1e-4)
+    half = REWARD_SEQ // 2
+
+    def batch(step: int) -> list[dict]:
+        generator = torch.Generator().manual_seed(step * 10 + dist.get_rank())
+        ids = torch.randint(1, config.vocab_size, (REWARD_ROWS, REWARD_SEQ), generator=generator)
+        role = torch.tensor([CHOSEN] * half + [REJECTED] * half).repeat(REWARD_ROWS, 1)
+        positions = torch.arange(half).repeat(REWARD_ROWS, 2)
+        return [{"input_ids": ids, "labels": ids, "position_ids": positions, ROLE: role}]
+
+    train_step(strategy, model, optimizer, None, batch(0), objective=Reward())
+    step = batch(1)
+    peak = measured_peak_bytes(model, optimizer, lambda: train_step(strategy, model, optimizer, None, step,
+                                                                    objective=Reward()), step)
+    with torch.device("meta"):
+        planned = LlamaForSequenceClassification._from_config(config, dtype=torch.float32)
+    estimate = estimate_run(planned, {"mixed_precision": "fp32"}, world, REWARD_ROWS, REWARD_SEQ,
+                            accumulation_steps=1, device_type="cpu")
+    return {"peak": peak, "estimate": estimate.per_rank}
+
+
+def measure_all() -> dict:
+    from fullshard.distributed import barrier
+
+    out = {"grpo": measure_grpo()}
+    barrier()
+    out["reward"] = measure_reward()
+    return out
+
+
+def run(world: int = 2, timeout: float = 600) -> dict:
+    """Per-rank results merged: each measured peak the largest over the ranks."""
+    from fullshard.testing.spawn import run_distributed
+
+    ranks = run_distributed(measure_all, world, timeout=timeout)
+    grpo = ranks[0]["grpo"]
+    grpo["peak"] = {name: max(r["grpo"]["peak"][name] for r in ranks) for name in grpo["peak"]}
+    reward = dict(ranks[0]["reward"], peak=max(r["reward"]["peak"] for r in ranks))
+    return {"grpo": grpo, "reward": reward}
