@@ -215,9 +215,11 @@ def test_plan_of_a_grpo_run_names_each_phase_and_of_a_reward_run_its_score_head(
         pytest.approx(2 * 32 * 8 * 8 * 128 * 5120 * 2 / 2**20, abs=0.01)]
     assert "prompts of 4096 tokens (the plan's seq-len" in colocated
     assert "log-probs phase" not in colocated  # kl_coef 0, one epoch: on-policy, no reference
-    phases = {row: _mib(kl, f"{row} phase total")[0] for row in ("generation", "log-probs", "update")}
+    phases = {row: _mib(kl, f"{row} phase total")[0]
+              for row in ("generation", "log-probs", "update")}
     total = re.search(r"total \(the largest phase: ([\w-]+)\) +([\d,.]+) MiB", kl)
-    assert float(total[2].replace(",", "")) == max(phases.values()) and phases[total[1]] == max(phases.values())
+    largest = max(phases.values())
+    assert float(total[2].replace(",", "")) == largest and phases[total[1]] == largest
     shard = _mib(kl, "update: parameters (shard)")[0]
     assert _mib(kl, "log-probs: reference model (shard, on the device for its forward)") == [shard]
     assert "generation: reference" not in kl and "reference model" in kl

@@ -202,10 +202,13 @@ def cmd_plan(argv: list[str]) -> int:
     options = dict(optimizer=config.optim.name, accumulation_steps=accumulation, device_type=DEVICES[device][0],
                    loss_chunk_tokens=config.train.loss_chunk_tokens, reference=planned_reference(config))
     if config.train.objective == "grpo":
-        run, largest = planned_grpo(config, model, engine, nproc, dims, seq_len, DEVICES[device][0], capacity)
+        run, largest = planned_grpo(config, model, engine, nproc, dims, seq_len,
+                                    DEVICES[device][0], capacity)
     else:
         run = estimate_run(model, engine, nproc, micro, seq_len, **options)
-        largest = lambda: largest_micro_batch(model, engine, nproc, seq_len, capacity, **options)  # noqa: E731
+
+        def largest():
+            return largest_micro_batch(model, engine, nproc, seq_len, capacity, **options)
     print(f"{type(model).__name__}: {sum(p.numel() for p in model.parameters()):,} parameters, {describe_mesh(dims)}\n")
     print(plan.describe(model, dims.fsdp_shard_size))
     if dims.tp > 1:
@@ -225,7 +228,8 @@ def planned_grpo(config, model, engine, nproc: int, dims, seq_len: int, device_t
     from .plan.rl import describe_setup, estimate_grpo, largest_completions, rl_setup
 
     if dims.pp > 1:
-        raise ConfigError("train.objective=grpo: generate does not run a pipelined model (parallel.pp_size)")
+        raise ConfigError("train.objective=grpo: generate does not run a pipelined model "
+                          "(parallel.pp_size)")
     setup = rl_setup(config, dims.dp_size, seq_len)
     kwargs = dict(optimizer=config.optim.name, device_type=device_type)
     phased = estimate_grpo(model, engine, nproc, setup, **kwargs)
@@ -233,10 +237,13 @@ def planned_grpo(config, model, engine, nproc: int, dims, seq_len: int, device_t
     run = RunEstimate([StageEstimate("every rank", phased)], assumed)
 
     def largest() -> str:
-        best = largest_completions(model, engine, nproc, setup, capacity, config.rl.group_size, **kwargs)
-        return (f"most completions per rank that fit: {best} (train.global_batch_size {best * dims.dp_size})"
-                if best else "no group of completions fits: shard over more ranks, shorten rl.max_new_tokens, "
-                "or lower rl.max_tokens_per_micro_batch")
+        best = largest_completions(model, engine, nproc, setup, capacity, config.rl.group_size,
+                                   **kwargs)
+        if not best:
+            return ("no group of completions fits: shard over more ranks, shorten "
+                    "rl.max_new_tokens, or lower rl.max_tokens_per_micro_batch")
+        return (f"most completions per rank that fit: {best} "
+                f"(train.global_batch_size {best * dims.dp_size})")
 
     return run, largest
 

@@ -19,8 +19,13 @@ REWARD_ROWS, REWARD_SEQ = 2, 128
 def _strategy(rows: int, world: int):
     from fullshard.faces.lightrft import FSDPStrategy
 
-    strategy = FSDPStrategy(seed=0, max_norm=1.0, micro_train_batch_size=rows, train_batch_size=rows * world,
-                            config={"mixed_precision": "fp32"})
+    strategy = FSDPStrategy(
+        seed=0,
+        max_norm=1.0,
+        micro_train_batch_size=rows,
+        train_batch_size=rows * world,
+        config={"mixed_precision": "fp32"},
+    )
     strategy.setup_distributed()
     return strategy
 
@@ -30,7 +35,9 @@ def _models(strategy):
 
     config = LlamaConfig(**LLAMA)
     torch.manual_seed(0)
-    model = strategy.prepare_model(LlamaForCausalLM._from_config(config, dtype=torch.float32), is_training=True)
+    model = strategy.prepare_model(
+        LlamaForCausalLM._from_config(config, dtype=torch.float32), is_training=True
+    )
     torch.manual_seed(0)
     reference = LlamaForCausalLM._from_config(config, dtype=torch.float32)
     # sharded as the trainer's `build_reference` shards it: like the policy, then frozen
@@ -39,7 +46,7 @@ def _models(strategy):
 
 
 def _phases(model, reference, optimizer, prompts, seed: int) -> dict:
-    """The calls `objectives.grpo.GRPO.run_step` makes, each a function of what the one before made."""
+    """The calls `objectives.grpo.GRPO.run_step` makes, each on what the one before made."""
     from fullshard.rl.phases import reference_logprobs, sequence_logprobs
     from fullshard.rl.rollout import as_rollouts, sample
     from fullshard.rl.update import UpdateConfig, policy_update
@@ -49,18 +56,32 @@ def _phases(model, reference, optimizer, prompts, seed: int) -> dict:
     state: dict = {}
 
     def generation():
-        state["completions"] = sample(model, prompts, GROUP, max_new_tokens=NEW_TOKENS, temperature=1.0,
-                                      top_p=1.0, pad_token_id=0, eos_token_id=None, seed=seed)
+        state["completions"] = sample(
+            model,
+            prompts,
+            GROUP,
+            max_new_tokens=NEW_TOKENS,
+            temperature=1.0,
+            top_p=1.0,
+            pad_token_id=0,
+            eos_token_id=None,
+            seed=seed,
+        )
 
     def logprobs():
         rollouts = as_rollouts(state["completions"], torch.randn(PROMPTS * GROUP), 0)
-        rollouts.old_logprobs = sequence_logprobs(model, rollouts.input_ids, rollouts.attention_mask, **options)
-        rollouts.ref_logprobs = reference_logprobs(reference, rollouts.input_ids, rollouts.attention_mask,
-                                                   offloaded=False, **options)
+        rollouts.old_logprobs = sequence_logprobs(
+            model, rollouts.input_ids, rollouts.attention_mask, **options
+        )
+        rollouts.ref_logprobs = reference_logprobs(
+            reference, rollouts.input_ids, rollouts.attention_mask, offloaded=False, **options
+        )
         state["rollouts"] = rollouts
 
     def step():
-        policy_update(model, optimizer, state["rollouts"], update, dp_size=torch.distributed.get_world_size())
+        policy_update(
+            model, optimizer, state["rollouts"], update, dp_size=torch.distributed.get_world_size()
+        )
 
     return {"generation": generation, "logprobs": logprobs, "update": step, "state": state}
 
@@ -78,23 +99,39 @@ def measure_grpo() -> dict:
     config, model, reference = _models(strategy)
     optimizer = strategy.create_optimizer(model, lr=1e-4)
     generator = torch.Generator().manual_seed(rank)
-    prompts = torch.randint(1, config.vocab_size, (PROMPTS, PROMPT_LEN), generator=generator).tolist()
+    prompts = torch.randint(
+        1, config.vocab_size, (PROMPTS, PROMPT_LEN), generator=generator
+    ).tolist()
     warm = _phases(model, reference, optimizer, prompts, seed=rank)
     for name in ("generation", "logprobs", "update"):
         warm[name]()
     phases = _phases(model, reference, optimizer, prompts, seed=100 + rank)
-    held = [local_tensor(p) for p in reference.parameters()]  # the reference's shards, live all step
-    peaks = measured_phase_peaks(model, optimizer, {name: phases[name] for name in
-                                                    ("generation", "logprobs", "update")}, held)
+    held = [
+        local_tensor(p) for p in reference.parameters()
+    ]  # the reference's shards, live all step
+    peaks = measured_phase_peaks(
+        model,
+        optimizer,
+        {name: phases[name] for name in ("generation", "logprobs", "update")},
+        held,
+    )
     with torch.device("meta"):
         from transformers import LlamaForCausalLM
 
         planned = LlamaForCausalLM._from_config(config, dtype=torch.float32)
-    setup = RLSetup(completions=PROMPTS * GROUP, prompt_len=PROMPT_LEN, max_new_tokens=NEW_TOKENS,
-                    max_tokens=MAX_TOKENS, reference="model")
+    setup = RLSetup(
+        completions=PROMPTS * GROUP,
+        prompt_len=PROMPT_LEN,
+        max_new_tokens=NEW_TOKENS,
+        max_tokens=MAX_TOKENS,
+        reference="model",
+    )
     estimate = estimate_grpo(planned, {"mixed_precision": "fp32"}, world, setup, device_type="cpu")
-    return {"peak": peaks, "estimate": {name: phase.total for name, phase in estimate.phases.items()},
-            "total": estimate.total}
+    return {
+        "peak": peaks,
+        "estimate": {name: phase.total for name, phase in estimate.phases.items()},
+        "total": estimate.total,
+    }
 
 
 def measure_reward() -> dict:
@@ -111,8 +148,9 @@ def measure_reward() -> dict:
     strategy = _strategy(REWARD_ROWS, world)
     config = LlamaConfig(**LLAMA, num_labels=1, pad_token_id=0)
     torch.manual_seed(0)
-    model = strategy.prepare_model(LlamaForSequenceClassification._from_config(config, dtype=torch.float32),
-                                   is_training=True)
+    model = strategy.prepare_model(
+        LlamaForSequenceClassification._from_config(config, dtype=torch.float32), is_training=True
+    )
     optimizer = strategy.create_optimizer(model, lr=1e-4)
     half = REWARD_SEQ // 2
 
@@ -125,12 +163,23 @@ def measure_reward() -> dict:
 
     train_step(strategy, model, optimizer, None, batch(0), objective=Reward())
     step = batch(1)
-    peak = measured_peak_bytes(model, optimizer, lambda: train_step(strategy, model, optimizer, None, step,
-                                                                    objective=Reward()), step)
+    peak = measured_peak_bytes(
+        model,
+        optimizer,
+        lambda: train_step(strategy, model, optimizer, None, step, objective=Reward()),
+        step,
+    )
     with torch.device("meta"):
         planned = LlamaForSequenceClassification._from_config(config, dtype=torch.float32)
-    estimate = estimate_run(planned, {"mixed_precision": "fp32"}, world, REWARD_ROWS, REWARD_SEQ,
-                            accumulation_steps=1, device_type="cpu")
+    estimate = estimate_run(
+        planned,
+        {"mixed_precision": "fp32"},
+        world,
+        REWARD_ROWS,
+        REWARD_SEQ,
+        accumulation_steps=1,
+        device_type="cpu",
+    )
     return {"peak": peak, "estimate": estimate.per_rank}
 
 

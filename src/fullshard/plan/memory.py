@@ -56,7 +56,7 @@ OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0}
 LOSS_TRANSIENT_BYTES_PER_LOGIT = 8  # the logits' fp32 copy and the log-softmax gradient, beyond the saved output
 CHUNK_BYTES_PER_LOGIT = 4  # a chunk's fp32 logits, softmax and gradient in one buffer (measured with MemTracker)
 LOGPROB_CHUNK_BYTES_PER_LOGIT = 12  # log-probs' backward: a chunk's recomputed logits, softmax and gradient
-ENTROPY_CHUNK_BYTES_PER_LOGIT = 16  # with entropies (RL): the softmax-weighted logits beside them too
+ENTROPY_CHUNK_BYTES_PER_LOGIT = 16  # with entropies (RL): the softmax-weighted logits too
 REFERENCES = {  # preference.reference -> what the estimate assumes it holds
     "model": "a frozen sharded copy of the base weights (no gradients or optimizer state), gathered for its forward",
     "offloaded": "a frozen sharded copy of the base weights in host memory (offload_reference), gathered to the "
@@ -94,7 +94,7 @@ class MemoryEstimate:
     reference_gathered: int = 0  # the reference forward's gathered units, after the policy's forward
     host_reference: int = 0  # offload_reference: the frozen copy's shards in host memory
     whole_model: int = 0  # every unit all-gathered at once (generation: `generation.gathered`)
-    base_shard: int = 0  # this rank's shard of the weights a frozen reference copy holds (no adapters)
+    base_shard: int = 0  # this rank's shard of what a frozen reference copy holds (no adapters)
 
     @property
     def device_gradients(self) -> int:
@@ -320,7 +320,7 @@ def estimate_memory(model: nn.Module, plan: ShardingPlan, setup: EstimateSetup |
     config, compute_bytes = text_config(model.config), compute_dtype.itemsize
     stage = getattr(model, "fullshard_stage", None)  # a pipeline stage: its layers, ends and micro-batches
     layers, first, last = (len(stage.layers), stage.first, stage.last) if stage else (None, True, True)
-    micro_batch_size = (stage_rows or micro_batch_size) if stage else micro_batch_size  # a pipeline's
+    micro_batch_size = (stage_rows or micro_batch_size) if stage else micro_batch_size
     tokens = micro_batch_size * seq_len
     # the layers' projections split over tp (the auto plan's are): their activations are split too
     layer_tp = tp_size if any(".layers." in f".{name}." for name in (tp_assignments or {})) else 1
@@ -328,7 +328,8 @@ def estimate_memory(model: nn.Module, plan: ShardingPlan, setup: EstimateSetup |
     outputs = head_width(model, config)  # the vocabulary, or a reward model's one score
     activations = in_flight * activation_bytes(
         config, micro_batch_size, seq_len, compute_bytes, activation_checkpointing, chunked_loss=head is not None,
-        layers=layers, first=first, last=last, tp=layer_tp, cp=cp_size, ac_every=ac_every, outputs=outputs)
+        layers=layers, first=first, last=last, tp=layer_tp, cp=cp_size, ac_every=ac_every,
+        outputs=outputs)
     activations += in_flight * tokens * compute_bytes * layout_values(
         model, config, expert_units(model, ep_size, shard_size * cp_size), activation_checkpointing, layers,
         first, last, stage is not None, head is None)
@@ -337,7 +338,8 @@ def estimate_memory(model: nn.Module, plan: ShardingPlan, setup: EstimateSetup |
         activation_offload and device_type != "cpu") else (0, 0)
     activations -= host - kept
     loss, saved_loss = loss_bytes(config, head, tokens, compute_bytes, loss_chunk_tokens, in_flight,
-                                  reference is not None or entropy, entropy, outputs) if last else (0, 0)
+                                  reference is not None or entropy, entropy,
+                                  outputs) if last else (0, 0)
     recompute = recompute_bytes(config, tokens, compute_bytes, layer_tp, cp_size, layers, activation_checkpointing,
                                 ac_every)
     full = sorted(units["full"].values(), reverse=True)
@@ -349,15 +351,14 @@ def estimate_memory(model: nn.Module, plan: ShardingPlan, setup: EstimateSetup |
         gathered=sum(full[:2]), activations=activations, loss=loss,
         unit_gradients=units["numel"][largest] * reduce_copy + full[0] + units["grad"].get(largest, 0),
         allocator=units["rounding"], gradients_in_forward=accumulation_steps is None or accumulation_steps > 1,
-        largest_unit=full[0], saved_loss=saved_loss,
+        largest_unit=full[0], saved_loss=saved_loss, in_flight=in_flight if stage else 0,
         first_unit_gradients=max(units["grad"].values(), default=0), recompute=recompute,
-        input_unit_gradients=next(iter(units["grad"].values()), 0),
+        input_unit_gradients=next(iter(units["grad"].values()), 0), whole_model=sum(full),
         backward_gathered=sum(sorted(units["backward_full"].values(), reverse=True)[:2]),
-        in_flight=in_flight if stage is not None else 0,
         pipeline_gradients=units["trainable_numel"] * compute_bytes if stage is not None else 0,
         gradients_between_forwards=stage is not None and not all_forwards_first,
         host_activations=host, **reference_bytes(reference, units["base_shard"], sum(full[:2])),
-        whole_model=sum(full), base_shard=units["base_shard"])
+        base_shard=units["base_shard"])
 
 
 def reference_bytes(reference: str | None, shard: int, gathered: int) -> dict[str, int]:
@@ -605,9 +606,11 @@ def measured_phase_peaks(model: nn.Module, optimizer: torch.optim.Optimizer, pha
         try:
             for name, run in phases.items():
                 tracker._peak_mem_snap = tracker.get_tracker_snapshot()  # what __enter__ sets
-                tracker._peak_mem = {dev: snap["Total"] for dev, snap in tracker._peak_mem_snap.items()}
+                snapshot = tracker._peak_mem_snap
+                tracker._peak_mem = {dev: snap["Total"] for dev, snap in snapshot.items()}
                 run()
-                peaks[name] = max(snap["Total"] for snap in tracker.get_tracker_snapshot("peak").values())
+                peak = tracker.get_tracker_snapshot("peak")
+                peaks[name] = max(snap["Total"] for snap in peak.values())
         finally:
             for handle in handles:
                 handle.remove()
@@ -702,8 +705,9 @@ def dtype_assumptions(model: nn.Module, engine, optimizer: str) -> str:
     from ..engine import EngineConfig
 
     master, compute, reduce = training_dtypes(model, EngineConfig.from_any(engine))
-    return (f"master weights, gradients and {optimizer} state in {_name(master)}, compute in {_name(compute)}"
-            + (f", gradients reduced in {_name(reduce)}" if reduce != compute else ""))
+    reduced = f", gradients reduced in {_name(reduce)}" if reduce != compute else ""
+    return (f"master weights, gradients and {optimizer} state in {_name(master)}, compute in "
+            f"{_name(compute)}{reduced}")
 
 
 def estimate_rank_bytes(model: nn.Module, engine, world_size: int, micro_batch_size: int, seq_len: int,

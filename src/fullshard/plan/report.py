@@ -35,7 +35,8 @@ def print_estimate(config, run, device: str, capacity: int | None, micro: int, s
           f"{'activation offload, ' if fsdp.activation_offload else ''}"
           f"{f'float8 {fsdp.float8}, ' if fsdp.float8 != 'none' else ''}"
           f"loss chunks of {config.train.loss_chunk_tokens or 'all the'} tokens, "
-          + ("" if grpo else f"{accumulation or 'unknown'} micro-batch(es) per step, ") + f"{device}):\n"
+          + ("" if grpo else f"{accumulation or 'unknown'} micro-batch(es) per step, ")
+          + f"{device}):\n"
           f"assumed: {run.assumptions} (model.dtype={config.model.dtype}, fsdp.mixed_precision={fsdp.mixed_precision}"
           + (f"; config.json's torch_dtype {stored} is only what is read from disk" if stored else "") + ")"
           + ("; LoRA: the frozen base has no gradients or optimizer state" if config.lora.enabled else "")

@@ -32,10 +32,16 @@ from torch import nn
 
 from .memory import EstimateSetup, MemoryEstimate, estimate_memory, text_config
 
-ROLLOUT_BYTES_PER_TOKEN = 8 + 8 + 4 + 4 + 4  # ids, attention mask, response mask, old and reference log-probs
+ROLLOUT_BYTES_PER_TOKEN = (
+    8 + 8 + 4 + 4 + 4
+)  # ids, attention mask, response mask, old and reference log-probs
 SAMPLING_BYTES_PER_LOGIT = 12  # fp32 copy of the last logits, the tempered scores, their softmax
-TOP_P_BYTES_PER_LOGIT = 20  # sorted scores and int64 indices, their softmax's cumulative sum, the mask
-NO_GRAD_CHUNK_BYTES_PER_LOGIT = 4  # a log-prob chunk's fp32 logits (logsumexp adds no copy: measured)
+TOP_P_BYTES_PER_LOGIT = (
+    20  # sorted scores and int64 indices, their softmax's cumulative sum, the mask
+)
+NO_GRAD_CHUNK_BYTES_PER_LOGIT = (
+    4  # a log-prob chunk's fp32 logits (logsumexp adds no copy: measured)
+)
 
 
 @dataclass
@@ -98,13 +104,19 @@ class PhasedEstimate:
     def rows(self) -> list[tuple[str, int]]:
         out = [(f"update: {name}", value) for name, value in self.update.rows()]
         for phase in self.phases.values():
-            out += [(f"{phase.name}: {what}", value) for what, value in phase.parts if phase.name != "update"]
+            out += [
+                (f"{phase.name}: {what}", value)
+                for what, value in phase.parts
+                if phase.name != "update"
+            ]
             out.append((f"{phase.name} phase total", phase.total))
         return out + [(f"total (the largest phase: {self.peak_phase})", self.total)]
 
     def describe(self) -> str:
         width = max(len(name) for name, _ in self.rows())
-        return "\n".join(f"{name.ljust(width)}  {value / 2**20:>10.2f} MiB" for name, value in self.rows())
+        return "\n".join(
+            f"{name.ljust(width)}  {value / 2**20:>10.2f} MiB" for name, value in self.rows()
+        )
 
 
 def inference_layer_values(config, seq_len: int, on_device: bool) -> int:
@@ -136,54 +148,103 @@ def held_parts(update: MemoryEstimate, setup: RLSetup, on_device: bool, optimize
     return parts + [("rollouts (ids, masks, log-probs)", tokens * ROLLOUT_BYTES_PER_TOKEN)]
 
 
-def generation_phase(config, update: MemoryEstimate, setup: RLSetup, compute_bytes: int,
-                     on_device: bool) -> Phase:
+def generation_phase(
+    config, update: MemoryEstimate, setup: RLSetup, compute_bytes: int, on_device: bool
+) -> Phase:
     """Colocated generation: the whole model gathered, the KV cache, the larger transient."""
     rows, prompt, positions = setup.completions, setup.prompt_len, setup.seq_len
     cache = kv_cache_bytes(config, rows, positions, compute_bytes)
     layer_keys = cache // (2 * config.num_hidden_layers)
-    prefill = (rows * prompt * (compute_bytes * inference_layer_values(config, prompt, on_device) + prompt)
-               + kv_cache_bytes(config, rows, prompt, compute_bytes) - cache)  # the mask: a byte a pair
-    per_logit = compute_bytes + SAMPLING_BYTES_PER_LOGIT + (TOP_P_BYTES_PER_LOGIT if setup.top_p < 1 else 0)
+    prefill = (
+        rows * prompt * (compute_bytes * inference_layer_values(config, prompt, on_device) + prompt)
+        + kv_cache_bytes(config, rows, prompt, compute_bytes)
+        - cache
+    )  # the mask: a byte a pair
+    per_logit = (
+        compute_bytes + SAMPLING_BYTES_PER_LOGIT + (TOP_P_BYTES_PER_LOGIT if setup.top_p < 1 else 0)
+    )
     decode = layer_keys + rows * config.vocab_size * per_logit
     parts = held_parts(update, setup, on_device, optimizer=not on_device)
-    return Phase("generation", parts + [
-        ("the whole model all-gathered (generation.gathered)", update.whole_model),
-        (f"KV cache ({rows} sequences x {positions} positions)", cache),
-        ("transient: a unit's all-gather buffer, the prefill's layer, or a step's sampling logits",
-         max(update.largest_unit, prefill, decode)),
-    ])
+    return Phase(
+        "generation",
+        parts
+        + [
+            ("the whole model all-gathered (generation.gathered)", update.whole_model),
+            (f"KV cache ({rows} sequences x {positions} positions)", cache),
+            (
+                "transient: a unit's all-gather buffer, the prefill's layer or a step's logits",
+                max(update.largest_unit, prefill, decode),
+            ),
+        ],
+    )
 
 
-def logprob_phase(config, update: MemoryEstimate, setup: RLSetup, compute_bytes: int,
-                  on_device: bool) -> Phase:
+def logprob_phase(
+    config, update: MemoryEstimate, setup: RLSetup, compute_bytes: int, on_device: bool
+) -> Phase:
     """The old policy's and the reference's log-probs without gradients."""
     tokens = setup.rows * setup.seq_len
-    chunk = min(setup.loss_chunk_tokens, tokens) * config.vocab_size * (
-        NO_GRAD_CHUNK_BYTES_PER_LOGIT + (compute_bytes if compute_bytes < 4 else 0))
+    chunk = (
+        min(setup.loss_chunk_tokens, tokens)
+        * config.vocab_size
+        * (NO_GRAD_CHUNK_BYTES_PER_LOGIT + (compute_bytes if compute_bytes < 4 else 0))
+    )
     layer = tokens * compute_bytes * inference_layer_values(config, setup.seq_len, on_device)
     parts = held_parts(update, setup, on_device, optimizer=True)
     if setup.reference == "model" and on_device:
         parts.append(("reference model (shard, on the device for its forward)", update.base_shard))
-    return Phase("log-probs", parts + [
-        ("all-gathered units (2 largest; FSDP keeps them gathered after a forward without "
-         "gradients)", update.gathered),
-        *([("reference forward: all-gathered units", update.gathered)] if setup.reference == "model" else []),
-        ("a micro-batch's forward: a layer's values, or a chunk's logits", max(layer, chunk)),
-        ("log-probs of every sequence (old, reference)", 2 * setup.completions * setup.seq_len * 4),
-    ])
+    return Phase(
+        "log-probs",
+        parts
+        + [
+            (
+                "all-gathered units (2 largest; FSDP keeps them gathered after a forward without "
+                "gradients)",
+                update.gathered,
+            ),
+            *(
+                [("reference forward: all-gathered units", update.gathered)]
+                if setup.reference == "model"
+                else []
+            ),
+            ("a micro-batch's forward: a layer's values, or a chunk's logits", max(layer, chunk)),
+            (
+                "log-probs of every sequence (old, reference)",
+                2 * setup.completions * setup.seq_len * 4,
+            ),
+        ],
+    )
 
 
 def update_phase(update: MemoryEstimate, setup: RLSetup, on_device: bool) -> Phase:
     """The update: the training estimate of one micro-batch, the rollouts beside it."""
-    held = [part for part in held_parts(update, setup, on_device, optimizer=False)
-            if part[0] not in ("parameters (shard)", "allocator rounding")]
-    return Phase("update", [(f"training estimate ({setup.rows} x {setup.seq_len} tokens a micro-batch, "
-                             f"{setup.micro_batches} micro-batches)", update.total), *held])
+    held = [
+        part
+        for part in held_parts(update, setup, on_device, optimizer=False)
+        if part[0] not in ("parameters (shard)", "allocator rounding")
+    ]
+    return Phase(
+        "update",
+        [
+            (
+                f"training estimate ({setup.rows} x {setup.seq_len} tokens a micro-batch, "
+                f"{setup.micro_batches} micro-batches)",
+                update.total,
+            ),
+            *held,
+        ],
+    )
 
 
-def estimate_grpo(model: nn.Module, engine, world_size: int, setup: RLSetup, *,
-                  optimizer: str = "adamw", device_type: str = "cuda") -> PhasedEstimate:
+def estimate_grpo(
+    model: nn.Module,
+    engine,
+    world_size: int,
+    setup: RLSetup,
+    *,
+    optimizer: str = "adamw",
+    device_type: str = "cuda",
+) -> PhasedEstimate:
     """The per-rank estimate of a GRPO step of `model` (real or on meta, LoRA applied where the run
     has it) under `engine` on `world_size` ranks: each phase's figure, the largest the peak."""
     from ..distributed import ParallelDims
@@ -192,18 +253,34 @@ def estimate_grpo(model: nn.Module, engine, world_size: int, setup: RLSetup, *,
 
     engine = EngineConfig.from_any(engine)
     if engine.pp_size > 1:
-        raise ValueError("a GRPO step does not run a pipelined model (generate needs the whole model)")
-    dims = ParallelDims(engine.dp_replicate, engine.dp_shard, world_size, cp=engine.cp_size, tp=engine.tp_size,
-                        pp=engine.pp_size, ep=engine.ep_size)
-    run = dict(optimizer=optimizer, accumulation_steps=setup.micro_batches, device_type=device_type,
-               loss_chunk_tokens=setup.loss_chunk_tokens, entropy=True)
+        raise ValueError(
+            "a GRPO step does not run a pipelined model (generate needs the whole model)"
+        )
+    dims = ParallelDims(
+        engine.dp_replicate,
+        engine.dp_shard,
+        world_size,
+        cp=engine.cp_size,
+        tp=engine.tp_size,
+        pp=engine.pp_size,
+        ep=engine.ep_size,
+    )
+    run = dict(
+        optimizer=optimizer,
+        accumulation_steps=setup.micro_batches,
+        device_type=device_type,
+        loss_chunk_tokens=setup.loss_chunk_tokens,
+        entropy=True,
+    )
     estimate_setup = EstimateSetup.of(model, engine, dims, setup.rows, setup.seq_len, **run)
     update = estimate_memory(model, build_plan(model, engine.plan), estimate_setup)
     update.offloaded = engine.offload_params and device_type != "cpu"
     config, compute_bytes = text_config(model.config), estimate_setup.compute_dtype.itemsize
     on_device = device_type != "cpu"
     phases = {"update": update_phase(update, setup, on_device)}
-    if setup.epochs > 1 or setup.reference != "none":  # else on-policy: no log-probs before the update
+    if (
+        setup.epochs > 1 or setup.reference != "none"
+    ):  # else on-policy: no log-probs before the update
         phases["log-probs"] = logprob_phase(config, update, setup, compute_bytes, on_device)
     if setup.rollout == "colocated":
         phases["generation"] = generation_phase(config, update, setup, compute_bytes, on_device)
@@ -215,29 +292,48 @@ def rl_setup(config, dp_size: int, prompt_len: int) -> RLSetup:
     data-parallel ranks), prompts of `prompt_len` tokens (`data.seq_len`, the longest a prompt
     is kept at, unless the plan is given another)."""
     rl = config.rl
-    return RLSetup(completions=max(config.train.global_batch_size // dp_size, rl.group_size),
-                   prompt_len=prompt_len, max_new_tokens=rl.max_new_tokens,
-                   max_tokens=rl.max_tokens_per_micro_batch,
-                   reference=rl.resolved_reference(config.lora.enabled), rollout=rl.rollout,
-                   epochs=rl.epochs, top_p=rl.top_p,
-                   loss_chunk_tokens=config.train.loss_chunk_tokens or 1 << 30)
+    return RLSetup(
+        completions=max(config.train.global_batch_size // dp_size, rl.group_size),
+        prompt_len=prompt_len,
+        max_new_tokens=rl.max_new_tokens,
+        max_tokens=rl.max_tokens_per_micro_batch,
+        reference=rl.resolved_reference(config.lora.enabled),
+        rollout=rl.rollout,
+        epochs=rl.epochs,
+        top_p=rl.top_p,
+        loss_chunk_tokens=config.train.loss_chunk_tokens or 1 << 30,
+    )
 
 
 def describe_setup(setup: RLSetup) -> str:
     """The assumptions of a GRPO estimate, for the plan's header."""
-    rollout = ("colocated: the trainer ranks generate with the whole model gathered, the optimizer "
-               "state on the host meanwhile (on an accelerator)" if setup.rollout == "colocated" else
-               "engines: the engine processes generate, their model and KV cache are theirs, not counted "
-               "here; the trainer ranks' phases are the log-probs and the update")
-    return (f"GRPO step: {setup.completions} completions per rank, prompts of {setup.prompt_len} tokens "
-            f"(the plan's seq-len: the longest a prompt is kept at) + {setup.max_new_tokens} new tokens; "
-            f"rollouts {rollout}; reference {setup.reference}; update micro-batches of {setup.rows} "
-            f"sequences (rl.max_tokens_per_micro_batch={setup.max_tokens}), log-probs with entropies "
-            "through the head a chunk at a time")
+    rollout = (
+        "colocated: the trainer ranks generate with the whole model gathered, the optimizer "
+        "state on the host meanwhile (on an accelerator)"
+        if setup.rollout == "colocated"
+        else "engines: the engine processes generate, their model and KV cache are theirs, not "
+        "counted here; the trainer ranks' phases are the log-probs and the update"
+    )
+    return (
+        f"GRPO step: {setup.completions} completions per rank, prompts of {setup.prompt_len} "
+        "tokens (the plan's seq-len: the longest a prompt is kept at) + "
+        f"{setup.max_new_tokens} new tokens; "
+        f"rollouts {rollout}; reference {setup.reference}; update micro-batches of {setup.rows} "
+        f"sequences (rl.max_tokens_per_micro_batch={setup.max_tokens}), log-probs with entropies "
+        "through the head a chunk at a time"
+    )
 
 
-def largest_completions(model: nn.Module, engine, world_size: int, setup: RLSetup, capacity: int,
-                        group_size: int, limit: int = 1 << 14, **kwargs) -> int:
+def largest_completions(
+    model: nn.Module,
+    engine,
+    world_size: int,
+    setup: RLSetup,
+    capacity: int,
+    group_size: int,
+    limit: int = 1 << 14,
+    **kwargs,
+) -> int:
     """The most completions per rank (whole groups) whose GRPO step fits `capacity`; 0 if none."""
     from dataclasses import replace
 
