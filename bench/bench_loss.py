@@ -31,8 +31,8 @@ def _run() -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from fullshard import FSDPStrategy
-    from fullshard.train.memory import estimate_memory, measured_peak_bytes
     from fullshard.plan import auto_plan
+    from fullshard.train.memory import estimate_memory, measured_peak_bytes
     from fullshard.train.step import train_step
 
     def batch(step: int) -> list[dict]:  # this rank's rows

@@ -36,11 +36,11 @@ def _state_bytes(model, optimizer) -> int:
 
 def _run(config: dict) -> dict:
     import torch.distributed as dist
+    from harness.compare import data_slice
 
     from fullshard import FSDP2Engine
     from fullshard.optim import clip_grad_norm
     from fullshard.parallel.cp import context_parallel_batch
-    from harness.compare import data_slice
 
     engine = FSDP2Engine(dict({"mixed_precision": "fp32"}, **config))
     coords, dims = engine.dims.coordinates(dist.get_rank()), engine.dims

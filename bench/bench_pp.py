@@ -11,7 +11,6 @@ import os
 import sys
 from pathlib import Path
 
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the test harnesses (harness/)
 
@@ -36,10 +35,10 @@ def _bubble(pipeline) -> float:
 
 def _run(config: dict) -> dict:
     import torch.distributed as dist
+    from harness.compare import data_slice
 
     from fullshard.parallel.pp import pipeline_of
     from fullshard.strategy import FSDPStrategy
-    from harness.compare import data_slice
     from fullshard.train.pp_step import pipeline_train_step
     from fullshard.train.step import train_step
 

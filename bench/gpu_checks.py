@@ -61,8 +61,9 @@ def main(device_type: str = "cuda") -> int:
 
 
 def vlm_checks(device: torch.device) -> list[str]:
-    from fullshard import FSDP2Engine
     from harness.vlm_parity import token_loss_sum
+
+    from fullshard import FSDP2Engine
     from fullshard.testing.vlm_zoo import VLMInputs, build_vlm
 
     reference = build_vlm("qwen2_vl")

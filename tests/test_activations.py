@@ -3,11 +3,11 @@ losses, grad norms and weights exactly; peak memory (FSDPMemTracker) ordered non
 every_n > full; the memory estimate of each within 0-10% above the measured peak."""
 
 import pytest
+from harness.compare import largest_gap, train_on_padded_batches
 
 from fullshard import FSDP2Engine
 from fullshard.errors import ConfigError
 from fullshard.testing import build_model, run_distributed
-from harness.compare import largest_gap, train_on_padded_batches
 
 MODES = ("none", "full", "selective", "every_n")
 CELLS = {"none": "dp 2", "full": "activation checkpointing", "selective": "selective checkpointing",
@@ -15,8 +15,9 @@ CELLS = {"none": "dp 2", "full": "activation checkpointing", "selective": "selec
 
 
 def _runs() -> dict:
-    from fullshard.fsdp import checkpointed_blocks
     from harness.memory_matrix import measure_cell
+
+    from fullshard.fsdp import checkpointed_blocks
 
     def make(mode, offload, name="llama"):
         engine = FSDP2Engine({"mixed_precision": "fp32", "activation_checkpointing": mode,

@@ -15,13 +15,13 @@ import warnings
 
 import torch
 import transformers
+from harness.compare import train_against_reference
 from torch import nn
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from fullshard import FSDP2Engine
 from fullshard.fsdp import fsdp_units
 from fullshard.testing import ZOO, make_batch, run_distributed
-from harness.compare import train_against_reference
 from fullshard.testing.zoo import VOCAB
 
 TOL = 1e-5

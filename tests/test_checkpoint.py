@@ -17,15 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from harness.compare import full_state, full_tensor
 from safetensors import safe_open
 
 from fullshard import FSDP2Engine
-from fullshard.checkpoint import CheckpointManager, export_checkpoint, export_hf, load_ckpt, save_ckpt
-from fullshard.checkpoint import layout
+from fullshard.checkpoint import CheckpointManager, export_checkpoint, export_hf, layout, load_ckpt, save_ckpt
 from fullshard.distributed import get_rank
 from fullshard.errors import CheckpointError
 from fullshard.testing import reported_by_every_rank, run_distributed
-from harness.compare import full_state, full_tensor
 from fullshard.testing.spawn import DistributedTestError
 from fullshard.testing.zoo import VOCAB, build_model, make_batch
 

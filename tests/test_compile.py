@@ -3,12 +3,12 @@ mixed precision; explicit prefetch changes nothing in the math."""
 
 import pytest
 import torch
+from harness.compare import reference_gaps, train_against_reference
 from torch._dynamo.utils import counters
 
 from fullshard import FSDP2Engine, find_blocks
 from fullshard.compile import compile_blocks, set_block_prefetch
 from fullshard.testing import build_model, run_distributed
-from harness.compare import reference_gaps, train_against_reference
 
 TOL = 1e-5
 BF16_LOSS_TOL = 5e-2  # as test_engine's bf16 check: bf16 compute against the fp32 reference

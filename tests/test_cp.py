@@ -4,12 +4,12 @@ against a single process on the whole batch. Every 4-rank check runs in one proc
 import pytest
 import torch
 import torch.distributed as dist
+from harness.compare import data_slice, reference_gaps, train_against_reference
 
 from fullshard import FSDP2Engine
-from fullshard.parallel.cp import context_parallel_batch
 from fullshard.errors import PlanError
+from fullshard.parallel.cp import context_parallel_batch
 from fullshard.testing import build_model, make_batch, reported_by_every_rank, run_distributed
-from harness.compare import data_slice, reference_gaps, train_against_reference
 from fullshard.testing.zoo import TIED
 
 TOL = 1e-5

@@ -10,13 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from test_checkpoint import _captured_warnings, _error_of
 
 from fullshard import build_plan
 from fullshard.engine import EngineConfig
 from fullshard.testing import build_model, make_batch, run_distributed
 from fullshard.testing.zoo import model_class, tiny_config
-
-from test_checkpoint import _captured_warnings, _error_of
 
 K = 3  # steps before and after the save
 
@@ -64,9 +63,9 @@ def _moe_model(seed: int):
 def _steps(model, optimizer, first: int, count: int, early: bool) -> list[float]:
     """`count` steps from step `first`; `early`: the steps before the save (silent module, avoided expert)."""
     import torch.distributed as dist
+    from harness.compare import data_slice
 
     from fullshard.distributed import get_rank, get_world_size
-    from harness.compare import data_slice
 
     hooks = [m.register_forward_hook(_avoid_expert) for n, m in model.named_modules()
              if n.endswith("mlp.gate")] if early else []
@@ -90,9 +89,8 @@ def _steps(model, optimizer, first: int, count: int, early: bool) -> list[float]
 
 
 def _optimizer_state(model, optimizer) -> dict[str, torch.Tensor]:
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
     from harness.compare import full_tensor
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     return {f"{fqn}/{key}": full_tensor(value).clone()
             for fqn, per_param in get_optimizer_state_dict(model, optimizer)["state"].items()
@@ -232,8 +230,9 @@ def _rank0_init() -> dict:
 # -- item 6: transformers' plan forms train as fullshard's own plan does
 
 def _transformers_plans_train() -> dict:
-    from fullshard import apply_fsdp2
     from harness.compare import train_against_reference
+
+    from fullshard import apply_fsdp2
 
     out = {}
     for name, plan in (("qwen3", PEER_PLANS["qwen3"]), ("llama", PEER_PLANS["llama"])):

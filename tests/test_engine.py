@@ -2,16 +2,15 @@
 
 import pytest
 import torch
+from harness.compare import largest_gap, reference_gaps, train_against_reference, train_on_padded_batches
 from safetensors import safe_open
+from test_plan import BAD_PLANS, check_bad_plan
 
 from fullshard import FSDP2Engine, PlanError, apply_fsdp2
 from fullshard.checkpoint import export_hf
 from fullshard.fsdp import fsdp_units
 from fullshard.testing import ZOO, build_model, run_distributed
-from harness.compare import largest_gap, reference_gaps, train_against_reference, train_on_padded_batches
 from fullshard.testing.zoo import TIED
-
-from test_plan import BAD_PLANS, check_bad_plan
 
 TOL = 1e-5
 BF16_LOSS_TOL = 5e-2

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from harness.compare import parity_problems, train_against_reference
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -16,7 +17,6 @@ from fullshard.errors import ConfigError, PlanError
 from fullshard.lora import apply_lora
 from fullshard.parallel.ep import find_experts, owned_experts
 from fullshard.testing import build_model, reported_by_every_rank, run_distributed
-from harness.compare import parity_problems, train_against_reference
 from fullshard.testing.zoo import MOE_ZOO
 
 TOL = 1e-5
@@ -64,12 +64,12 @@ def _checkpoint_checks(root: str, ep: int) -> dict:
     export; resume the save at ep 1, export it offline in this one process, load the exports in
     transformers."""
     import transformers
+    from harness.compare import full_state, step_on_slice
 
     from fullshard import from_pretrained
     from fullshard.checkpoint import CheckpointManager, export_checkpoint, export_hf
     from fullshard.checkpoint.export import own_rows
     from fullshard.testing import make_batch
-    from harness.compare import full_state, step_on_slice
 
     root, name, rank, out = Path(root) / f"ep{ep}", "ep_mixtral", dist.get_rank(), {}
     if rank == 0:

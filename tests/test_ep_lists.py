@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from harness.compare import parity_problems, train_against_reference
 from torch.distributed.tensor import DTensor
 
 from fullshard import FSDP2Engine
@@ -18,7 +19,6 @@ from fullshard.errors import PlanError
 from fullshard.parallel.ep import owned_experts
 from fullshard.tensors import replicated
 from fullshard.testing import build_model, make_batch, run_distributed
-from harness.compare import parity_problems, train_against_reference
 
 TOL = 1e-5
 MAX_NORM = 0.1  # below every first grad norm here (about 1.2), so clipping acts on every step
@@ -102,11 +102,11 @@ def _checkpoint_checks(root: str) -> dict:
     experts only), train a step, save (DCP) and export; resume the save without ep and at ep 4 and
     continue; export offline; compare every tensor of each with the trained model's, gathered."""
     import transformers
+    from harness.compare import full_state, step_on_slice
 
     from fullshard import from_pretrained
     from fullshard.checkpoint import CheckpointManager, export_checkpoint, export_hf
     from fullshard.checkpoint.export import own_rows
-    from harness.compare import full_state, step_on_slice
     from fullshard.testing.moe_lists import ListMoeForCausalLM
 
     root, rank, out = Path(root), dist.get_rank(), {}

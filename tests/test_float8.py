@@ -7,9 +7,9 @@ import sys
 
 import pytest
 import torch
+from harness.cli import commands_in_group
 
 from fullshard.testing import build_model, run_distributed
-from harness.cli import commands_in_group
 
 STEPS = 10
 BF16_TRACK = 0.02  # float8 against bf16: per-step loss within 2% (measured: about 0.1%)
@@ -30,13 +30,12 @@ def _train(config: dict, steps: int, mesh=None, halves: bool = False, lora: bool
     one rank) both halves in turn as accumulated micro-batches: the rows each forward sees are the
     same either way, and so are float8's per-tensor activation scales."""
     import torch.distributed as dist
+    from harness.compare import data_slice, full_state
 
     from fullshard import FSDP2Engine
-    from fullshard.optim import create_optimizer
-    from harness.compare import data_slice, full_state
-    from fullshard.testing.zoo import make_batch
-
     from fullshard.lora import apply_lora
+    from fullshard.optim import create_optimizer
+    from fullshard.testing.zoo import make_batch
 
     model = build_model("llama")
     if lora:
@@ -69,13 +68,13 @@ def _gaps(a: dict, b: dict) -> tuple[float, float]:
 
 def _group(tmp: str) -> dict:
     import torch.distributed as dist
+    from harness.compare import full_state
     from torch.distributed.device_mesh import init_device_mesh
 
     from fullshard import FSDP2Engine
     from fullshard.checkpoint import CheckpointManager, export_hf
     from fullshard.float8 import float8_modules
     from fullshard.optim import create_optimizer
-    from harness.compare import full_state
 
     one_rank = init_device_mesh("cpu", (2, 1), mesh_dim_names=("ranks", "alone"))["alone"]
     out = {"world_gap": {}, "bf16_track": {}}
@@ -175,9 +174,9 @@ def test_float8_tracks_bf16_while_differing_from_it(group):
 
 
 def test_converted_modules_are_the_blocks_linears():
-    from fullshard.float8 import float8_choices
     from transformers import MixtralConfig
 
+    from fullshard.float8 import float8_choices
     from fullshard.testing.moe_lists import ListMoeForCausalLM  # a 4.x Mixtral: Linear router and experts
 
     llama = build_model("llama")

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from harness.cli import commands_in_group
 
 from fullshard.cli import main
 from fullshard.testing import build_model, run_distributed
-from harness.cli import commands_in_group
 from fullshard.testing.zoo import VOCAB
 
 NAME = "llama"
@@ -33,8 +33,7 @@ PROMPTS = {0: ([5], 1), 1: ([3, 7, 4], 2)}  # rank -> (prompt lengths, seed): co
 def _generate_checks(out: str) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from fullshard import FSDP2Engine, export_hf
-    from fullshard import generate
+    from fullshard import FSDP2Engine, export_hf, generate
 
     rank, result = dist.get_rank(), {}
     model = FSDP2Engine().shard_model(build_model(NAME))

@@ -148,8 +148,7 @@ def equivalence_cases(paths: dict, world_size: int) -> list[dict]:
 def _load(case: dict, engine):
     import transformers
 
-    from fullshard import FSDP2Engine
-    from fullshard import from_pretrained, init_empty_model
+    from fullshard import FSDP2Engine, from_pretrained, init_empty_model
 
     if case["via"] == "from_pretrained":
         return from_pretrained(case["source"], engine=engine, dtype=case["dtype"], verify=True,
@@ -165,10 +164,10 @@ def _load(case: dict, engine):
 
 def _compare_one(case: dict, engine) -> dict:
     import transformers
+    from harness.compare import full_state
     from torch.distributed.tensor import DTensor
 
     from fullshard import reshard_all
-    from harness.compare import full_state
 
     ref_kwargs = {"dtype": case["ref_dtype"]} if case["ref_dtype"] is not None else {}
     reference = getattr(transformers, model_class(case["zoo"]).__name__).from_pretrained(case["reference"], **ref_kwargs)
@@ -336,8 +335,7 @@ def _bad_inputs(bad: dict) -> dict:
     import torch.distributed as dist
     import transformers
 
-    from fullshard import FSDP2Engine
-    from fullshard import LoadError, from_pretrained, init_empty_model
+    from fullshard import FSDP2Engine, LoadError, from_pretrained, init_empty_model
 
     engine = FSDP2Engine({"mixed_precision": "fp32"})
     config = transformers.AutoConfig.from_pretrained(bad["good"])

@@ -2,14 +2,14 @@
 
 import pytest
 import torch
+from harness.compare import data_slice, full_state, train_against_reference
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file
 
 from fullshard import FSDP2Engine
-from fullshard.testing import build_model, make_batch, run_distributed
-from harness.compare import data_slice, full_state, train_against_reference
 from fullshard.errors import CheckpointError
 from fullshard.fsdp import fsdp_units
+from fullshard.testing import build_model, make_batch, run_distributed
 
 TOL = 1e-5
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0)
@@ -138,8 +138,9 @@ def _meta_lora_checks(tmp):
 
 def _fp32_adapters_on_bf16_base(tmp):
     """A bf16 checkpoint: the base loads in bf16, the adapters stay fp32 (PEFT's autocast), in their own units."""
-    import fullshard
     from transformers import AutoModelForCausalLM
+
+    import fullshard
 
     reference = add_lora(AutoModelForCausalLM.from_pretrained(f"{tmp}/base_bf16", dtype=torch.bfloat16))
     torch.manual_seed(7)

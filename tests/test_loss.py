@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from harness.compare import data_slice, full_tensor
 from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -19,7 +20,6 @@ from torch.utils._pytree import tree_leaves
 
 from fullshard import FSDP2Engine, FSDPStrategy
 from fullshard.testing import build_model, make_batch, run_distributed
-from harness.compare import data_slice, full_tensor
 from fullshard.train.chunked_loss import chunkable_head, linear_cross_entropy_sum
 from fullshard.train.loss import IGNORE_INDEX, causal_lm_loss_sum, normalized_loss, target_count
 from fullshard.train.step import train_step

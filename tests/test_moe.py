@@ -1,11 +1,11 @@
 """MoE models: outermost decoder layer as the unit, idle experts, and experts spread over more ranks than experts."""
 
 import pytest
+from harness.compare import reference_gaps, train_against_reference
 from torch.distributed.tensor import DTensor, Shard
 
 from fullshard import FSDP2Engine
 from fullshard.testing import run_distributed
-from harness.compare import reference_gaps, train_against_reference
 
 TOL = 1e-5
 MOE = ("mixtral", "qwen3_moe")

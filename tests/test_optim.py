@@ -5,8 +5,15 @@ import math
 import pytest
 import torch
 
-from fullshard.optim import (ShardedGradScaler, clip_and_step, clip_grad_norm, create_optimizer, create_scheduler,
-                             lr_lambda, param_groups)
+from fullshard.optim import (
+    ShardedGradScaler,
+    clip_and_step,
+    clip_grad_norm,
+    create_optimizer,
+    create_scheduler,
+    lr_lambda,
+    param_groups,
+)
 from fullshard.testing import build_model, make_batch
 
 

@@ -1,10 +1,10 @@
 """A model sharded by fullshard trains exactly like the same model in one process."""
 
 import pytest
+from harness.compare import reference_gaps, train_against_reference
 
 from fullshard import FSDP2Engine
 from fullshard.testing import ZOO, run_distributed
-from harness.compare import reference_gaps, train_against_reference
 from fullshard.testing.zoo import TIED
 
 TOL = 1e-5

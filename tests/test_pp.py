@@ -8,18 +8,18 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
+from harness.compare import data_slice, full_tensor, reference_gaps
 
 from fullshard import optim
 from fullshard.errors import CheckpointError, ConfigError, PlanError
+from fullshard.lora import apply_lora
+from fullshard.objectives.logprobs import _RETURNS_HEAD_OUTPUT
 from fullshard.parallel import pp
 from fullshard.parallel.cp import context_parallel_batch
 from fullshard.strategy import FSDPStrategy
 from fullshard.tensors import parameter_counts
 from fullshard.testing import build_model, make_batch, reported_by_every_rank, run_distributed
-from harness.compare import data_slice, full_tensor, reference_gaps
 from fullshard.train.loss import aligned_targets, causal_lm_loss_sum, target_count, token_loss_sum
-from fullshard.lora import apply_lora
-from fullshard.objectives.logprobs import _RETURNS_HEAD_OUTPUT
 from fullshard.train.metrics import model_flops_per_token
 
 TOL = 1e-5

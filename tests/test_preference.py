@@ -15,6 +15,7 @@ Qwen2-VL on pairs with images in some prompts."""
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -153,10 +154,11 @@ def _answer(text: str) -> list[dict]:
 
 
 # world 1 in the test's process, against the group's world 2: resumed runs (step 1 here, 2..3
-# there; their own cache, so that the group's precompute run computes its table at world 2),
+# there; their own caches, so that the group's precompute run computes its table at world 2, and
+# the resumed half's empty, as on other nodes: the table comes from the run directory),
 # Qwen3-MoE at ep 2, the tiny Qwen2-VL
-RESUMED = {"sigmoid": ("--data.cache_dir={root}/cache-resume",),
-           "precompute": ("--data.cache_dir={root}/cache-resume", "--preference.reference=precompute")}
+RESUMED = {"sigmoid": (), "precompute": ("--preference.reference=precompute",)}
+FIRST_HALF, SECOND_HALF = "--data.cache_dir={root}/cache-resume", "--data.cache_dir={root}/cache-resumed"
 MOE = ("--model.name_or_path={root}/moe", "--data.cache_dir={root}/cache-moe")
 VLM = ("--model.name_or_path=tiny-qwen2-vl", "--data.path={root}/vlm/pairs.jsonl",
        "--data.cache_dir={root}/cache-vlm", "--data.seq_len=256")
@@ -167,7 +169,7 @@ def _fullshard_runs(root: str) -> dict:
         return dpo_run(root, name, *(e.format(root=root) for e in extra), summary=summary)
 
     out = {loss: run(loss, f"--preference.loss_type={loss}") for loss in ("sigmoid", "ipo", "hinge", "orpo")}
-    out.update({f"resumed_{name}": run(f"resume-{name}", *extra)
+    out.update({f"resumed_{name}": run(f"resume-{name}", *extra, SECOND_HALF)
                 for name, extra in RESUMED.items()})
     out["moe_ep2"] = run("moe_ep2", *MOE, "--fsdp.ep_size=2")
     out["vlm_2"] = run("vlm_2", *VLM)
@@ -176,6 +178,10 @@ def _fullshard_runs(root: str) -> dict:
     out["packed"] = run("packed", "--data.packing=true", "--data.seq_len=40", f"--train.global_batch_size={BATCH // 2}")
     out["offloaded_reference"] = run("offloaded", "--preference.offload_reference=true")
     out["precompute"] = run("precompute", "--preference.reference=precompute")
+    out["resumed_precompute_tables"] = {
+        place: len(list(Path(root, folder).glob("reference-logps-*.json")))
+        for place, folder in (("run", "resume-precompute/reference"), ("first half's cache", "cache-resume"),
+                              ("second half's cache", "cache-resumed"))}
     out["tp2"] = run("tp2", "--fsdp.tp_size=2")  # dp 1: each step's four pairs one after another
     # learning: held-out pairs' implicit rewards rank chosen above rejected
     learned = run("learn", f"--data.path={root}/learn.jsonl", "--data.eval_fraction=0.25", "--train.steps=12",
@@ -208,7 +214,7 @@ def runs(tmp_path_factory):
     write_pairs(root / "learn.jsonl", n=128, seed=1)
     write_moe(root / "moe")
     first = {f"first_{name}": dpo_run(str(root), f"resume-{name}", "--train.stop_after=1",
-                                      *(e.format(root=root) for e in extra))
+                                      *(e.format(root=root) for e in (*extra, FIRST_HALF)))
              for name, extra in RESUMED.items()}
     first["moe_1"] = dpo_run(str(root), "moe_1", *(e.format(root=root) for e in MOE))
     write_vlm_pairs(root / "vlm")
@@ -246,6 +252,8 @@ def test_resumed_at_another_world_size_equals_the_uninterrupted_run(runs, name):
     assert len(ours[f"first_{name}"]) == 1 and len(ours[f"resumed_{name}"]) == STEPS - 1
     resumed = ours[f"first_{name}"] + ours[f"resumed_{name}"]
     assert max(abs(a - b) for a, b in zip(resumed, ours["sigmoid"])) <= TOL, (resumed, ours["sigmoid"])
+    if name == "precompute":  # the resumed half's own cache never held the table: it came from the run
+        assert ours["resumed_precompute_tables"] == {"run": 1, "first half's cache": 1, "second half's cache": 1}
 
 
 def test_dpo_on_qwen3_moe_at_ep_2_equals_one_process(runs):

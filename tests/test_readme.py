@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from harness.cli import commands_in_group
 
 from fullshard.testing import run_distributed
-from harness.cli import commands_in_group
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()

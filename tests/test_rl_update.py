@@ -153,8 +153,9 @@ def _reference(config, layout="dp"):
 
 
 def _sharded_cases(cases):
-    from fullshard import FSDP2Engine
     from harness.compare import full_state
+
+    from fullshard import FSDP2Engine
 
     rank, world = dist.get_rank(), dist.get_world_size()
     out = {}
@@ -233,10 +234,11 @@ def _shard(model):
 def _phases():
     """On every rank of the group: offload + onload between two steps changes nothing (bitwise);
     log-probs without gradients, the offloaded reference's, the adapter-off reference's."""
+    from harness.compare import full_state
+
     from fullshard import FSDPStrategy
     from fullshard.rl.phases import offload, reference_logprobs, sequence_logprobs
     from fullshard.testing.zoo import build_model
-    from harness.compare import full_state
 
     rank, world = dist.get_rank(), dist.get_world_size()
     rollouts = _rollouts().rows(list(range(rank, SEQUENCES, world)))

@@ -11,6 +11,8 @@ import sys
 import time
 
 import pytest
+from test_cli import CONFIG, clean_env, fullshard_processes, no_process_left, run_cli
+from test_train import tiny_config
 
 from fullshard.cli import main
 from fullshard.errors import ConfigError
@@ -18,10 +20,6 @@ from fullshard.testing import run_distributed
 from fullshard.train import load_config, train
 from fullshard.train.metrics import MetricsLogger, read_metrics
 from fullshard.train.rundir import LOCK_FILE, RunLock, claim_run_directory
-
-from test_cli import CONFIG, clean_env, fullshard_processes, no_process_left, run_cli
-from test_train import tiny_config
-
 
 # ---------------------------------------------------------------------------------------------- through the launcher
 

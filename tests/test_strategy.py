@@ -6,15 +6,19 @@ Everything distributed runs in one spawned group of 2 ranks; the parent asserts 
 import math
 
 import pytest
-
 import torch
+from harness.compare import data_slice, full_state, full_tensor, largest_gap, train_on_padded_batches
 
 from fullshard import FSDPStrategy
-from fullshard.optim import (clip_grad_norm, global_grad_norm, offload_model, offload_optimizer, reload_model,
-                             reload_optimizer)
+from fullshard.optim import (
+    clip_grad_norm,
+    global_grad_norm,
+    offload_model,
+    offload_optimizer,
+    reload_model,
+    reload_optimizer,
+)
 from fullshard.testing import build_model, make_batch, run_distributed
-from harness.compare import (data_slice, full_state, full_tensor, largest_gap,
-                                      train_on_padded_batches)
 from fullshard.train.loss import IGNORE_INDEX
 from fullshard.train.step import train_step
 

@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from harness.compare import data_slice, full_tensor, reference_gaps, train_against_reference
 from torch.distributed.device_mesh import init_device_mesh
 
 from fullshard import FSDP2Engine, apply_fsdp2
@@ -16,7 +17,6 @@ from fullshard.distributed import ParallelDims
 from fullshard.errors import ConfigError, PlanError
 from fullshard.optim import clip_grad_norm, global_grad_norm
 from fullshard.testing import build_model, make_batch, reported_by_every_rank, run_distributed
-from harness.compare import data_slice, full_tensor, reference_gaps, train_against_reference
 from fullshard.testing.zoo import TIED
 
 TOL = 1e-5
@@ -301,10 +301,10 @@ def _ckpt_setup(layout: str, seed: int = 0):
 
 
 def _save_at_dp2_tp2(tmp: str, hf_dir: str) -> dict:
+    from harness.compare import full_state
     from test_checkpoint import _full_train_state
 
     from fullshard.checkpoint import CheckpointManager, export_hf
-    from harness.compare import full_state
 
     engine, model, optimizer = _ckpt_setup("dp2_tp2")
     first = _steps(engine, model, optimizer, 0, K)
@@ -355,8 +355,9 @@ def _resume(tmp: str, layout: str) -> dict:
 
 def _load_sliced(hf_dir: str) -> dict:
     """`from_pretrained` straight into dp2 x tp2 shards against transformers' own load."""
-    from fullshard import from_pretrained
     from harness.compare import full_state
+
+    from fullshard import from_pretrained
     from fullshard.testing.zoo import model_class
 
     model = from_pretrained(hf_dir, engine=_engine_for("dp2_tp2"))

@@ -71,9 +71,10 @@ def _trainer_runs(root: str):
     except ConfigError as err:
         out["other_data"] = str(err)
     # the shards a run holds, for the memory estimate: parameters, gradients, AdamW moments
+    from harness.compare import data_slice, full_state
+
     from fullshard.strategy import FSDPStrategy
     from fullshard.testing import build_model
-    from harness.compare import data_slice, full_state
     from fullshard.testing.zoo import make_batch
 
     strategy = FSDPStrategy(bf16=False, micro_train_batch_size=2, train_batch_size=4)

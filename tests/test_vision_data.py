@@ -182,7 +182,12 @@ def paligemma_processor_and_model():
     """A tiny PaliGemma: the byte tokenizer with PaliGemma's image, BOS and EOS tokens, SigLIP's image
     processor (28-pixel images, 4 tokens each) and a template rendering its native layout (the images
     and the question, then the answer: the processor adds BOS, newline and EOS)."""
-    from transformers import PaliGemmaConfig, PaliGemmaForConditionalGeneration, PaliGemmaProcessor, PreTrainedTokenizerFast
+    from transformers import (
+        PaliGemmaConfig,
+        PaliGemmaForConditionalGeneration,
+        PaliGemmaProcessor,
+        PreTrainedTokenizerFast,
+    )
     from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
 
     from fullshard.data.builtin import byte_tokenizer

@@ -56,7 +56,6 @@ def differences(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> 
 def streamed(model, **kwargs) -> tuple[dict[str, torch.Tensor], int, int]:
     """Every (name, tensor) of `hf_weights`, the number of buckets and of all-gathers it ran."""
     import fullshard
-
     import fullshard.weights
 
     calls = []
@@ -78,8 +77,7 @@ def streamed(model, **kwargs) -> tuple[dict[str, torch.Tensor], int, int]:
 def to_first(model, **kwargs) -> dict:
     """What `buckets_to_first` (WeightSync's stream) gives the first rank, with the counts every rank
     reports and how many of its buckets lie in one run of their buffer (sent with no packing copy)."""
-    from fullshard.weight_sync import lying_together
-    from fullshard.weight_sync import buckets_to_first
+    from fullshard.weight_sync import buckets_to_first, lying_together
 
     pairs, tensors, nbytes, together, buckets = {}, 0, 0, 0, 0
     for bucket in buckets_to_first(model, lambda n: torch.full((n,), 7, dtype=torch.uint8), **kwargs):
@@ -385,8 +383,9 @@ def _status(field: str) -> int:
 def _memory() -> dict:
     import gc
 
-    import fullshard
     from harness.compare import full_tensor
+
+    import fullshard
 
     model = FSDP2Engine({"mixed_precision": "fp32"}).prepare_model(build_model("llama", **BIG))
     sizes = {k: v.numel() * v.element_size() for k, v in model.state_dict().items()}

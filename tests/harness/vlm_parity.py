@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from fullshard.distributed import get_rank, get_world_size
 from fullshard.optim import clip_grad_norm
 from fullshard.plan.towers import find_towers
-from harness.compare import full_state
 from fullshard.testing.vlm_zoo import VLMInputs, build_vlm
+from harness.compare import full_state
 
 # step 0: one rank has an image, the other none; step 1: no rank has one; step 2: accumulation of a
 # micro-batch with images on both ranks and one text-only

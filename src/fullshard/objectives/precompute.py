@@ -1,12 +1,15 @@
-"""`preference.reference=precompute`: the reference's log-probs computed once, before training, and cached.
+"""`preference.reference=precompute`: the reference's log-probs computed once, before training, and kept.
 
 One pass over every training and held-out row with the starting weights (the model, or
 `checkpoint.init_from`'s) under no gradient, each data-parallel rank its share, gathered on every
-rank; the node's first rank writes them beside the tokenized rows (a temporary name, renamed into
-place), keyed by the data's fingerprint and the model it started from. No reference model is held
-while training: a micro-batch's reference log-probs are looked up by the content of its rows (a
-row's log-probs depend on nothing else). A resumed run reads the same file; if it is gone they
-cannot be recomputed (the weights have moved on) and the run stops naming it.
+rank. The table is kept in the run directory (where the checkpoints are, so a resume on other
+nodes, or of a run directory moved elsewhere, finds it) and cached beside the tokenized rows (so
+another run on the same data and starting weights skips the pass), each written under a
+temporary name and renamed into place; both are keyed by the data's fingerprint and the model it
+started from. No reference model is held while training: a micro-batch's reference log-probs are
+looked up by the content of its rows (a row's log-probs depend on nothing else). Ranks that find
+no table get it from one that does; a resumed run none of whose ranks finds one stops naming it
+(the weights have moved on: it cannot be recomputed).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch.distributed as dist
 from ..data.preference import ROLE
 from ..data.prepare import on_node_first_rank
 from ..data.rows import eval_batches
+from ..distributed import get_rank
 from ..errors import ConfigError
 from ..fsdp import reshard_all
 from .preference import text_positions
@@ -77,25 +81,47 @@ def compute_table(model, objective, row_sets: list, micro_batch_size: int, dp_ra
     return {k: v for part in parts for k, v in part.items()}
 
 
-def precomputed_reference(path: Path, compute, resumed: bool) -> PrecomputedReference:
-    """The cached table at `path`, or (a new run) `compute()`'s, written there once per node."""
-    if path.exists():
-        return PrecomputedReference(json.loads(path.read_text()))
-    if resumed:
-        raise ConfigError(f"the precomputed reference log-probs of this run ({path}) are gone, and the starting "
+def precomputed_reference(kept: Path, cached: Path, compute, resumed: bool) -> PrecomputedReference:
+    """The table `kept` in the run directory, else `cached` beside the data, else (a new run)
+    `compute()`'s; then written wherever it is missing (`kept` by the first rank, `cached` by each
+    node's first rank)."""
+    found = next((json.loads(p.read_text()) for p in (kept, cached) if p.exists()), None)
+    table = shared_table(found)
+    if table is None and resumed:
+        raise ConfigError(f"the precomputed reference log-probs of this run ({kept}) are gone, and the starting "
                           "weights they come from have moved on: restore the file, or start the run anew")
-    table = compute()
+    table = compute() if table is None else table
 
     def write() -> None:
-        if path.exists():
-            return
-        path.parent.mkdir(parents=True, exist_ok=True)
-        work = path.with_name(f"{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-        try:
-            work.write_text(json.dumps(table))
-            work.rename(path)
-        finally:
-            work.unlink(missing_ok=True)
+        for path in (kept, cached) if get_rank() == 0 else (cached,):
+            write_once(path, table)
 
     on_node_first_rank(write, "writing the precomputed reference log-probs")
     return PrecomputedReference(table)
+
+
+def shared_table(found: dict | None) -> dict | None:
+    """The table of the first rank that found one, on every rank (None: no rank did), so that the
+    ranks agree on whether to compute it (a collective) whatever each node's cache holds."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return found
+    flags = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, found is not None)
+    if not any(flags):
+        return None
+    box = [found]
+    dist.broadcast_object_list(box, src=flags.index(True))
+    return box[0]
+
+
+def write_once(path: Path, table: dict) -> None:
+    """`table` at `path` unless something is there, through a temporary name renamed into place."""
+    if path.exists():
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    work = path.with_name(f"{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        work.write_text(json.dumps(table))
+        work.rename(path)
+    finally:
+        work.unlink(missing_ok=True)

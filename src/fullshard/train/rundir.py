@@ -14,7 +14,7 @@ The rules, as the README states them:
   (`resume: none`, or a checkpoint from elsewhere, or an older step than the newest) is refused
   before launch, unless `checkpoint.overwrite: true`, which deletes the old run first: its
   checkpoint directory leaves in one rename (after it, nothing of the old run can be resumed),
-  then its export, metrics and plot.
+  then its export, metrics, plot and precomputed reference log-probs.
 - **A restarted run is the same run.** Under `torchrun --max-restarts`, workers restarted after a
   failure find the checkpoints their own run wrote; each checkpoint names its run (`run_identity`:
   torchrun's run id, kept over restarts), so a restart continues them (its newest one), whatever
@@ -44,7 +44,8 @@ from ..log import warn_rank0
 
 LOCK_FILE = ".fullshard-lock"
 LOCK_HELD_ENV = "FULLSHARD_RUN_LOCK"  # the lock file the launcher holds for its ranks
-RUN_FILES = ("hf", "adapter", "tensorboard", "metrics.jsonl", "loss.png")  # besides the checkpoints
+REFERENCE_DIR = "reference"  # preference.reference=precompute: the table the run trains against
+RUN_FILES = ("hf", "adapter", "tensorboard", "metrics.jsonl", "loss.png", REFERENCE_DIR)  # besides the checkpoints
 
 
 # ---------------------------------------------------------------------------------------------- the lock

@@ -381,17 +381,19 @@ class Trainer:
 
     def _precomputed_reference(self, model, objective, data, dp_rank: int, dp_size: int, start: int):
         """`preference.reference=precompute`: the reference log-probs of every pair, from the starting
-        weights (the model as built, or `checkpoint.init_from`'s), cached beside the tokenized rows."""
+        weights (the model as built, or `checkpoint.init_from`'s), kept in the run directory."""
         from ..objectives.precompute import cache_file, compute_table, precomputed_reference
         from .data import cache_dir_of
+        from .rundir import REFERENCE_DIR
 
         config = self.config
         model_id = json.dumps([config.model.name_or_path, config.model.dtype, config.checkpoint.init_from,
                                config.train.seed, config.lora.peft_fields() if config.lora.enabled else None])
-        path = cache_file(cache_dir_of(config.data), data.fingerprint(), model_id)
-        return precomputed_reference(path, lambda: compute_table(model, objective, [data.train, data.eval],
-                                                                 config.train.micro_batch_size, dp_rank, dp_size),
-                                     resumed=start > 0)
+        kept, cached = (cache_file(place, data.fingerprint(), model_id)
+                        for place in (Path(config.train.output_dir) / REFERENCE_DIR, cache_dir_of(config.data)))
+        return precomputed_reference(kept, cached, lambda: compute_table(
+            model, objective, [data.train, data.eval], config.train.micro_batch_size, dp_rank, dp_size),
+            resumed=start > 0)
 
     def _extra_state(self, run: "Run", step: int) -> dict:
         return {"data": {"position": step, "fingerprint": run.data.fingerprint(), **run.batches.state_dict()},
