@@ -338,8 +338,7 @@ def estimate_memory(model: nn.Module, plan: ShardingPlan, setup: EstimateSetup |
         activation_offload and device_type != "cpu") else (0, 0)
     activations -= host - kept
     loss, saved_loss = loss_bytes(config, head, tokens, compute_bytes, loss_chunk_tokens, in_flight,
-                                  reference is not None or entropy, entropy,
-                                  outputs) if last else (0, 0)
+                                  reference is not None, entropy, outputs) if last else (0, 0)
     recompute = recompute_bytes(config, tokens, compute_bytes, layer_tp, cp_size, layers, activation_checkpointing,
                                 ac_every)
     full = sorted(units["full"].values(), reverse=True)
@@ -414,7 +413,7 @@ def loss_bytes(config, head: nn.Module | None, tokens: int, compute_bytes: int, 
     # pipeline stage holds its own); the head unit's all-gather buffer, which FSDP frees only when
     # the root's forward ends; and a second copy of the hidden states' gradient (the one it saves),
     # live while the final norm's backward takes it on (bench_loss measures these)
-    per_logit = (ENTROPY_CHUNK_BYTES_PER_LOGIT if entropy else
+    per_logit = (ENTROPY_CHUNK_BYTES_PER_LOGIT if entropy else  # entropies are log-probs' too
                  LOGPROB_CHUNK_BYTES_PER_LOGIT if logprobs else CHUNK_BYTES_PER_LOGIT)
     chunk_bytes = per_logit + (compute_bytes if compute_bytes < 4 else 0)
     head_bytes = sum(p.numel() for p in head.parameters()) * compute_bytes

@@ -138,9 +138,12 @@ def kv_cache_bytes(config, rows: int, positions: int, compute_bytes: int) -> int
 
 def held_parts(update: MemoryEstimate, setup: RLSetup, on_device: bool, optimizer: bool) -> list:
     """What every phase holds: the shards, (where it is on the device) the optimizer state and
-    the reference copy, the rollouts."""
-    parts = [("parameters (shard)", update.parameters), ("allocator rounding", update.allocator)]
-    if optimizer:
+    the reference copy, the rollouts. Under `fsdp.offload_params` the shards and the optimizer
+    state live in host memory."""
+    parts = [("allocator rounding", update.allocator)]
+    if not update.offloaded:
+        parts.insert(0, ("parameters (shard)", update.parameters))
+    if optimizer and not update.offloaded:
         parts.append(("optimizer state (shard)", update.optimizer))
     if setup.reference == "model" and not on_device:  # on a CPU the frozen copy never moves
         parts.append(("reference model (shard)", update.base_shard))
