@@ -26,9 +26,10 @@ from harness import rl_memory  # noqa: E402
 def rl_rows() -> list[tuple[str, int, int]]:
     """(row, measured peak, estimate) of a GRPO step's phases and a reward model's step."""
     results = rl_memory.run()
-    grpo, reward = results["grpo"], results["reward"]
-    rows = [(f"GRPO {name}", peak, grpo["estimate"][name.replace("logprobs", "log-probs")])
-            for name, peak in grpo["peak"].items()]
+    rows = [(f"GRPO ({case}) {phase}", peak,
+             grpo["estimate"][phase.replace("logprobs", "log-probs")])
+            for case, grpo in results["grpo"].items() for phase, peak in grpo["peak"].items()]
+    reward = results["reward"]
     return rows + [("reward model", reward["peak"], reward["estimate"])]
 
 
@@ -37,7 +38,8 @@ def rl_description() -> str:
     return ("The GRPO rows are one colocated step's phases, each measured apart "
             f"(`harness.rl_memory`: {m.PROMPTS * m.GROUP} completions a rank of {m.PROMPT_LEN} + "
             f"{m.NEW_TOKENS} tokens, a reference model, update micro-batches of {m.MAX_TOKENS} "
-            "tokens; `fullshard.plan.rl.estimate_grpo`); the reward row a one-output "
+            "tokens; `fullshard.plan.rl.estimate_grpo`; fp32, and bf16 compute sampling with "
+            "top-p 0.9); the reward row a one-output "
             f"sequence-classification Llama's step ({m.REWARD_ROWS} x {m.REWARD_SEQ} tokens). ")
 
 

@@ -12,11 +12,14 @@ import torch
 
 from harness.memory_matrix import LLAMA
 
-PROMPTS, GROUP, PROMPT_LEN, NEW_TOKENS, MAX_TOKENS = 2, 4, 32, 96, 512  # per rank: 8 completions
+PROMPTS, GROUP, PROMPT_LEN, NEW_TOKENS, MAX_TOKENS = 4, 4, 32, 32, 512  # per rank: 16 completions
 REWARD_ROWS, REWARD_SEQ = 2, 128
+# the compute dtype and the sampling of each GRPO case (fp32 masters in each)
+CASES = {"fp32": {"mixed_precision": "fp32", "top_p": 1.0, "temperature": 1.0},
+         "bf16, top-p": {"mixed_precision": "bf16", "top_p": 0.9, "temperature": 0.7}}
 
 
-def _strategy(rows: int, world: int):
+def _strategy(rows: int, world: int, precision: str = "fp32"):
     from fullshard.faces.lightrft import FSDPStrategy
 
     strategy = FSDPStrategy(
@@ -24,7 +27,7 @@ def _strategy(rows: int, world: int):
         max_norm=1.0,
         micro_train_batch_size=rows,
         train_batch_size=rows * world,
-        config={"mixed_precision": "fp32"},
+        config={"mixed_precision": precision},
     )
     strategy.setup_distributed()
     return strategy
@@ -45,14 +48,16 @@ def _models(strategy):
     return config, model, reference
 
 
-def _phases(model, reference, optimizer, prompts, seed: int) -> dict:
+def _phases(model, reference, optimizer, prompts, seed: int, case: dict) -> dict:
     """The calls `objectives.grpo.GRPO.run_step` makes, each on what the one before made."""
     from fullshard.rl.phases import reference_logprobs, sequence_logprobs
     from fullshard.rl.rollout import as_rollouts, sample
     from fullshard.rl.update import UpdateConfig, policy_update
 
-    update = UpdateConfig(kl_coef=0.1, max_tokens=MAX_TOKENS, entropy_coef=0.01)
-    options = dict(max_tokens=MAX_TOKENS, chunk_tokens=update.chunk_tokens)
+    temperature = case["temperature"]
+    update = UpdateConfig(kl_coef=0.1, max_tokens=MAX_TOKENS, entropy_coef=0.01,
+                          temperature=temperature)
+    options = dict(max_tokens=MAX_TOKENS, chunk_tokens=update.chunk_tokens, temperature=temperature)
     state: dict = {}
 
     def generation():
@@ -61,8 +66,8 @@ def _phases(model, reference, optimizer, prompts, seed: int) -> dict:
             prompts,
             GROUP,
             max_new_tokens=NEW_TOKENS,
-            temperature=1.0,
-            top_p=1.0,
+            temperature=temperature,
+            top_p=case["top_p"],
             pad_token_id=0,
             eos_token_id=None,
             seed=seed,
@@ -86,8 +91,18 @@ def _phases(model, reference, optimizer, prompts, seed: int) -> dict:
     return {"generation": generation, "logprobs": logprobs, "update": step, "state": state}
 
 
-def measure_grpo() -> dict:
-    """This rank's measured peak of each phase, and the plan's estimate of it."""
+def _random_completions(prompts: list, vocab_size: int, seed: int):
+    """Completions of full length drawn at random: a warm-up step's, without generating."""
+    from fullshard.rl.rollout import Completions
+
+    generator = torch.Generator().manual_seed(seed)
+    drawn = torch.randint(1, vocab_size, (len(prompts) * GROUP, NEW_TOKENS), generator=generator)
+    return Completions([p for p in prompts for _ in range(GROUP)], drawn.tolist(),
+                       [True] * len(drawn))
+
+
+def measure_grpo(name: str) -> dict:
+    """This rank's measured peak of each phase of case `name`, and the plan's estimate of it."""
     import torch.distributed as dist
 
     from fullshard.plan.memory import measured_phase_peaks
@@ -95,17 +110,19 @@ def measure_grpo() -> dict:
     from fullshard.tensors import local_tensor
 
     world, rank = dist.get_world_size(), dist.get_rank()
-    strategy = _strategy(GROUP, world)
+    case = CASES[name]
+    strategy = _strategy(GROUP, world, case["mixed_precision"])
     config, model, reference = _models(strategy)
     optimizer = strategy.create_optimizer(model, lr=1e-4)
     generator = torch.Generator().manual_seed(rank)
     prompts = torch.randint(
         1, config.vocab_size, (PROMPTS, PROMPT_LEN), generator=generator
     ).tolist()
-    warm = _phases(model, reference, optimizer, prompts, seed=rank)
-    for name in ("generation", "logprobs", "update"):
+    warm = _phases(model, reference, optimizer, prompts, seed=rank, case=case)
+    warm["state"]["completions"] = _random_completions(prompts, config.vocab_size, rank)
+    for name in ("logprobs", "update"):  # the optimizer state exists from here on
         warm[name]()
-    phases = _phases(model, reference, optimizer, prompts, seed=100 + rank)
+    phases = _phases(model, reference, optimizer, prompts, seed=100 + rank, case=case)
     held = [
         local_tensor(p) for p in reference.parameters()
     ]  # the reference's shards, live all step
@@ -125,8 +142,10 @@ def measure_grpo() -> dict:
         max_new_tokens=NEW_TOKENS,
         max_tokens=MAX_TOKENS,
         reference="model",
+        top_p=case["top_p"],
     )
-    estimate = estimate_grpo(planned, {"mixed_precision": "fp32"}, world, setup, device_type="cpu")
+    engine = {"mixed_precision": case["mixed_precision"]}
+    estimate = estimate_grpo(planned, engine, world, setup, device_type="cpu")
     return {
         "peak": peaks,
         "estimate": {name: phase.total for name, phase in estimate.phases.items()},
@@ -183,21 +202,27 @@ def measure_reward() -> dict:
     return {"peak": peak, "estimate": estimate.per_rank}
 
 
-def measure_all() -> dict:
+def measure_all(cases: list[str]) -> dict:
     from fullshard.distributed import barrier
 
-    out = {"grpo": measure_grpo()}
-    barrier()
+    out = {"grpo": {}}
+    for name in cases:
+        out["grpo"][name] = measure_grpo(name)
+        barrier()
     out["reward"] = measure_reward()
     return out
 
 
-def run(world: int = 2, timeout: float = 600) -> dict:
-    """Per-rank results merged: each measured peak the largest over the ranks."""
+def run(cases: list[str] | None = None, world: int = 2, timeout: float = 600) -> dict:
+    """{"grpo": case -> its phases' peaks and estimates, "reward": peak and estimate}, each
+    measured peak the largest over the ranks."""
     from fullshard.testing.spawn import run_distributed
 
-    ranks = run_distributed(measure_all, world, timeout=timeout)
+    ranks = run_distributed(measure_all, world, list(CASES) if cases is None else cases,
+                            timeout=timeout)
     grpo = ranks[0]["grpo"]
-    grpo["peak"] = {name: max(r["grpo"]["peak"][name] for r in ranks) for name in grpo["peak"]}
+    for name, case in grpo.items():
+        case["peak"] = {phase: max(r["grpo"][name]["peak"][phase] for r in ranks)
+                        for phase in case["peak"]}
     reward = dict(ranks[0]["reward"], peak=max(r["reward"]["peak"] for r in ranks))
     return {"grpo": grpo, "reward": reward}

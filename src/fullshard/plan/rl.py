@@ -121,11 +121,12 @@ class PhasedEstimate:
 
 def inference_layer_values(config, seq_len: int, on_device: bool) -> int:
     """Values per token a decoder layer holds at once in a forward without gradients: the
-    residual stream and the normalised input (2H) beside the MLP's activated gate, up projection
-    and their product (3I); on a CPU, whose attention kernel for a masked batch materialises
+    residual stream, the normalised input and the attention's rotary and grouped-query copies
+    (about 5H: 4.5H measured in a prefill) beside the MLP's activated gate, up projection and their
+    product (3I); on a CPU, whose attention kernel for a masked batch materialises
     them, each head's scores over the sequence (an accelerator's fused attention keeps none)."""
     scores = 0 if on_device else config.num_attention_heads * seq_len
-    return 2 * config.hidden_size + 3 * config.intermediate_size + scores
+    return 5 * config.hidden_size + 3 * config.intermediate_size + scores
 
 
 def kv_cache_bytes(config, rows: int, positions: int, compute_bytes: int) -> int:
