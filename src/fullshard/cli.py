@@ -227,10 +227,11 @@ def planned_grpo(config, model, engine, nproc: int, dims, seq_len: int, device_t
     from .plan.memory import RunEstimate, StageEstimate, dtype_assumptions
     from .plan.rl import describe_setup, estimate_grpo, largest_completions, rl_setup
 
-    if dims.pp > 1:
-        raise ConfigError("train.objective=grpo: generate does not run a pipelined model "
-                          "(parallel.pp_size)")
-    setup = rl_setup(config, dims.dp_size, seq_len)
+    for key, size, why in (("pp_size", dims.pp, "generate does not run a pipelined model"),
+                           ("cp_size", dims.cp, "rollouts are not split over cp ranks")):
+        if size > 1:
+            raise ConfigError(f"train.objective=grpo: {config.key(key)} is not supported ({why})")
+    setup = rl_setup(config, dims.dp_size, seq_len, dims.tp)
     kwargs = dict(optimizer=config.optim.name, device_type=device_type)
     phased = estimate_grpo(model, engine, nproc, setup, **kwargs)
     assumed = f"{dtype_assumptions(model, engine, config.optim.name)}; {describe_setup(setup)}"

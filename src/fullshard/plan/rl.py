@@ -58,6 +58,7 @@ class RLSetup:
     epochs: int = 1
     top_p: float = 1.0
     loss_chunk_tokens: int = 1024
+    tp: int = 1  # tensor parallelism splits the attention heads: a rank's cache is 1/tp of them
 
     @property
     def seq_len(self) -> int:
@@ -157,13 +158,12 @@ def generation_phase(
 ) -> Phase:
     """Colocated generation: the whole model gathered, the KV cache, the larger transient."""
     rows, prompt, positions = setup.completions, setup.prompt_len, setup.seq_len
-    cache = kv_cache_bytes(config, rows, positions, compute_bytes)
+    cache = kv_cache_bytes(config, rows, positions, compute_bytes) // setup.tp
     layer_keys = cache // (2 * config.num_hidden_layers)
-    prefill = (
-        rows * prompt * (compute_bytes * inference_layer_values(config, prompt, on_device) + prompt)
-        + kv_cache_bytes(config, rows, prompt, compute_bytes)
-        - cache
-    )  # the mask: a byte a pair
+    # the prefill runs beside the prompt's part of the cache, with a byte a position pair of mask
+    values = inference_layer_values(config, prompt, on_device)
+    prompt_cache = kv_cache_bytes(config, rows, prompt, compute_bytes) // setup.tp
+    prefill = rows * prompt * (compute_bytes * values + prompt) + prompt_cache - cache
     per_logit = (
         compute_bytes + SAMPLING_BYTES_PER_LOGIT + (TOP_P_BYTES_PER_LOGIT if setup.top_p < 1 else 0)
     )
@@ -282,16 +282,14 @@ def estimate_grpo(
     config, compute_bytes = text_config(model.config), estimate_setup.compute_dtype.itemsize
     on_device = device_type != "cpu"
     phases = {"update": update_phase(update, setup, on_device)}
-    if (
-        setup.epochs > 1 or setup.reference != "none"
-    ):  # else on-policy: no log-probs before the update
+    if setup.epochs > 1 or setup.reference != "none":  # else on-policy: none before the update
         phases["log-probs"] = logprob_phase(config, update, setup, compute_bytes, on_device)
     if setup.rollout == "colocated":
         phases["generation"] = generation_phase(config, update, setup, compute_bytes, on_device)
     return PhasedEstimate(update, phases)
 
 
-def rl_setup(config, dp_size: int, prompt_len: int) -> RLSetup:
+def rl_setup(config, dp_size: int, prompt_len: int, tp: int = 1) -> RLSetup:
     """A run config's GRPO step per rank: its completions (train.global_batch_size over the
     data-parallel ranks), prompts of `prompt_len` tokens (`data.seq_len`, the longest a prompt
     is kept at, unless the plan is given another)."""
@@ -306,6 +304,7 @@ def rl_setup(config, dp_size: int, prompt_len: int) -> RLSetup:
         epochs=rl.epochs,
         top_p=rl.top_p,
         loss_chunk_tokens=config.train.loss_chunk_tokens or 1 << 30,
+        tp=tp,
     )
 
 
