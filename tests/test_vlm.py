@@ -513,12 +513,44 @@ def test_vlm_checkpoints_load_into_shards_like_transformers(tmp_path):
 EXPORTED = ("qwen2_vl", "llava", "gemma3", "qwen3_vl_moe", "qianfan_ocr")
 
 
+# LoRA on the vision tower's attention of the one type whose Hub tensor fuses several model tensors
+# (each of q, k, v merged into its part of Qianfan-OCR's `qkv`), with random B so every merge counts
+VISION_LORA = {"qianfan_ocr": dict(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
+                                   target_modules=r".*vision_tower.*attention\.[qkv]_proj")}
+
+
+def _weights_out(model, directory: str, **lora) -> dict:
+    """Every way the sharded model's weights go out in the Hub layout: `export_hf` into
+    `directory`, and on the first rank the tensors `hf_weights` streams (small buckets, so several)
+    and `WeightSync`'s stream to the first rank (`buckets_to_first`) gives."""
+    from fullshard import export_hf, hf_weights
+    from fullshard.weight_sync import buckets_to_first
+
+    export_hf(model, directory, **lora)
+    streamed = dict(hf_weights(model, bucket_bytes=64 * 1024, **lora))
+    buffer = lambda nbytes: torch.empty(nbytes, dtype=torch.uint8)  # noqa: E731
+    buckets = buckets_to_first(model, buffer, bucket_bytes=64 * 1024, **lora)
+    sent = {name: tensor for bucket in buckets for name, tensor in bucket.pairs}
+    first = torch.distributed.get_rank() == 0
+    return {"streamed": streamed if first else {}, "sent": sent}
+
+
+def _logits(model, model_type: str) -> torch.Tensor:
+    model.eval()
+    with torch.no_grad():
+        batch = _inputs(model_type).batch([True, False], seed=7)
+        batch.pop("labels")
+        return model(**batch, use_cache=False).logits
+
+
 def _train_and_save(directories: dict, checkpoint_root: str) -> dict:
     """Per model: load save_pretrained's directory sharded, train two steps (one rank with an image,
-    then none), save a DCP checkpoint, train a third step; export; logits of the sharded model on
-    image + text rows."""
+    then none), save a DCP checkpoint, train a third step; its weights out in the Hub layout
+    (`_weights_out`) and whole; logits of the sharded model on image + text rows. The LoRA types
+    also with adapters on the vision tower: merged out, and saved for the offline export."""
     from fullshard import FSDP2Engine, from_pretrained
-    from fullshard.checkpoint import CheckpointManager, export_hf
+    from fullshard.checkpoint import CheckpointManager
+    from harness.compare import full_state
 
     out = {}
     for model_type, directory in directories.items():
@@ -526,12 +558,16 @@ def _train_and_save(directories: dict, checkpoint_root: str) -> dict:
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, eps=1e-6)
         manager = CheckpointManager(Path(checkpoint_root) / model_type)
         out[model_type] = {"loss": _steps(model, optimizer, model_type, range(3), manager)}
-        export_hf(model, Path(directory + "-export"))
-        model.eval()
-        with torch.no_grad():
-            batch = _inputs(model_type).batch([True, False], seed=7)
-            batch.pop("labels")
-            out[model_type]["logits"] = model(**batch, use_cache=False).logits
+        out[model_type].update(_weights_out(model, directory + "-export"))
+        out[model_type]["state"] = full_state(model)
+        out[model_type]["logits"] = _logits(model, model_type)
+        if model_type in VISION_LORA:
+            torch.manual_seed(0)
+            lora = from_pretrained(directory, engine=FSDP2Engine({"mixed_precision": "fp32"}),
+                                   lora=VISION_LORA[model_type])
+            CheckpointManager(Path(checkpoint_root) / f"{model_type}-lora").save(0, lora)
+            out[model_type]["lora"] = _weights_out(lora, directory + "-lora", lora="merge")
+            out[model_type]["lora"]["logits"] = _logits(lora, model_type)
     return out
 
 
@@ -562,48 +598,140 @@ def _steps(model, optimizer, model_type: str, steps, manager=None, save_after: i
 
 
 def _resume(directories: dict, checkpoint_root: str) -> dict:
+    """Per model at world 1: the checkpoint loaded, its weights out in the Hub layout and whole,
+    then the remaining steps trained."""
     from fullshard import FSDP2Engine, from_pretrained
     from fullshard.checkpoint import CheckpointManager
+    from harness.compare import full_state
 
     out = {}
     for model_type, directory in directories.items():
         model = from_pretrained(directory, engine=FSDP2Engine({"mixed_precision": "fp32"})).train()
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, eps=1e-6)
         state = CheckpointManager(Path(checkpoint_root) / model_type).load(model, optimizer)
-        out[model_type] = {"step": state["step"], "loss": _steps(model, optimizer, model_type, range(state["step"] + 1, 3))}
+        out[model_type] = {"step": state["step"], **_weights_out(model, directory + "-resumed"),
+                           "state": full_state(model)}
+        out[model_type]["loss"] = _steps(model, optimizer, model_type, range(state["step"] + 1, 3))
     return out
 
 
+def _hub_files(directory) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(Path(directory).glob("*.safetensors"))
+    return {key: tensor for f in files for key, tensor in load_file(f).items()}
+
+
+def _differences(label: str, got: dict, expected: dict) -> list[str]:
+    """Where two sets of Hub tensors differ: keys, dtypes, bits."""
+    if set(got) != set(expected):
+        return [f"{label}: keys differ: {sorted(set(got) ^ set(expected))[:4]}"]
+    wrong = [k for k in expected
+             if got[k].dtype != expected[k].dtype or not torch.equal(got[k], expected[k])]
+    return [f"{label}: {len(wrong)} tensors differ, first {wrong[:2]}"] if wrong else []
+
+
+def _hub_layout_problems(model, directory: str, trained: dict, resumed: dict, tmp_path: Path) -> list:
+    """Every way fullshard puts weights out in the Hub layout against transformers'
+    `save_pretrained` of the same weights (key for key, bitwise): live at world 2 and 1, streamed,
+    sent, and exported offline from the checkpoint the world-1 run resumed from. `model`: a plain
+    one of the type, given each run's weights in turn."""
+    from fullshard import export_hf, hf_weights
+
+    model_type, problems = model.config.model_type, []
+    runs = (("world 2", trained, directory + "-export"),
+            ("world 1", resumed, directory + "-resumed"))
+    for label, run, export in runs:
+        model.load_state_dict(run["state"], strict=False)  # parameters; a miss would show below
+        reference = tmp_path / f"{model_type}-reference-{label[-1]}"
+        model.save_pretrained(reference)
+        expected = _hub_files(reference)
+        problems += _differences(f"{model_type} {label} export_hf", _hub_files(export), expected)
+        problems += _differences(f"{model_type} {label} hf_weights", run["streamed"], expected)
+        problems += _differences(f"{model_type} {label} WeightSync's stream", run["sent"], expected)
+    checkpoint = tmp_path / "ckpt" / model_type / "step_1"
+    offline = export_hf(checkpoint, tmp_path / f"{model_type}-offline")
+    world_1 = _hub_files(directory + "-resumed")
+    problems += _differences(f"{model_type} offline export", _hub_files(offline), world_1)
+    problems += _differences(f"{model_type} checkpoint's hf_weights", dict(hf_weights(checkpoint)),
+                             world_1)
+    return problems + _old_recipe_problems(model_type, checkpoint, world_1)
+
+
+def _old_recipe_problems(model_type: str, checkpoint: Path, hub: dict) -> list[str]:
+    """A recipe recorded before Hub tensors could be fused (no `fused`) still reads, and its offline
+    export writes the parts under the model's own names, as that fullshard did."""
+    from fullshard.checkpoint.read import CheckpointReader
+    from fullshard.hf.export import ExportRecipe
+    from fullshard.hf.offline import _hub_tensors
+
+    recorded = json.loads((checkpoint / "model_meta.json").read_text())["export"]
+    fused = recorded.pop("fused", {})
+    if bool(fused) != (model_type == "qianfan_ocr"):
+        return [f"{model_type}: the recipe fuses {sorted(fused)[:2]}"]
+    old_recipe = ExportRecipe.from_json(recorded)
+    old = dict(_hub_tensors(CheckpointReader(checkpoint), old_recipe, torch.float32))
+    expected = {k: v for k, v in hub.items() if k not in fused}
+    for name, spec in fused.items():
+        expected.update(zip(spec["parts"], hub[name].chunk(len(spec["parts"]), spec["dim"])))
+    return _differences(f"{model_type} offline export of a recipe without `fused`", old, expected)
+
+
+def _merged_problems(model_type: str, directory: str, out: dict, tmp_path: Path) -> list:
+    """A LoRA model on the vision tower, merged: the export has save_pretrained's keys and, loaded
+    by plain transformers, the LoRA model's logits; stream, sent and offline export equal it
+    bitwise."""
+    import transformers
+
+    from fullshard import export_hf
+
+    exported = _hub_files(directory + "-lora")
+    problems = []
+    if set(exported) != set(_hub_files(directory)):
+        problems.append(f"{model_type} LoRA merged: keys differ from save_pretrained's: "
+                        f"{sorted(set(exported) ^ set(_hub_files(directory)))[:4]}")
+    problems += _differences(f"{model_type} LoRA merged hf_weights", out["streamed"], exported)
+    problems += _differences(f"{model_type} LoRA merged WeightSync's stream", out["sent"], exported)
+    offline = _hub_files(export_hf(tmp_path / "ckpt" / f"{model_type}-lora",
+                                   tmp_path / f"{model_type}-lora-offline"))
+    problems += _differences(f"{model_type} LoRA merged offline export", offline, exported)
+    merged = transformers.AutoModelForImageTextToText.from_pretrained(directory + "-lora").eval()
+    batch = _inputs(model_type).batch([True, False], seed=7)
+    batch.pop("labels")
+    with torch.no_grad():
+        gap = (merged(**batch, use_cache=False).logits - out["logits"]).abs().max().item()
+        plain = transformers.AutoModelForImageTextToText.from_pretrained(directory).eval()
+        moved = (plain(**batch, use_cache=False).logits - out["logits"]).abs().max().item()
+    if not gap <= 1e-5 or not moved > 1e-4:
+        problems.append(f"{model_type} LoRA merged: logits differ by {gap:.2e} from the LoRA "
+                        f"model's, which differ by {moved:.2e} from the base model's")
+    return problems
+
+
 def test_vlm_export_and_checkpoints(tmp_path):
-    """Sharded at world 2: the export has save_pretrained's keys and, loaded by plain transformers,
-    the sharded model's logits on image + text rows; a DCP checkpoint saved at world 2 (vision tower
+    """Sharded at world 2 and 1, the export, the weight stream and WeightSync's stream are
+    save_pretrained's files of the same weights, key for key and bitwise (Qianfan-OCR's vision `qkv`
+    fused from q_proj, k_proj, v_proj included), so is the offline export of the checkpoint, and the
+    export, loaded by plain transformers, gives the sharded model's logits on image + text rows; a
+    LoRA model merged likewise (`VISION_LORA`); a DCP checkpoint saved at world 2 (vision tower
     frozen) resumes at world 1 and trains what the uninterrupted run trained."""
     import transformers
-    from safetensors import safe_open
 
-    directories = {}
+    directories, models = {}, {}
     for model_type in EXPORTED:
         directory = tmp_path / model_type
-        build_vlm(model_type).save_pretrained(directory)
+        models[model_type] = build_vlm(model_type)
+        models[model_type].save_pretrained(directory)
         directories[model_type] = str(directory)
     trained = run_distributed(_train_and_save, 2, directories, str(tmp_path / "ckpt"), timeout=900)[0]
     resumed = run_distributed(_resume, 1, directories, str(tmp_path / "ckpt"), timeout=900)[0]
     problems = []
     for model_type, directory in directories.items():
-        keys = {}
-        for label, d in (("save_pretrained", Path(directory)), ("export", Path(directory + "-export"))):
-            keys[label] = set()
-            for f in d.glob("*.safetensors"):
-                with safe_open(f, "pt") as handle:
-                    keys[label] |= set(handle.keys())
-        # a Hub tensor fused from several model tensors (Qianfan-OCR's vision qkv) is written as they are
-        fused = {k for k in keys["save_pretrained"] - keys["export"] if ".attn.qkv." in k}
-        split = {k for k in keys["export"] - keys["save_pretrained"] if re.search(r"attention\.[qkv]_proj\.", k)}
-        if keys["save_pretrained"] - fused != keys["export"] - split or len(split) != 3 * len(fused):
-            problems.append(f"{model_type}: export keys differ from save_pretrained's: "
-                            f"{sorted(keys['save_pretrained'] ^ keys['export'])[:4]}")
-        if fused and model_type != "qianfan_ocr":
-            problems.append(f"{model_type}: fused Hub tensors written apart: {sorted(fused)[:2]}")
+        problems += _hub_layout_problems(models[model_type], directory, trained[model_type],
+                                         resumed[model_type], tmp_path)
+        if model_type in VISION_LORA:
+            lora = trained[model_type]["lora"]
+            problems += _merged_problems(model_type, directory, lora, tmp_path)
         exported = transformers.AutoModelForImageTextToText.from_pretrained(directory + "-export").eval()
         batch = _inputs(model_type).batch([True, False], seed=7)
         batch.pop("labels")

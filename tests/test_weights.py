@@ -11,6 +11,7 @@
 - Memory: a 224 MB model streamed in 16 MiB buckets peaks at most 2 buckets + its largest tensor
   above where it started, where gathering the full state dict needs the whole model.
 - `checkpoint_hf_weights` (one process, no group) equals the offline export of the same checkpoint.
+- The parts of a Hub tensor fused from several land where `torch.cat` puts them, any cut, any dim.
 """
 
 from __future__ import annotations
@@ -428,6 +429,31 @@ def test_one_process_export_and_stream_are_save_pretrained_bit_for_bit(tmp_path,
     model.save_pretrained(tmp_path / "theirs")
     assert differences(read_dir(tmp_path / "ours"), read_dir(tmp_path / "theirs")) == []
     assert differences(dict(fullshard.hf_weights(model, bucket_bytes=1024)), read_dir(tmp_path / "theirs")) == []
+
+
+def test_a_fused_tensors_parts_land_where_torch_cat_puts_them():
+    """The region writer's arithmetic for a Hub tensor fused from several (`slot_runs`): any rank's
+    run of a part's elements (rows of FSDP's shards, or any cut) lands where `torch.cat` puts it,
+    along every dim; one write per part when fused along the first dim (Qianfan-OCR's `qkv`)."""
+    from fullshard.hf.export import Slot, slot_runs
+
+    generator = torch.Generator().manual_seed(0)
+    for dim in range(3):
+        shapes = [[2 + i if d == dim else 3 + d for d in range(3)] for i in range(3)]
+        parts = [torch.randn(*shape, generator=generator) for shape in shapes]
+        fused = torch.cat(parts, dim)
+        written, start = torch.full((fused.numel(),), float("nan")), 0
+        for part in parts:
+            slot, flat = Slot(dim, start, tuple(fused.shape)), part.reshape(-1)
+            inner = torch.randint(0, flat.numel(), (3,), generator=generator).tolist()
+            cuts = sorted({0, flat.numel(), *inner})
+            for lo, hi in zip(cuts, cuts[1:]):
+                runs = slot_runs(slot, tuple(part.shape), lo, hi)
+                assert dim > 0 or len(runs) == 1, runs
+                for at, a, b in runs:
+                    written[at:at + b - a] = flat[a:b]
+            start += part.shape[dim]
+        assert torch.equal(written.view(fused.shape), fused), dim
 
 
 def test_bad_stream_arguments_are_named():

@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 from .errors import ConfigError
-from .hf.export import merge_lora
 from .hf.lora import (  # the adapter save and merged export: their old home is this module
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
@@ -35,6 +34,7 @@ from .hf.lora import (  # the adapter save and merged export: their old home is 
     save_adapter,
     write_adapter_config,
 )
+from .hf.recipe import merge_lora
 
 
 def lora_config(config) -> "peft.LoraConfig":  # noqa: F821 - peft is imported lazily

@@ -12,7 +12,7 @@ from .distributed import agreed
 from .dtypes import resolve_dtype
 from .engine import FSDP2Engine
 from .errors import LoadError
-from .hf.export import remember_source_dtype
+from .hf.recipe import remember_source_dtype
 from .loading import checkpoint_dtype, init_empty_model, resolve_checkpoint_dir
 from .lora import apply_lora, lora_checkpoint_view
 from .packed_attention import use_attention

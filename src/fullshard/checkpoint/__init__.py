@@ -22,8 +22,8 @@ import importlib
 
 _EXPORTS = {
     "CheckpointManager": ".manager", "UnreadableCheckpoint": ".read", "complete_checkpoints": ".layout",
-    "resolve_checkpoint": ".layout", "export_hf": "..hf.export", "remember_source_dtype": "..hf.export",
-    "source_dtype": "..hf.export", "checkpoint_hf_weights": "..hf.offline", "export_checkpoint": "..hf.offline",
+    "resolve_checkpoint": ".layout", "export_hf": "..hf.export", "remember_source_dtype": "..hf.recipe",
+    "source_dtype": "..hf.recipe", "checkpoint_hf_weights": "..hf.offline", "export_checkpoint": "..hf.offline",
     "load_ckpt": "..faces.lightrft", "save_ckpt": "..faces.lightrft", "save_model": "..faces.lightrft",
 }
 

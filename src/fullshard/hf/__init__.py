@@ -1,7 +1,8 @@
 """The Hugging Face layout: everything that writes or streams a model as the Hub lays it out.
 
-- `export`: the export recipe (Hub name -> state key, the region of it, LoRA terms, fp32 keeps),
-  the safetensors region writer and `export_hf`, the live export every rank writes into
+- `recipe`: the export recipe (Hub name -> state key, the region of it or the parts fused into it,
+  LoRA terms, fp32 keeps), which every way out below follows
+- `export`: the safetensors region writer and `export_hf`, the live export every rank writes into
 - `lora`: the LoRA merge recipe, the adapter save in PEFT's format and the merged export
 - `offline`: the recipe a checkpoint records (`model_meta.json`), `export_checkpoint` and
   `checkpoint_hf_weights`, the same files and tensors from a training checkpoint in one process
@@ -19,7 +20,7 @@ import importlib
 _EXPORTS = {
     **dict.fromkeys(["checkpoint_hf_weights", "export_checkpoint", "export_hf", "export_merged", "hf_weight_buckets",
                      "hf_weights", "save_adapter"], ".api"),
-    **dict.fromkeys(["remember_source_dtype", "source_dtype"], ".export"),
+    **dict.fromkeys(["remember_source_dtype", "source_dtype"], ".recipe"),
     **dict.fromkeys(["merge_recipe"], ".lora"),
 }
 

@@ -1,17 +1,21 @@
 """Write a plain Hugging Face directory (safetensors + index + config) from a sharded model or checkpoint.
 
-The files hold what transformers' `save_pretrained` writes: the Hub's names and layout, from a
-recipe (`export_recipe`; `fullshard.lora.merge_recipe` for LoRA merged) mapping each Hub tensor to
-the state tensor it is, or the region of it (one expert of a fused MoE tensor), by transformers'
-own conversion run backwards (`fullshard.loading.convert.hub_views`). The same recipe drives the
-offline export and the weight stream (`fullshard.hf.stream`), so all three give the same tensors.
+The files hold what transformers' `save_pretrained` writes: the Hub's names and layout, following
+the export recipe (`fullshard.hf.recipe`: `export_recipe`, `fullshard.lora.merge_recipe` for LoRA
+merged), which says for each Hub tensor the state tensor it is, the region of it (one expert of a
+fused MoE tensor), or the concatenation of several (Qianfan-OCR's vision `qkv`). The same recipe
+drives the offline export and the weight stream (`fullshard.hf.stream`), so all three give the
+same tensors.
 
 No rank ever holds the whole model. Live, every file is created at its final size first (a
 safetensors header follows from names, shapes and dtypes alone), then every rank writes its own
-rows of each row-sharded (FSDP, EP) tensor straight into every Hub tensor they overlap, cast to the
-written dtype: no gather, and each rank writes 1/N of the bytes. Tensors in other layouts (TP,
-merged LoRA weights) are gathered one state tensor at a time and written by the rank they are dealt
-to. Offline, one process streams the DCP checkpoint tensor by tensor, with no process group.
+rows of each row-sharded (FSDP, EP) tensor straight into every Hub tensor they overlap (into its
+place among the parts of a fused one), cast to the written dtype: no gather, and each rank writes
+1/N of the bytes. Tensors in other layouts (TP, merged LoRA weights) are gathered one state tensor
+at a time and written by the rank they are dealt to. Offline, one process streams the DCP
+checkpoint tensor by tensor, with no process group.
+
+The recipe's names are importable from here too, where they lived before `fullshard.hf.recipe`.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import shutil
 import struct
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -37,8 +41,22 @@ from ..distributed import all_ranks_agree_ok, broadcast_from_rank0, get_rank, ge
 from ..dtypes import SAFETENSORS_NAMES, dtype_name, resolve_dtype
 from ..errors import CheckpointError
 from ..fsdp import model_class_name, reshard_all
-from ..loading.convert import HubView, hub_views
-from ..tensors import holds_part, replicated, tensor_aliases
+from ..loading.convert import HubView
+from ..tensors import holds_part, replicated
+from .recipe import (  # the recipe's names, also importable from here as before
+    SOURCE_DTYPE,
+    ExportRecipe,
+    alias_names,
+    export_recipe,
+    hub_recipe,
+    kept_in_fp32,
+    merge_lora,
+    recipe_parts,
+    recipe_view,
+    remember_source_dtype,
+    source_dtype,
+    written_dtype,
+)
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -59,156 +77,6 @@ def parse_size(size: int | str) -> int:
     if value <= 0:
         raise CheckpointError(f"max_shard_size must be positive, got {size!r}")
     return value
-
-
-SOURCE_DTYPE = "fullshard_source_dtype"  # the attribute `remember_source_dtype` sets
-
-
-def remember_source_dtype(model: torch.nn.Module, dtype: torch.dtype | None) -> None:
-    """Record the dtype the model's weights are stored in where it was loaded from; a model built in
-    another dtype (fp32 masters of a bf16 checkpoint) keeps its own in its config."""
-    if dtype is not None:
-        setattr(model, SOURCE_DTYPE, dtype)
-
-
-def source_dtype(model: torch.nn.Module) -> torch.dtype:
-    """The dtype the model's weights came in: what an export writes unless told otherwise. The
-    stored dtype `remember_source_dtype` recorded, else the config's `dtype`; master weights are
-    often upcast (bf16 files trained in fp32), so the parameters' dtype is the last resort. A PEFT
-    model's is its base model's."""
-    get_base = getattr(model, "get_base_model", None)
-    model = get_base() if callable(get_base) else model
-    if getattr(model, SOURCE_DTYPE, None) is not None:
-        return getattr(model, SOURCE_DTYPE)
-    try:
-        configured = resolve_dtype(getattr(getattr(model, "config", None), "dtype", None))
-    except ValueError:
-        configured = None
-    if configured is not None:
-        return configured
-    floating = [p.dtype for p in model.parameters() if p.is_floating_point()]
-    return floating[0] if floating else torch.float32
-
-
-@dataclass
-class ExportRecipe:
-    """What an export writes, from which state tensor: the one description the live export, the
-    offline export (recorded in every checkpoint's `model_meta.json`) and the weight stream follow.
-
-    `names`: Hub name -> state key (tied aliases left out). `views`: for a Hub tensor that is a
-    region of its state tensor (one expert of a fused tensor), [sizes, strides, offset] in it.
-    `merges`: Hub name -> {"terms": [[A key or None, B key, scaling], ...], "fan_in_fan_out": bool},
-    the LoRA terms merged into it. `fp32`: half dtype's name -> Hub names transformers keeps in fp32
-    at that dtype. `adapter`: a LoRA model's adapter name and its file names (state key by PEFT's
-    file name)."""
-
-    names: dict[str, str] = field(default_factory=dict)
-    views: dict[str, list] = field(default_factory=dict)
-    merges: dict[str, dict] = field(default_factory=dict)
-    fp32: dict[str, list[str]] = field(default_factory=dict)
-    adapter: dict | None = None
-
-    def to_json(self) -> dict:
-        """The form `model_meta.json` keeps (empty parts left out)."""
-        out = {"names": self.names, "merges": self.merges, "views": self.views}
-        out.update({key: value for key, value in (("fp32", self.fp32), ("adapter", self.adapter)) if value})
-        return out
-
-    @classmethod
-    def from_json(cls, data: dict) -> "ExportRecipe":
-        """A recipe from its JSON form, as every fullshard since the recipe was recorded wrote it."""
-        return cls(names=dict(data["names"]), views=dict(data.get("views", {})), merges=dict(data.get("merges", {})),
-                   fp32=dict(data.get("fp32", {})), adapter=data.get("adapter"))
-
-
-def alias_names(model: torch.nn.Module) -> set[str]:
-    """Parameter names that are the same tensor as another, canonical one: written once, under the
-    canonical name, as `save_pretrained` does. The canonical name is the tie's target in the HF tie
-    map when the model declares one (the loader ties the alias to it), else the first registered."""
-    tie_map = getattr(model, "all_tied_weights_keys", None) or getattr(model, "_tied_weights_keys", None)
-    targets = set(tie_map.values()) if isinstance(tie_map, dict) else set()
-    aliases = set()
-    for names in tensor_aliases(model).values():
-        canonical = next((n for n in names if n in targets), names[0])
-        aliases.update(n for n in names if n != canonical)
-    return aliases
-
-
-def hub_recipe(model: torch.nn.Module, names: dict[str, str], merges: dict, shapes) -> ExportRecipe:
-    """A recipe in the Hub's layout: `names` (the model's own output name -> state key) and `merges`
-    (output name -> LoRA terms) renamed and split as transformers' `save_pretrained` writes them
-    (`fullshard.loading.convert.hub_views`); `views` gives, for a Hub tensor that is a region of its
-    state tensor (one expert of a fused tensor), its sizes, strides and offset in it."""
-    try:
-        views = hub_views(model, {out: tuple(shapes[key]) for out, key in names.items()})
-    except ValueError as err:
-        raise CheckpointError(f"cannot export {model_class_name(model)} in the Hub layout: {err}") from None
-    recipe = ExportRecipe()
-    for hub_name, view in views.items():
-        recipe.names[hub_name] = names[view.source]
-        if view.source in merges:
-            recipe.merges[hub_name] = merges[view.source]
-        if view.view is not None:
-            recipe.views[hub_name] = [list(view.view[0]), list(view.view[1]), view.view[2]]
-    recipe.fp32 = kept_in_fp32(model, {hub_name: view.source for hub_name, view in views.items()})
-    return recipe
-
-
-def kept_in_fp32(model: torch.nn.Module, own_names: dict[str, str]) -> dict[str, list[str]]:
-    """transformers' rule for what stays fp32 when a model is loaded in a half dtype
-    (`from_pretrained(dtype=...)`, then `save_pretrained` writes it so): `_keep_in_fp32_modules`
-    in fp16, `_keep_in_fp32_modules_strict` in fp16 and bf16 (DeepSeek-V3's router weight and
-    `e_score_correction_bias`), their globs searched in the model's own tensor names as transformers
-    does. `own_names`: Hub name -> the model's name of the tensor it comes from. Returns, per half
-    dtype's name, the Hub names kept in fp32 (recorded in the recipe, so an offline export without
-    the model follows it too)."""
-    plan_of = getattr(model, "_get_dtype_plan", None)
-    if not callable(plan_of):
-        return {}
-    from transformers.core_model_loading import build_glob_alternation
-
-    kept = {}
-    for half in (torch.float16, torch.bfloat16):
-        globs = [glob for glob, dtype in plan_of(half).items() if dtype == torch.float32]
-        if globs:
-            pattern = build_glob_alternation(globs)[0]
-            names = [hub for hub, own in own_names.items() if pattern.search(own)]
-            if names:
-                kept[dtype_name(half)] = names
-    return kept
-
-
-def export_recipe(model: torch.nn.Module, shapes) -> ExportRecipe:
-    """What an export writes from a model's state (`shapes`: state key -> anything with a `.shape`, or
-    the shape): Hub name -> state key (tied aliases left out), and where a Hub tensor is a region of
-    its state tensor, the region. A LoRA model's recipe (`fullshard.lora.merge_recipe`) also merges
-    adapters; this is the plain one."""
-    aliases = alias_names(model)
-    shapes = {k: tuple(getattr(v, "shape", v)) for k, v in shapes.items()}
-    return hub_recipe(model, {k: k for k in shapes if k not in aliases}, {}, shapes)
-
-
-def recipe_view(recipe: ExportRecipe, name: str) -> HubView:
-    """Where the Hub tensor `name` of a recipe lies in its state tensor."""
-    view = recipe.views.get(name)
-    return HubView(recipe.names[name], None if view is None else (tuple(view[0]), tuple(view[1]), int(view[2])))
-
-
-def merge_lora(base: torch.Tensor, terms: list[tuple[torch.Tensor | None, torch.Tensor, float]],
-               fan_in_fan_out: bool) -> torch.Tensor:
-    """`base` with LoRA terms merged in, as PEFT's `Linear.merge` does: W + transpose(B @ A) * scaling
-    per adapter (a bias term has no A: b * scaling), the delta in fp32 then cast to W's dtype, into a
-    new tensor. The live export, the weight stream and the offline export all merge here, so they
-    give the same bits."""
-    merged = base.detach().clone()
-    for a, b, scaling in terms:
-        if a is None:
-            delta = b.float()
-        else:
-            delta = b.float() @ a.float()
-            delta = delta.T if fan_in_fan_out else delta
-        merged += (delta * scaling).to(merged.dtype)
-    return merged
 
 
 def config_json(model: torch.nn.Module) -> str | None:
@@ -234,15 +102,6 @@ class Entry:
         for dim in self.shape:
             numel *= dim
         return numel * self.dtype.itemsize
-
-
-def written_dtype(recipe: ExportRecipe, name: str, stored: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
-    """What the recipe's Hub tensor `name`, stored as `stored`, is written as: floating point cast to
-    `dtype` (None: as stored), except what transformers keeps in fp32 at that dtype (`kept_in_fp32`);
-    the rest as stored. The export, the weight stream and the offline export all ask here."""
-    if not stored.is_floating_point or dtype is None:
-        return stored
-    return torch.float32 if name in recipe.fp32.get(dtype_name(dtype), ()) else dtype
 
 
 def plan_files(entries: list[Entry], max_bytes: int) -> list[tuple[str, list[Entry]]]:
@@ -377,33 +236,73 @@ def merged_full(state: dict, key: str, merge: dict | None) -> torch.Tensor:
     return merge_lora(gather_full(state[key]), terms, merge["fan_in_fan_out"])
 
 
+@dataclass(frozen=True)
+class Slot:
+    """Where a part of a fused Hub tensor lands in it: from `start` along `dim` of the fused
+    `shape`."""
+
+    dim: int
+    start: int
+    shape: tuple[int, ...]
+
+
+def slot_runs(slot: Slot | None, part_shape: tuple[int, ...], lo: int,
+              hi: int) -> list[tuple[int, int, int]]:
+    """The elements [lo, hi) of a part (in its contiguous layout) as runs of the Hub tensor it is
+    written into: (element offset in the Hub tensor, lo, hi) each; a single run where the part is
+    the whole Hub tensor (`slot` None) or fused along the first dim (Qianfan-OCR's `qkv`)."""
+    if slot is None:
+        return [(lo, lo, hi)]
+    inner = 1
+    for size in part_shape[slot.dim + 1:]:
+        inner *= size
+    block, fused_block = part_shape[slot.dim] * inner, slot.shape[slot.dim] * inner
+    runs = []
+    while lo < hi:
+        outer, within = divmod(lo, block)
+        end = min(hi, (outer + 1) * block)
+        runs.append((outer * fused_block + slot.start * inner + within, lo, end))
+        lo = end
+    return runs
+
+
 @dataclass
 class Unit:
-    """The Hub tensors one state tensor gives (itself, renamed, or its regions: one per expert of a
-    fused tensor), gathered or written together; `merge` the LoRA terms merged into it first."""
+    """The Hub tensors one state tensor gives (itself, renamed, its regions: one per expert of a
+    fused tensor, or its part of a Hub tensor fused from several, at `Slot`), gathered or written
+    together; `merge` the LoRA terms merged into it first."""
 
     key: str
-    outputs: list[tuple[Entry, HubView]]
+    outputs: list[tuple[Entry, HubView, Slot | None]]
     merge: dict | None
 
 
-def export_units(recipe: ExportRecipe, entries: list[Entry]) -> list[Unit]:
-    """The entries grouped by the state tensor they come from, in the order of their first entry."""
+def export_units(recipe: ExportRecipe, entries: list[Entry], shapes: dict) -> list[Unit]:
+    """The entries' parts grouped by the state tensor they come from (`shapes`: state key -> shape),
+    in the order of their first entry."""
     units: dict[str, Unit] = {}
     for entry in entries:
-        view = recipe_view(recipe, entry.name)
-        unit = units.setdefault(view.source, Unit(view.source, [], recipe.merges.get(entry.name)))
-        unit.outputs.append((entry, view))
+        spec, start = recipe.fused.get(entry.name), 0
+        for part_name, view in recipe_parts(recipe, entry.name):
+            slot = None
+            if spec is not None:  # the parts follow each other along the fused dim
+                slot = Slot(int(spec["dim"]), start, entry.shape)
+                start += view.shape(shapes)[slot.dim]
+            merge = recipe.merges.get(part_name)
+            unit = units.setdefault(view.source, Unit(view.source, [], merge))
+            unit.outputs.append((entry, view, slot))
     return list(units.values())
 
 
 def recipe_entries(recipe: ExportRecipe, state: dict, out_dtype: torch.dtype) -> list[Entry]:
     """The Hub tensors a recipe writes from `state` (this rank's part of it): name, shape, dtype written."""
     entries = []
-    for name, key in recipe.names.items():
+    shapes = {key: tuple(tensor.shape) for key, tensor in state.items()}
+    for name in recipe.hub_names():
         view = recipe_view(recipe, name)
-        shape = view.view[0] if view.view is not None else tuple(state[key].shape)
-        entries.append(Entry(name, tuple(shape), written_dtype(recipe, name, state[key].dtype, out_dtype)))
+        stored = state[view.parts[0].source].dtype
+        written = written_dtype(recipe, name, stored, out_dtype)
+        entries.append(Entry(name, view.shape(shapes), written))
     return entries
 
 
@@ -527,10 +426,21 @@ def contiguous_region(view: HubView, numel: int) -> tuple[int, int] | None:
     return (offset, offset + size) if same else None
 
 
+def write_part(writer: RegionWriter, places: dict, entry: Entry, slot: Slot | None,
+               part_shape: tuple[int, ...], first: int, flat: torch.Tensor) -> None:
+    """Elements `first` on of a Hub tensor's part (`flat`, on any device and in any dtype) into its
+    place in the file: one write, or one per run where the part is fused along a later dim."""
+    path, offset = places[entry.name]
+    for at, lo, hi in slot_runs(slot, part_shape, first, first + flat.numel()):
+        piece = flat[lo - first:hi - first].to("cpu", entry.dtype)
+        writer.write(path, offset + at * entry.dtype.itemsize, piece)
+
+
 def write_own_rows(writer: RegionWriter, unit: Unit, places: dict, rows: tuple[int, torch.Tensor | None],
                    full_shape: tuple[int, ...]) -> None:
     """This rank's rows of a row-sharded state tensor into every Hub tensor of its unit that they
-    overlap (each Hub tensor one run of the state tensor's elements), cast to the written dtype."""
+    overlap (each Hub tensor, or part of a fused one, one run of the state tensor's elements), cast
+    to the written dtype."""
     first, local = rows
     if local is None or not local.numel():
         return
@@ -540,13 +450,13 @@ def write_own_rows(writer: RegionWriter, unit: Unit, places: dict, rows: tuple[i
     numel = 1
     for dim in full_shape:
         numel *= dim
-    for entry, view in unit.outputs:
+    for entry, view, slot in unit.outputs:
         region_lo, region_hi = contiguous_region(view, numel)
         lo, hi = max(region_lo, held_lo), min(region_hi, held_lo + flat.numel())
         if lo < hi:
-            path, offset = places[entry.name]
-            piece = flat[lo - held_lo:hi - held_lo].to("cpu", entry.dtype)
-            writer.write(path, offset + (lo - region_lo) * entry.dtype.itemsize, piece)
+            part_shape = view.shape({unit.key: full_shape})
+            held = flat[lo - held_lo:hi - held_lo]
+            write_part(writer, places, entry, slot, part_shape, lo - region_lo, held)
 
 
 def in_place(unit: Unit, tensor) -> tuple[int, torch.Tensor | None] | None:
@@ -556,7 +466,7 @@ def in_place(unit: Unit, tensor) -> tuple[int, torch.Tensor | None] | None:
         return None
     rows = own_rows(tensor)
     numel = tensor.numel()
-    if rows is None or any(contiguous_region(view, numel) is None for _, view in unit.outputs):
+    if rows is None or any(contiguous_region(view, numel) is None for _, view, _ in unit.outputs):
         return None
     return rows
 
@@ -576,8 +486,12 @@ def write_units(writer: RegionWriter, units: list[Unit], state: dict, places: di
             continue
         full = merged_full(state, unit.key, unit.merge).contiguous()
         if first_holder(tensor) if staged else number % world == rank:
-            for entry, view in unit.outputs:
-                writer.write(*places[entry.name], view.of(full).to("cpu", entry.dtype))
+            for entry, view, slot in unit.outputs:
+                if slot is None:
+                    writer.write(*places[entry.name], view.of(full).to("cpu", entry.dtype))
+                else:
+                    part = view.of(full).contiguous()
+                    write_part(writer, places, entry, slot, tuple(part.shape), 0, part.reshape(-1))
         del full
 
 
@@ -609,7 +523,8 @@ def write_export(model: torch.nn.Module, output_dir: str | os.PathLike, state: d
     out_dtype = resolve_dtype(dtype) or source_dtype(model)
     max_bytes = parse_size(max_shard_size)
     entries = recipe_entries(recipe, state, out_dtype)
-    units = export_units(recipe, entries)
+    shapes = {key: tuple(tensor.shape) for key, tensor in state.items()}
+    units = export_units(recipe, entries, shapes)
     staged = holds_part(model)
     if staged:
         entries = every_rank_part(entries, lambda entry: entry.name)
@@ -635,3 +550,14 @@ def write_export(model: torch.nn.Module, output_dir: str | os.PathLike, state: d
             shutil.rmtree(staging, ignore_errors=True)
         raise
     return output_dir
+
+
+__all__ = [  # the writer's names, and the recipe's (`fullshard.hf.recipe`) importable as before
+    "DEFAULT_SHARD_SIZE", "INDEX_NAME", "SOURCE_DTYPE", "WEIGHTS_NAME", "Entry", "ExportRecipe",
+    "RegionWriter", "SafetensorsStream", "alias_names", "config_json", "every_rank_part",
+    "export_config", "export_hf", "export_recipe", "finish_directory", "first_holder",
+    "gather_full", "generation_config_json", "hub_recipe", "kept_in_fp32", "merge_lora",
+    "parse_size", "plan_files", "recipe_entries", "recipe_parts", "recipe_view",
+    "remember_source_dtype", "safetensors_header", "source_dtype", "staging_dir", "write_export",
+    "written_dtype",
+]

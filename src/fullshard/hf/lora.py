@@ -23,7 +23,8 @@ from ..distributed import broadcast_from_rank0, get_rank, get_world_size, run_ag
 from ..errors import CheckpointError
 from ..fsdp import reshard_all
 from ..tensors import holds_part
-from .export import ExportRecipe, alias_names, first_holder, gather_full, hub_recipe, staging_dir, write_export
+from .export import first_holder, gather_full, staging_dir, write_export
+from .recipe import ExportRecipe, alias_names, hub_recipe
 
 PEFT_PREFIX = "base_model.model."
 BASE_LAYER = ".base_layer"

@@ -25,20 +25,23 @@ from ..fsdp import model_class_name
 from .export import (
     DEFAULT_SHARD_SIZE,
     Entry,
-    ExportRecipe,
     SafetensorsStream,
     export_config,
-    export_recipe,
     finish_directory,
-    merge_lora,
     parse_size,
     plan_files,
-    recipe_view,
-    source_dtype,
     staging_dir,
-    written_dtype,
 )
 from .lora import ADAPTER_WEIGHTS, is_peft_model, merge_recipe
+from .recipe import (
+    ExportRecipe,
+    export_recipe,
+    merge_lora,
+    recipe_parts,
+    recipe_view,
+    source_dtype,
+    written_dtype,
+)
 
 
 def model_meta(model: torch.nn.Module, shapes: dict) -> dict:
@@ -81,7 +84,7 @@ def _read(reader: CheckpointReader, keys: list[str]) -> dict[str, torch.Tensor]:
 
 
 def _state_tensor(reader: CheckpointReader, recipe: ExportRecipe, name: str) -> torch.Tensor:
-    """The whole state tensor the Hub tensor `name` comes from, its LoRA terms merged in."""
+    """The whole state tensor the recipe's entry `name` comes from, its LoRA terms merged in."""
     key, merge = recipe.names[name], recipe.merges.get(name)
     if merge is None:
         return _read(reader, [key])[key]
@@ -93,16 +96,18 @@ def _state_tensor(reader: CheckpointReader, recipe: ExportRecipe, name: str) -> 
 def _hub_tensors(reader: CheckpointReader, recipe: ExportRecipe, out_dtype: torch.dtype
                  ) -> Iterator[tuple[str, torch.Tensor]]:
     """Every Hub tensor of the recipe, in its order, cast to `out_dtype` (`written_dtype`); a
-    state tensor split into several (a fused MoE tensor, one per expert) is read once for all of them."""
-    held: tuple[str | None, torch.Tensor | None] = (None, None)
-    for name in recipe.names:
-        view = recipe_view(recipe, name)
-        if held[0] != view.source:
-            held = (None, None)  # the previous state tensor goes before the next is read
-            state = _state_tensor(reader, recipe, name)
-            held = (view.source, state.to(written_dtype(recipe, name, state.dtype, out_dtype)))
-            del state
-        yield name, view.of(held[1])
+    state tensor split into several (a fused MoE tensor, one per expert) is read once for all of
+    them, and the state tensors of one fused from several are read for it alone."""
+    held: dict[str, torch.Tensor] = {}
+    for name in recipe.hub_names():
+        parts = recipe_parts(recipe, name)
+        if set(held) != {view.source for _, view in parts}:
+            held.clear()  # the previous state tensors go before the next are read
+            for part, view in parts:
+                state = _state_tensor(reader, recipe, part)
+                held[view.source] = state.to(written_dtype(recipe, name, state.dtype, out_dtype))
+                del state
+        yield name, recipe_view(recipe, name).take(held)
 
 
 def checkpoint_hf_weights(path: str | os.PathLike, *, dtype: torch.dtype | str | None = None
@@ -145,16 +150,21 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, output_dir: str | os.Pa
     reader = CheckpointReader(checkpoint)
     out_dtype = resolve_dtype(dtype) or resolve_dtype(meta["dtype"])
     index = reader.metadata.state_dict_metadata
-    entries = []
-    for name, key in recipe.names.items():
+    items = {}
+    for key in recipe.names.values():
         item = index.get(f"model.{key}")
         if item is None or not hasattr(item, "size"):
             raise CheckpointError(
                 f"{checkpoint}: tensor {key!r} is listed in {layout.MODEL_META} but not in the DCP index"
             )
-        view = recipe_view(recipe, name).view
-        written = written_dtype(recipe, name, item.properties.dtype, out_dtype)
-        entries.append(Entry(name, tuple(view[0] if view else item.size), written))
+        items[key] = item
+    shapes = {key: tuple(item.size) for key, item in items.items()}
+    entries = []
+    for name in recipe.hub_names():
+        view = recipe_view(recipe, name)
+        stored = items[view.parts[0].source].properties.dtype
+        written = written_dtype(recipe, name, stored, out_dtype)
+        entries.append(Entry(name, view.shape(shapes), written))
     files = plan_files(entries, parse_size(max_shard_size))
     output_dir = Path(output_dir)
     staging = staging_dir(output_dir)

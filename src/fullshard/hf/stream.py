@@ -34,10 +34,12 @@ from ..distributed import all_gather_slots, current_device, get_rank, get_world_
 from ..dtypes import resolve_dtype
 from ..errors import CheckpointError
 from ..fsdp import reshard_all
+from ..loading.convert import HubConcat, HubView
 from ..tensors import local_tensor
-from .export import ExportRecipe, HubView, export_recipe, merge_lora, recipe_entries, recipe_view, source_dtype
+from .export import recipe_entries
 from .lora import adapter_file_names, is_peft_model, merge_recipe
 from .offline import checkpoint_hf_weights
+from .recipe import ExportRecipe, export_recipe, merge_lora, recipe_parts, recipe_view, source_dtype
 
 DEFAULT_BUCKET_BYTES = 256 * 2**20
 ALIGN = 8  # every packed region starts 8-byte aligned, so it can be viewed as any dtype
@@ -61,12 +63,13 @@ class Input:
 
 @dataclass
 class StreamUnit:
-    """Hub tensors made from the same state tensors: `outputs` (name, dtype, region of the first
-    input), `merge` the LoRA terms over the other inputs, if any."""
+    """Hub tensors made from the same state tensors: `outputs` (name, dtype, and the region of an
+    input it is, or the concatenation of several inputs' regions it is), `merges` the LoRA terms
+    (over other inputs) merged into an input, by its key, before its regions are taken."""
 
     inputs: list[Input]
-    outputs: list[tuple[str, torch.dtype, HubView]]
-    merge: dict | None = None
+    outputs: list[tuple[str, torch.dtype, HubView | HubConcat]]
+    merges: dict[str, dict] = field(default_factory=dict)
     pieces: dict[int, list[tuple[int, Box]]] = field(default_factory=dict)  # rank -> (input index, box)
 
     @property
@@ -125,20 +128,24 @@ def _recipe(model, lora: str) -> tuple[torch.nn.Module, dict, ExportRecipe]:
 
 
 def _local_units(state: dict, recipe: ExportRecipe, out_dtype: torch.dtype | None) -> list[StreamUnit]:
-    """This rank's units, from the recipe over the state tensors it holds."""
-    units: dict[str, StreamUnit] = {}
+    """This rank's units, from the recipe over the state tensors it holds: one per state tensor (all
+    its regions), or per set of them a fused Hub tensor is made of."""
+    units: dict[tuple[str, ...], StreamUnit] = {}
     for entry in recipe_entries(recipe, state, out_dtype):
-        view = recipe_view(recipe, entry.name)
-        merge = recipe.merges.get(entry.name)
-        if view.source not in units:
-            tensor = state[view.source]
-            if merge is None:
-                inputs = [Input(view.source, tuple(tensor.shape), entry.dtype)]
-            else:
+        parts = recipe_parts(recipe, entry.name)
+        sources = tuple(view.source for _, view in parts)
+        if sources not in units:
+            unit = units[sources] = StreamUnit([], [])
+            for part, view in parts:
+                merge = recipe.merges.get(part)
+                if merge is None:  # gathered as written: a cast halves what a bf16 export moves
+                    shape = tuple(state[view.source].shape)
+                    unit.inputs.append(Input(view.source, shape, entry.dtype))
+                    continue
+                unit.merges[view.source] = merge
                 keys = [view.source, *(k for a, b, _ in merge["terms"] for k in (a, b) if k is not None)]
-                inputs = [Input(k, tuple(state[k].shape), state[k].dtype) for k in keys]
-            units[view.source] = StreamUnit(inputs, [], merge)
-        units[view.source].outputs.append((entry.name, entry.dtype, view))
+                unit.inputs += [Input(k, tuple(state[k].shape), state[k].dtype) for k in keys]
+        units[sources].outputs.append((entry.name, entry.dtype, recipe_view(recipe, entry.name)))
     return list(units.values())
 
 
@@ -275,21 +282,28 @@ def _gather_bucket(bucket: list[StreamUnit], state: dict, device: torch.device,
 
 
 def unit_outputs(unit: StreamUnit, tensors: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
-    """The unit's Hub tensors from its whole inputs (regions are views of them)."""
-    full = tensors[0]
-    if unit.merge is not None:
-        by_key = {item.key: tensor for item, tensor in zip(unit.inputs, tensors)}
-        terms = [(None if a is None else by_key[a], by_key[b], s) for a, b, s in unit.merge["terms"]]
-        full = merge_lora(full, terms, unit.merge["fan_in_fan_out"])
-    return [(name, view.of(full.to(dtype))) for name, dtype, view in unit.outputs]
+    """The unit's Hub tensors from its whole inputs: regions are views of them (of one cast copy per
+    input and dtype), a fused Hub tensor a new tensor."""
+    whole = {item.key: tensor for item, tensor in zip(unit.inputs, tensors)}
+    for key, merge in unit.merges.items():
+        terms = [(None if a is None else whole[a], whole[b], s) for a, b, s in merge["terms"]]
+        whole[key] = merge_lora(whole[key], terms, merge["fan_in_fan_out"])
+    cast: dict[torch.dtype, dict[str, torch.Tensor]] = {}
+    outputs = []
+    for name, dtype, view in unit.outputs:
+        as_written = cast.setdefault(dtype, {})
+        for part in view.parts:
+            if part.source not in as_written:
+                as_written[part.source] = whole[part.source].to(dtype)
+        outputs.append((name, view.take(as_written)))
+    return outputs
 
 
 def output_size(unit: StreamUnit) -> tuple[int, int]:
     """How many Hub tensors the unit gives, and their bytes."""
-    nbytes = 0
-    for _, dtype, view in unit.outputs:
-        shape = view.view[0] if view.view is not None else unit.inputs[0].shape
-        nbytes += shape_numel(shape) * dtype.itemsize
+    shapes = {item.key: item.shape for item in unit.inputs}
+    nbytes = sum(shape_numel(view.shape(shapes)) * dtype.itemsize
+                 for _, dtype, view in unit.outputs)
     return len(unit.outputs), nbytes
 
 

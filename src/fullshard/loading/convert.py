@@ -337,10 +337,20 @@ def ignored_unexpected(model, keys: list[str], has_buffer_named) -> list[str]:
 class HubView:
     """A Hub checkpoint tensor as a region of one model tensor: `model[...]` taken with these sizes,
     strides and storage offset over the model tensor's contiguous layout (an expert's `gate_proj`
-    inside a fused `gate_up_proj`). Whole tensors under a new name have `view` None."""
+    inside a fused `gate_up_proj`). Whole tensors under a new name have `view` None. A Hub tensor
+    fused from several model tensors is a `HubConcat` of such regions."""
 
     source: str
     view: tuple[tuple[int, ...], tuple[int, ...], int] | None = None
+
+    @property
+    def parts(self) -> tuple["HubView", ...]:
+        """The regions of model tensors it is made of: itself (as a `HubConcat`'s are its parts)."""
+        return (self,)
+
+    def shape(self, shapes: dict[str, tuple[int, ...]]) -> tuple[int, ...]:
+        """Its shape, from its model tensor's (`shapes`: model name -> shape)."""
+        return tuple(self.view[0]) if self.view is not None else tuple(shapes[self.source])
 
     def of(self, full: torch.Tensor) -> torch.Tensor:
         """This region of the whole model tensor (contiguous; itself maybe a view, e.g. into a
@@ -350,28 +360,79 @@ class HubView:
         size, stride, offset = self.view
         return full.as_strided(size, stride, full.storage_offset() + offset)
 
+    def take(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        """This region of its model tensor in `tensors` (model name -> whole tensor), a view of
+        it."""
+        return self.of(tensors[self.source])
 
-class _ContiguousKeepsViews(TorchFunctionMode):
-    """`.contiguous()` hands back the tensor itself: the reversed conversions copy a region (a chunk of
-    a fused `gate_up_proj`) before splitting it further, which on meta tensors would lose where the
-    region came from; kept a view, every Hub tensor stays a view of its model tensor."""
+
+@dataclass(frozen=True)
+class HubConcat:
+    """A Hub checkpoint tensor fused from several model tensors: `torch.cat` of `parts` (each a
+    region of one model tensor, `HubView`) along `dim`, in the order transformers' `save_pretrained`
+    concatenates them (Qianfan-OCR's vision `qkv` from `q_proj`, `k_proj`, `v_proj`)."""
+
+    parts: tuple[HubView, ...]
+    dim: int
+
+    def shape(self, shapes: dict[str, tuple[int, ...]]) -> tuple[int, ...]:
+        """The fused tensor's shape, from its model tensors' (`shapes`: model name -> shape)."""
+        sizes = [list(part.shape(shapes)) for part in self.parts]
+        fused = sizes[0]
+        fused[self.dim] = sum(size[self.dim] for size in sizes)
+        return tuple(fused)
+
+    def take(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The fused tensor from its whole model tensors (`tensors`: model name -> tensor), a new
+        one."""
+        return torch.cat([part.take(tensors) for part in self.parts], self.dim)
+
+
+class _RevertedOps(TorchFunctionMode):
+    """What the reversed conversions do to meta tensors, kept traceable. `.contiguous()` hands back
+    the tensor itself: they copy a region (a chunk of a fused `gate_up_proj`) before splitting it
+    further, which would lose where the region came from; kept a view, every Hub tensor cut from
+    one model tensor stays a view of it. Each `torch.cat` is recorded with its inputs and dim, so a
+    Hub tensor fused from several model tensors says which ones, in which order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cats: list[tuple[torch.Tensor, list[torch.Tensor], int]] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         if func is torch.Tensor.contiguous:
             return args[0]
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **kwargs)
+        if func is torch.cat:
+            dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
+            self.cats.append((out, list(args[0]), dim))
+        return out
+
+    def concat_of(self, tensor: torch.Tensor, region) -> HubConcat | None:
+        """`tensor` as a concatenation of regions of model tensors (`region(t)`: the `HubView` of
+        `t`, or None where it is no region of one), or None where it was not made so."""
+        for out, inputs, dim in self.cats:
+            if out is tensor:
+                parts = [region(part) for part in inputs]
+                sources = {part.source for part in parts if part is not None}
+                if len(sources) == len(parts):  # each a region of a model tensor of its own
+                    return HubConcat(tuple(parts), dim % tensor.dim())
+        return None
 
 
-def hub_views(model, shapes: dict[str, tuple[int, ...]]) -> dict[str, HubView]:
+def hub_views(model, shapes: dict[str, tuple[int, ...]]) -> dict[str, HubView | HubConcat]:
     """The Hub checkpoint's names of the model tensors `shapes` (state name -> shape): what
     transformers' `save_pretrained` writes, by its own conversion mapping run backwards
-    (`revert_weight_conversion`: renames, fused MoE experts split one key per expert).
+    (`revert_weight_conversion`: renames, fused MoE experts split one key per expert, Qianfan-OCR's
+    vision `q_proj` / `k_proj` / `v_proj` concatenated into `qkv`).
 
     The reversal runs on meta tensors, where the split comes out as views: each Hub tensor's strides
-    and offset inside its model tensor say which region it is, so an export writes (and a stream
-    gathers) the model's own rows without building the Hub tensors first. A Hub tensor that is no
-    region of one model tensor (Qianfan-OCR's vision `qkv`, fused from three) is written as the model
-    tensors it is made of, under their own names, which transformers' loader takes as they are."""
+    and offset inside its model tensor say which region it is (`HubView`), so an export writes (and
+    a stream gathers) the model's own rows without building the Hub tensors first. A Hub tensor
+    concatenated from several model tensors is a `HubConcat` of their regions. One made any other
+    way from several is written as the model tensors it is made of, under their own names, which
+    transformers' loader takes as they are."""
     try:
         from transformers import PreTrainedModel
         from transformers.core_model_loading import revert_weight_conversion
@@ -381,17 +442,24 @@ def hub_views(model, shapes: dict[str, tuple[int, ...]]) -> dict[str, HubView]:
         return {name: HubView(name) for name in shapes}
     meta = {name: torch.empty(shape, device="meta") for name, shape in shapes.items()}
     by_id = {id(tensor): name for name, tensor in meta.items()}
-    views = {}
-    with _ContiguousKeepsViews(), user_classes(model):  # a sharded VLM's renames are found by its own class
-        reverted = revert_weight_conversion(model, dict(meta))
-    for hub_name, tensor in reverted.items():
+
+    def region(tensor: torch.Tensor) -> HubView | None:
         base = tensor if tensor._base is None else tensor._base
         source = by_id.get(id(base))
-        if source is None:  # made of several model tensors: they keep their own names (below)
-            continue
+        if source is None:
+            return None
         whole = tensor is base
-        views[hub_name] = HubView(source, None if whole else (tuple(tensor.shape), tuple(tensor.stride()),
-                                                              tensor.storage_offset()))
-    covered = {view.source for view in views.values()}
+        return HubView(source, None if whole else (tuple(tensor.shape), tuple(tensor.stride()),
+                                                   tensor.storage_offset()))
+
+    ops = _RevertedOps()
+    with ops, user_classes(model):  # a sharded VLM's renames are found by its own class
+        reverted = revert_weight_conversion(model, dict(meta))
+    views: dict[str, HubView | HubConcat] = {}
+    for hub_name, tensor in reverted.items():
+        view = region(tensor) or ops.concat_of(tensor, region)
+        if view is not None:  # else made of several some other way: they keep their names
+            views[hub_name] = view
+    covered = {part.source for view in views.values() for part in view.parts}
     views.update({name: HubView(name) for name in shapes if name not in covered})
     return views

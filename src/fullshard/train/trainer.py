@@ -24,8 +24,9 @@ from ..data.vision import is_multimodal
 from ..distributed import ParallelDims, barrier, broadcast_from_rank0, get_rank, get_world_size, run_agreed
 from ..dtypes import DTYPES, dtype_name
 from ..fsdp import reshard_all
-from ..hf.export import export_hf, source_dtype
+from ..hf.export import export_hf
 from ..hf.lora import export_merged, save_adapter
+from ..hf.recipe import source_dtype
 from ..log import log_rank0, warn_rank0
 from ..lora import apply_lora
 from ..objectives import Objective, build_objective
