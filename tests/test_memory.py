@@ -201,7 +201,8 @@ def test_grpo_phases_and_a_reward_step_are_estimated_within_10_percent_of_their_
 def test_plan_of_a_grpo_run_names_each_phase_and_of_a_reward_run_its_score_head(tmp_path, capsys):
     """`fullshard plan --train.objective=grpo` prints each phase's figure and the largest as the
     total: generation's KV cache (every layer's keys and values in bf16), the reference's shards
-    on the device only for its log-probs, no generation on the trainer ranks with engines; and
+    on the device only for its log-probs, with engines no generation on the trainer ranks but the
+    weight push's buffers; and
     `--train.objective=reward` no logits over the vocabulary."""
     llama = _config_dir(tmp_path, "llama8b", "bfloat16", **LLAMA3_8B)
     grpo = ["--train.objective=grpo", "--train.global_batch_size=64", "--rl.max_new_tokens=1024"]
@@ -226,6 +227,9 @@ def test_plan_of_a_grpo_run_names_each_phase_and_of_a_reward_run_its_score_head(
     assert _mib(kl, "log-probs: reference model (shard, on the device for its forward)") == [shard]
     assert "generation: reference" not in kl and "reference model" in kl
     assert "generation phase" not in engines and "engines: the engine processes generate" in engines
+    # the first rank's two 256 MiB buckets in turn and a third for the 2 GiB fp32 embedding
+    embedding = 128256 * 4096 * 4 / 2**20
+    assert _mib(engines, "weight push: the first rank's bucket buffers") == [512 + embedding]
     assert re.search(r"most completions per rank that fit: \d+", colocated)
     sft, reward = plan(), plan("--train.objective=reward", "--data.format=preference")
     head = "loss: logits (all, or a chunk's) and gradients"

@@ -240,6 +240,21 @@ def update_phase(update: MemoryEstimate, setup: RLSetup, on_device: bool) -> Pha
     )
 
 
+def push_phase(model: nn.Module, update: MemoryEstimate, setup: RLSetup, on_device: bool) -> Phase:
+    """`rl.rollout=engines`: after each update the trainer ranks stream the weights to the engines
+    (`WeightSync.push`); the first rank lays each bucket out whole, two buckets in turn and a third
+    for a tensor larger than one (`weight_sync.py`'s buffers: counted from the code, in the master
+    weights' dtype, at most what the stream sends in)."""
+    from ..hf.stream import DEFAULT_BUCKET_BYTES
+
+    sizes = [p.numel() * p.element_size() for p in model.parameters()]
+    largest = max(sizes, default=0)
+    buffers = min(2 * DEFAULT_BUCKET_BYTES, sum(sizes))
+    buffers += largest if largest > DEFAULT_BUCKET_BYTES else 0
+    parts = held_parts(update, setup, on_device, optimizer=True)
+    return Phase("weight push", parts + [("the first rank's bucket buffers", buffers)])
+
+
 def estimate_grpo(
     model: nn.Module,
     engine,
@@ -286,6 +301,8 @@ def estimate_grpo(
         phases["log-probs"] = logprob_phase(config, update, setup, compute_bytes, on_device)
     if setup.rollout == "colocated":
         phases["generation"] = generation_phase(config, update, setup, compute_bytes, on_device)
+    else:
+        phases["weight push"] = push_phase(model, update, setup, on_device)
     return PhasedEstimate(update, phases)
 
 
@@ -315,7 +332,7 @@ def describe_setup(setup: RLSetup) -> str:
         "state on the host meanwhile (on an accelerator)"
         if setup.rollout == "colocated"
         else "engines: the engine processes generate, their model and KV cache are theirs, not "
-        "counted here; the trainer ranks' phases are the log-probs and the update"
+        "counted here; the trainer ranks' phases are the log-probs, the update and the weight push"
     )
     return (
         f"GRPO step: {setup.completions} completions per rank, prompts of {setup.prompt_len} "
