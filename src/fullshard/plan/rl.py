@@ -212,10 +212,6 @@ def logprob_phase(
                 else []
             ),
             ("a micro-batch's forward: a layer's values, or a chunk's logits", max(layer, chunk)),
-            (
-                "log-probs of every sequence (old, reference)",
-                2 * setup.completions * setup.seq_len * 4,
-            ),
         ],
     )
 
