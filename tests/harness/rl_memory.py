@@ -1,9 +1,11 @@
 """The plan's estimate of a GRPO step's phases and of a reward model's step against their measured
-peaks: on every rank of one spawned group, a tiny Llama's colocated GRPO step is run once to warm up
-(the optimizer state exists from then on, its gradients are None between steps) and again phase by
-phase (generation, the old policy's and the reference's log-probs, the update), each phase's peak of
-live tensor bytes measured with torch's FSDPMemTracker; then a one-output sequence-classification
-model's reward step, measured the same way. `tests/test_memory.py` asserts on it.
+peaks: on every rank of one spawned group, for each of `CASES`, a tiny Llama's colocated GRPO step
+is warmed up on random completions (the log-probs and an update: the optimizer state exists from
+then on, the gradients are None between steps), then run phase by phase (generation, the old
+policy's and the reference's log-probs, the update), each phase's peak of live tensor bytes
+measured with torch's FSDPMemTracker (`plan.memory.measured_phase_peaks`); then a one-output
+sequence-classification model's reward step, measured the same way. `tests/test_memory.py`
+asserts on it, `bench/bench_memory.py` tables it.
 """
 
 from __future__ import annotations
