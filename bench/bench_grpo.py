@@ -64,7 +64,9 @@ def main() -> None:
             "`rl.epochs=1` and `kl_coef=0`: no old or reference log-probs are needed). Colocated rollouts generate on the "
             "trainer ranks; `engines` samples in a separate process holding a plain transformers model, fed the "
             "weights through `WeightSync` after every update (`sync`). The reward column is the mean of the "
-            f"last 5 steps. Load average {load_before:.2f} before, {load_after:.2f} after.\n\n")
+            "last 5 steps; both variants sample the same completions (each from its own stream, "
+            "`rl.sampling`), so it is the same in both. "
+            f"Load average {load_before:.2f} before, {load_after:.2f} after.\n\n")
     header = ["rollouts", "step s", "x colocated", "generation s", "log-probs s", "update s", "sync s",
               "reward (last 5)"]
     write_section("grpo-step", body + markdown_table(header, rows))

@@ -1,8 +1,10 @@
 """`fullshard train --train.objective=grpo`: one real launch that learns (the reward of the last 5
 steps well above the first 5's on a task a random policy scores low on) with an engine process fed
-by `WeightSync`; in one spawned group the same colocated, a resume in the middle equal to the
-uninterrupted run, a failing reward function as one line on every rank; the pieces (rewards,
-prompts, rollout layout, refusals) in process."""
+by `WeightSync`; in one spawned group the same colocated, sampling the engine's completions step by
+step, a resume in the middle equal to the uninterrupted run, a failing reward function as one line
+on every rank; beside the group, at world 1, the same run and a run resumed at world 2, equal to
+it; the pieces (per-completion sampling streams, rewards, prompts, rollout layout, refusals) in
+process."""
 
 import json
 import subprocess
@@ -57,12 +59,18 @@ def common(root, out: str, *extra) -> list[str]:
 # ---------------------------------------------------------------------------------------------- one launch
 
 
-def test_cli_grpo_learns_with_a_reward_file_and_an_engine(tmp_path):
+def learning(root) -> list[str]:
+    """The learning runs' reward: the digits' share (what the task asks for) and `format` (0)."""
+    return ["--train.steps=24", f"--rl.reward=[{root}/rewards.py:digit_share,format]",
+            "--rl.reward_weights=[1.0,0.5]"]
+
+
+def test_cli_grpo_learns_with_a_reward_file_and_an_engine(tmp_path, group):
     """The real command with an engine process fed by `WeightSync` (the colocated run learns in
-    the group below)."""
+    the group below); the engine samples what the group's colocated run samples, step by step:
+    every completion from its own stream, from the same weights."""
     write_inputs(tmp_path)
-    args = common(tmp_path, "out", "--train.steps=24", f"--rl.reward=[{tmp_path}/rewards.py:digit_share,format]",
-                  "--rl.reward_weights=[1.0,0.5]", "--rl.rollout=engines")
+    args = common(tmp_path, "out", *learning(tmp_path), "--rl.rollout=engines")
     done = subprocess.run([sys.executable, "-m", "fullshard.cli", "train", *args, "--nproc", "2"], cwd=tmp_path,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -80,19 +88,23 @@ def test_cli_grpo_learns_with_a_reward_file_and_an_engine(tmp_path):
     assert "  reward " in output and "reward plot" in output
     assert (tmp_path / "out" / "hf" / "model.safetensors").exists()
     assert (tmp_path / "out" / "checkpoints" / "step_24" / "COMPLETE").exists()
+    colocated = read_metrics(group[0] / "colocated" / "metrics.jsonl")
+    assert_same_steps(rows, [r for r in colocated if r["kind"] == "train"])
 
 
 # ---------------------------------------------------------------------------------------------- one group
 
 
 def _run(argv: list[str]) -> dict:
-    """`train()` on this rank, as `fullshard train` runs it: its summary, or its error line."""
+    """`train()` on this rank (or in this process, at world 1), as `fullshard train` runs it: its
+    summary, or its error line."""
+    from fullshard.distributed import get_world_size
     from fullshard.launch import describe, error_line
     from fullshard.train import load_config, train
 
     try:
         config = load_config(None, argv)
-        config.accumulation_steps(torch.distributed.get_world_size())
+        config.accumulation_steps(get_world_size())
         return {"summary": train(config)}
     except Exception as exc:  # noqa: BLE001 - the test asserts on the line
         return {"error": error_line(describe(exc))}
@@ -115,23 +127,61 @@ def _group_runs(root: str) -> dict:
     kl = ("--rl.kl_coef=0.1", "--rl.epochs=2", "--rl.advantage=rloo", "--rl.loss_type=gspo", "--train.steps=2",
           "--checkpoint.export=false")
     out["kl"] = _run(common(root, "kl", *reward, *kl))
-    out["colocated"] = _run(common(root, "colocated", f"--rl.reward={root}/rewards.py:digit_share",
-                                   "--train.steps=24", "--checkpoint.export=false", "--train.plot=false"))
+    out["resumed_1_to_2"] = _run(common(root, "resumed_1_to_2", *reward, "--checkpoint.every=3"))
+    out["colocated"] = _run(common(root, "colocated", *learning(root), "--checkpoint.export=false",
+                                   "--train.plot=false"))
     for name in ("boom", "too_few"):
         out[name] = _run(common(root, name, f"--rl.reward={root}/rewards.py:{name}", "--train.steps=2"))
     return out
+
+
+def _world_1_runs(root) -> dict:
+    """In the test's process: the group's 6-step run at world 1, and the first half of a run the
+    group resumes at world 2."""
+    reward = [f"--rl.reward={root}/rewards.py:digit_share", "--model.name_or_path=micro-llama",
+              "--train.steps=6"]
+    return {"world_1": _run(common(root, "world_1", *reward)),
+            "first_1": _run(common(root, "resumed_1_to_2", *reward, "--checkpoint.every=3",
+                                   "--train.stop_after=3"))}
 
 
 @pytest.fixture(scope="module")
 def group(tmp_path_factory):
     root = tmp_path_factory.mktemp("grpo")
     write_inputs(root)
+    single = _world_1_runs(root)
     results = run_distributed(_group_runs, 2, str(root), timeout=900)
-    return root, results
+    return root, results, single
+
+
+# what a run logs per step that differs between layouts only by the order of fp32 sums
+ROUNDING = {"loss": 1e-5, "grad_norm": 1e-5, "entropy": 1e-5, "reward": 1e-6, "reward_std": 1e-6}
+SAMPLED = ("batch", "completions", "tokens", "completions/mean_length", "completions/max_length",
+           "completions/clipped_ratio")
+
+
+def assert_same_steps(rows: list[dict], reference: list[dict]) -> None:
+    """The same completions (their lengths, clipping and count exactly; rewards within rounding)
+    and the same updates (loss, grad norm, entropy within rounding, relative), step by step."""
+    assert [r["step"] for r in rows] == [r["step"] for r in reference]
+    for ours, theirs in zip(rows, reference):
+        assert {k: ours[k] for k in SAMPLED} == {k: theirs[k] for k in SAMPLED}, (ours, theirs)
+        for key, tolerance in ROUNDING.items():
+            bound = tolerance * max(1.0, abs(theirs[key]))
+            assert abs(ours[key] - theirs[key]) <= bound, (key, ours, theirs)
+
+
+def assert_close_exports(root, name: str, reference: str = "whole") -> None:
+    """The runs' exported weights within fp32 rounding of the sums' order (1e-5)."""
+    from safetensors.torch import load_file
+
+    ours, theirs = (load_file(root / run / "hf" / "model.safetensors") for run in (name, reference))
+    assert ours.keys() == theirs.keys()
+    assert max((ours[k] - theirs[k]).abs().max().item() for k in ours) <= 1e-5
 
 
 def test_resume_in_the_middle_equals_the_uninterrupted_run(group):
-    root, results = group
+    root, results, _ = group
     assert all("summary" in results[0][k] for k in ("whole", "first_half", "second_half")), results[0]
     whole = [r for r in read_metrics(root / "whole" / "metrics.jsonl") if r["kind"] == "train"]
     resumed = [r for r in read_metrics(root / "resumed" / "metrics.jsonl") if r["kind"] == "train"]
@@ -143,8 +193,32 @@ def test_resume_in_the_middle_equals_the_uninterrupted_run(group):
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
 
 
+def test_world_1_samples_and_updates_as_world_2(group):
+    """Each completion's stream is keyed by its index in the step, not by the rank that samples it:
+    the world-1 run equals the group's world-2 run step by step."""
+    root, results, single = group
+    assert "summary" in single["world_1"], single["world_1"]
+    assert "summary" in results[0]["whole"], results[0]["whole"]
+    rows = {name: [r for r in read_metrics(root / name / "metrics.jsonl") if r["kind"] == "train"]
+            for name in ("world_1", "whole")}
+    assert len(rows["whole"]) == 6
+    assert_same_steps(rows["world_1"], rows["whole"])
+    assert_close_exports(root, "world_1")
+
+
+def test_resume_at_another_world_size_equals_the_uninterrupted_run(group):
+    """Steps 1..3 at world 1, stopped; 4..6 resumed at world 2: the world-2 run's steps."""
+    root, results, single = group
+    assert "summary" in single["first_1"] and "summary" in results[0]["resumed_1_to_2"], results[0]
+    assert results[0]["resumed_1_to_2"]["summary"]["start_step"] == 3
+    resumed, whole = ([row for row in read_metrics(root / run / "metrics.jsonl")
+                       if row["kind"] == "train"] for run in ("resumed_1_to_2", "whole"))
+    assert_same_steps(resumed, whole)
+    assert_close_exports(root, "resumed_1_to_2")
+
+
 def test_kl_reference_epochs_rloo_gspo(group):
-    root, results = group
+    root, results, _ = group
     assert "error" not in results[0]["kl"], results[0]["kl"]
     rows = [r for r in read_metrics(root / "kl" / "metrics.jsonl") if r["kind"] == "train"]
     assert len(rows) == 2 and all(r["kl"] >= 0 for r in rows) and rows[-1]["kl"] > 0  # two updates a step
@@ -152,7 +226,7 @@ def test_kl_reference_epochs_rloo_gspo(group):
 
 def test_colocated_rollouts_learn(group):
     """rl.rollout=colocated: the trainer ranks sample, the optimizer state aside meanwhile."""
-    root, results = group
+    root, results, _ = group
     assert "error" not in results[0]["colocated"], results[0]["colocated"]
     rows = [r for r in read_metrics(root / "colocated" / "metrics.jsonl") if r["kind"] == "train"]
     first, last = (sum(r["reward"] for r in part) / 5 for part in (rows[:5], rows[-5:]))
@@ -160,7 +234,7 @@ def test_colocated_rollouts_learn(group):
 
 
 def test_a_failing_reward_function_is_one_line_on_every_rank(group):
-    root, results = group
+    root, results, _ = group
     for rank in (0, 1):
         boom, few = results[rank]["boom"]["error"], results[rank]["too_few"]["error"]
         assert "\n" not in boom and "rewards.py:boom" in boom and "ValueError: boom" in boom, boom
@@ -212,6 +286,107 @@ def test_prompts_keep_every_other_column(tmp_path):
     batches = [data.step_batches(16, 8, rank, 2, seed=0, shuffle=True) for rank in (0, 1)]
     rows = [b.micro_batches(5)[0] for b in batches]
     assert len(rows[0]) == len(rows[1]) == 1 and rows[0] + rows[1] == batches[0].global_rows(5)
+
+
+def test_a_steps_prompts_are_in_one_order_at_any_world_size(tmp_path):
+    """The step's prompts, in the order their completions are numbered (`rl.sampling`): the data
+    ranks' shares one after another, the same at world 1, 2 and 4, and after a resume (a step's
+    prompts follow from the step alone); a new epoch reshuffles."""
+    from fullshard.data.builtin import byte_tokenizer
+    from fullshard.data.prompts import load_prompts
+    from fullshard.train.config import load_config
+
+    write_inputs(tmp_path)
+    reward = f"--rl.reward={tmp_path}/rewards.py:digit_share"
+    data = load_prompts(load_config(None, common(tmp_path, "x", reward)).data, byte_tokenizer(), 8)
+
+    def step_order(world: int, step: int) -> list[int]:
+        shares = [data.step_batches(64, 8, r, world, seed=3, shuffle=True) for r in range(world)]
+        return [row for share in shares for row in share.micro_batches(step)[0]]
+
+    orders = {world: [step_order(world, step) for step in range(10)] for world in (1, 2, 4)}
+    assert orders[1] == orders[2] == orders[4]
+    assert all(len(set(order)) == 8 for order in orders[1])
+    assert sorted(sum(orders[1][:8], [])) == list(range(64)) and orders[1][8] != orders[1][0]
+
+
+def splitmix64_reference(seed: int, counter: int) -> int:
+    """SplitMix64's `counter`-th output from `seed`, in Python's unbounded integers."""
+    mask = (1 << 64) - 1
+    z = (seed + counter * 0x9E3779B97F4A7C15) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return z ^ (z >> 31)
+
+
+def test_the_gumbel_sampler_draws_the_tempered_top_p_distribution():
+    """Greedy decoding over `StreamSampler`'s scores is a categorical sample of softmax(logits / T)
+    cut to its top-p nucleus: token frequencies over many streams and over one stream's steps
+    match those probabilities; a row's draws follow its seed alone, SplitMix64's outputs (int64
+    arithmetic in torch, wrapping, against Python's integers)."""
+    from fullshard.rl.sampling import StreamSampler, completion_seeds, gumbel_noise, stream_uniforms
+
+    logits, temperature, top_p = torch.tensor([1.0, 0.8, 0.5, 0.2, -0.2, -3.0]), 0.7, 0.95
+    seeds = completion_seeds(5, 1, 0, 3)
+    uniforms = stream_uniforms(torch.tensor(seeds), step=2, size=7)
+    reference = [[(splitmix64_reference(s, 2 * 7 + v + 1) >> 11) * 2.0**-53 for v in range(7)]
+                 for s in seeds]
+    assert uniforms.tolist() == reference
+    one = StreamSampler([7])
+
+    def one_step(t: int) -> int:  # the sampler's t-th call on one row
+        assert one.step == t
+        return one(None, logits[None]).argmax(-1).item()
+
+    probs = torch.softmax(logits / temperature, -1)
+    ascending, order = probs.sort()
+    kept = order[ascending.cumsum(0) > 1 - top_p]  # transformers' rule: the tail to 1 - top_p cut
+    expected = torch.zeros_like(probs)
+    expected[kept] = probs[kept] / probs[kept].sum()
+    assert 0 < expected[-2] and expected[-1] == 0  # a kept tail token and a cut one
+    n = 20000
+    many = StreamSampler(completion_seeds(0, 0, 0, n), temperature, top_p)
+    across = many(None, logits.repeat(n, 1)).argmax(-1)
+    # one stream's steps 0..n-1 (untempered, uncut): its counters run on across steps
+    along = (logits + gumbel_noise(torch.tensor([7]), 0, n * len(logits)).view(n, -1)).argmax(-1)
+    assert along[:3].tolist() == [one_step(t) for t in range(3)]
+    for tokens, target in ((across, expected), (along, torch.softmax(logits, -1))):
+        frequencies = torch.bincount(tokens, minlength=len(logits)) / n
+        assert (frequencies - target).abs().max() < 0.012, (frequencies, target)  # 3.5 sigma at n
+    assert (torch.bincount(across, minlength=len(logits)) > 0).tolist() == (expected > 0).tolist()
+    seeds = completion_seeds(0, 0, 0, 4)
+    batch = StreamSampler(seeds)(None, logits.repeat(4, 1)).argmax(-1)
+    alone = [StreamSampler([s])(None, logits[None]).argmax(-1).item() for s in seeds]
+    assert batch.tolist() == alone
+
+
+def test_a_completion_draws_the_same_tokens_in_any_batch_and_in_an_engine():
+    """`rollout.sample` (the trainer ranks' `generate`) and an engine's `_generate`: completion i
+    draws from stream i whatever batch it is sampled in (all prompts at once, one at a time,
+    reversed) and wherever (a trainer rank or an engine process)."""
+    from fullshard.rl.engines import _generate
+    from fullshard.rl.rollout import cut_completions, sample
+    from fullshard.rl.sampling import completion_seeds
+    from fullshard.testing import build_model
+
+    model, group = build_model("llama"), 3
+    prompts = [[5, 6, 7], [8], [9, 10, 11, 12, 13], [14, 15]]
+    options = dict(max_new_tokens=6, temperature=0.8, top_p=0.9, pad_token_id=0, eos_token_id=1)
+    seeds = completion_seeds(0, 4, 0, len(prompts) * group)
+    whole = sample(model, prompts, group, seeds=seeds, **options).completion_ids
+    by_prompt = [whole[i * group : (i + 1) * group] for i in range(len(prompts))]
+    assert len({tuple(c) for c in whole}) > len(prompts)  # sampled: not one answer per prompt
+    for i, prompt in enumerate(prompts):
+        alone = sample(model, [prompt], group, seeds=seeds[i * group : (i + 1) * group], **options)
+        assert alone.completion_ids == by_prompt[i]
+    reversed_seeds = [s for i in reversed(range(len(prompts)))
+                      for s in seeds[i * group : (i + 1) * group]]
+    backwards = sample(model, prompts[::-1], group, seeds=reversed_seeds, **options).completion_ids
+    assert backwards == [c for part in reversed(by_prompt) for c in part]
+    request = dict(prompts=prompts[1:3], group_size=group, pad_token_id=0,
+                   seeds=seeds[group : 3 * group], sampling=dict(options))
+    engine = cut_completions(prompts[1:3], _generate(model, request), eos_token_id=1)
+    assert engine.completion_ids == by_prompt[1] + by_prompt[2]
 
 
 def test_rollout_layout_scores_the_completion_tokens():

@@ -6,8 +6,9 @@ rate, no weight decay, AdamW (0.9, 0.999), clipping 1.0, its raw loss of each st
 of its loss are compared. Both start from one sequence-classification checkpoint (a head TRL and
 fullshard would otherwise draw apart). fullshard runs `fullshard.train.train` at world 2 in one
 spawned group: one pair per row (exported, the export's scores read by transformers against TRL's
-model), packed (two whole pairs per row), at tp 2, a learning run on held-out pairs, and a causal-LM
-checkpoint whose score head is new.
+model), packed (two whole pairs per row), at tp 2, a learning run on held-out pairs, a causal-LM
+checkpoint whose score head is new, and stage two (reward, DPO) from an SFT run's checkpoint
+against the same from its export.
 """
 
 import json
@@ -96,12 +97,8 @@ def trl_run(base, data, out) -> tuple[list[float], torch.Tensor]:
     return trainer.losses, scores_of(trainer.model.eval(), data)
 
 
-def _fullshard_runs(root: str) -> dict:
-    from fullshard.train import load_config, train
-
-    def run(name, *extra, summary=False):
-        config = load_config(None, [
-            f"--model.name_or_path={root}/base", f"--data.path={root}/pairs.jsonl",
+def reward_argv(root, name: str, *extra) -> list[str]:
+    return [f"--model.name_or_path={root}/base", f"--data.path={root}/pairs.jsonl",
             "--data.format=preference", "--train.objective=reward",
             f"--reward.center_coefficient={CENTER}", "--data.seq_len=48", f"--train.steps={STEPS}",
             "--train.micro_batch_size=1", f"--train.global_batch_size={BATCH}",
@@ -109,8 +106,25 @@ def _fullshard_runs(root: str) -> dict:
             f"--data.cache_dir={root}/cache", "--data.shuffle=false", "--data.eval_fraction=0",
             "--optim.lr=1e-3", "--optim.schedule=constant", "--optim.warmup_steps=0",
             "--optim.weight_decay=0", "--optim.eps=1e-8", "--optim.betas=[0.9,0.999]",
-            "--train.max_norm=1.0", "--data.packing=false", *extra])
-        result = train(config)
+            "--train.max_norm=1.0", "--data.packing=false", *extra]
+
+
+# stage two from the SFT run's checkpoint (the causal LM it started from as the model) and from
+# that checkpoint's export, for the reward model (its score head new either way) and DPO
+STAGE_TWO = {"reward": (), "dpo": ("--train.objective=dpo", "--reward.center_coefficient=0")}
+
+
+def stage_two(root, objective: str, start: str) -> tuple[str, ...]:
+    source = ((f"--model.name_or_path={root}/causal", f"--checkpoint.init_from={root}/sft")
+              if start == "checkpoint" else (f"--model.name_or_path={root}/sft-hf",))
+    return (*STAGE_TWO[objective], *source)
+
+
+def _fullshard_runs(root: str) -> dict:
+    from fullshard.train import load_config, train
+
+    def run(name, *extra, summary=False):
+        result = train(load_config(None, reward_argv(root, name, *extra)))
         return result if summary else [loss for _, loss in sorted(result["losses"].items())]
 
     out = {"plain": run("plain", "--checkpoint.export=true")}
@@ -125,7 +139,24 @@ def _fullshard_runs(root: str) -> dict:
                   "--reward.center_coefficient=0", summary=True)
     out["learn"] = {k: v for k, v in learned.items() if k.startswith("eval_")}
     out["new_head"] = _new_head(root)
+    for objective in STAGE_TWO:
+        for start in ("checkpoint", "export"):
+            name = f"{objective}_from_{start}"
+            out[name] = run(name, *stage_two(root, objective, start))
     return out
+
+
+def sft_and_export(root) -> None:
+    """Two SFT steps of the causal LM on the built-in corpus, in this process; its checkpoint
+    exported as a Hub directory (`sft-hf`)."""
+    from fullshard import export_hf
+    from fullshard.train import load_config, train
+
+    train(load_config(None, [f"--model.name_or_path={root}/causal", "--train.steps=2",
+                             "--data.seq_len=48", f"--train.output_dir={root}/sft",
+                             f"--data.cache_dir={root}/cache-sft", "--checkpoint.export=false",
+                             "--train.plot=false", "--optim.lr=1e-2"]))
+    export_hf(root / "sft" / "checkpoints", root / "sft-hf")
 
 
 def _new_head(root: str) -> dict:
@@ -150,6 +181,7 @@ def runs(tmp_path_factory):
     write_bases(root)
     write_pairs(root / "pairs.jsonl")
     write_pairs(root / "learn.jsonl", n=128, seed=1, margin=False)
+    sft_and_export(root)
     ours = run_distributed(_fullshard_runs, 2, str(root))[0]
     theirs = trl_run(root / "base", root / "pairs.jsonl", root / "trl")
     return root, ours, theirs
@@ -196,6 +228,36 @@ def test_causal_lm_checkpoint_gets_a_new_score_head_from_the_seed(runs):
     assert torch.equal(head["full"]["score.weight"], drawn)
     causal = LlamaForCausalLM.from_pretrained(str(root / "causal"), dtype=torch.float32)
     assert torch.equal(head["full"]["model.embed_tokens.weight"], causal.model.embed_tokens.weight)
+
+
+@pytest.mark.parametrize("objective", list(STAGE_TWO))
+def test_stage_two_from_an_sft_checkpoint_equals_it_from_the_export(runs, objective):
+    """`checkpoint.init_from` an SFT run's checkpoint: a reward model reads its base (not its LM
+    head) and draws the score head from the seed as from the export; DPO reads it whole (the
+    reference being those weights). Both equal the run from the checkpoint's Hub export."""
+    _, ours, _ = runs
+    checkpoint, export = (ours[f"{objective}_from_{start}"] for start in ("checkpoint", "export"))
+    assert len(checkpoint) == STEPS and checkpoint[-1] != checkpoint[0]
+    assert max(abs(a - b) for a, b in zip(checkpoint, export)) <= 1e-6, (checkpoint, export)
+
+
+def test_an_sft_checkpoint_into_a_reward_model_passes_preflight(runs):
+    """What `fullshard train` checks before launch: the SFT checkpoint fits the reward model but
+    for its LM head (not read) and the new score head; a checkpoint of another model still does
+    not fit; its optimizer state, which has none for the new head, is refused in one line."""
+    from fullshard.train import ConfigError, load_config
+    from fullshard.train.preflight import check_before_launch
+
+    root, _, _ = runs
+    argv = reward_argv(root, "never", *stage_two(root, "reward", "checkpoint"))
+    model = check_before_launch(load_config(None, argv), 2)
+    assert type(model).__name__ == "LlamaForSequenceClassification"
+    other = reward_argv(root, "never", f"--checkpoint.init_from={root}/sft",
+                        "--model.name_or_path=tiny-llama")  # wider: shapes differ
+    with pytest.raises(ConfigError, match="does not fit"):
+        check_before_launch(load_config(None, other), 2)
+    with pytest.raises(ConfigError, match="set checkpoint.init_optimizer=false"):
+        check_before_launch(load_config(None, [*argv, "--checkpoint.init_optimizer=true"]), 2)
 
 
 @pytest.mark.parametrize("overrides, message", [

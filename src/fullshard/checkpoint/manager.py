@@ -303,18 +303,22 @@ class CheckpointManager:
                            f"{candidates[index + 1]}, instead: {err}")
         return None
 
-    def init_from(self, path: str | os.PathLike, model: torch.nn.Module, optimizer=None) -> dict:
+    def init_from(self, path: str | os.PathLike, model: torch.nn.Module, optimizer=None,
+                  strict: bool = True) -> dict:
         """Start a new run from another run's checkpoint (a checkpoint, save directory or run
         directory): its weights and, given `optimizer`, each parameter's optimizer state (moments and
         step counts; the optimizer's own settings, lr included, stay this run's). Nothing else
         carries over: no scheduler, counters, RNG or data position. Any world size or layout, as a
-        resume. Returns the checkpoint's extra_state with "step" added."""
+        resume. `strict=False` reads the weights the checkpoint holds, the model's others keep
+        their values (the caller has checked which). Returns the checkpoint's extra_state with
+        "step" added."""
         self.wait()
         checkpoint = Path(broadcast_from_rank0(run_agreed(lambda: str(layout.resolve_run_checkpoint(path)), on_rank=0,
                                                           error_type=CheckpointError)))
         settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups] \
             if optimizer is not None else []
-        extra = self._load_from(checkpoint, model, optimizer, None, {}, strict=True, side_files=False)
+        extra = self._load_from(checkpoint, model, optimizer, None, {}, strict=strict,
+                                side_files=False)
         for group, own in zip(optimizer.param_groups if optimizer is not None else [], settings):
             group.update(own)
         self.last_load_info = {"path": str(checkpoint), "step": extra["step"], "init_only": True}

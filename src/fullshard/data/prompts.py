@@ -4,9 +4,10 @@ A record is a conversation (`messages`: its turns up to the last non-assistant o
 (text, or turns); the rest of the record (`answer`, `solution`, anything) goes to the reward
 functions as it is. The prompts of a step are chosen like SFT rows: a seeded order per epoch, the
 step's slice of it, each data-parallel rank a contiguous share, so the step is the position a
-checkpoint keeps. Prompts are rendered and tokenized when their step comes (a record that cannot
-be is named then); one longer than `data.seq_len` tokens keeps its last `seq_len` tokens (TRL's
-`max_prompt_length` cut).
+checkpoint keeps, and the step's prompts in their order (by which `rl.sampling` numbers the
+completions) are the same at any world size. Prompts are rendered and tokenized when their step
+comes (a record that cannot be is named then); one longer than `data.seq_len` tokens keeps its
+last `seq_len` tokens (TRL's `max_prompt_length` cut).
 """
 
 from __future__ import annotations

@@ -2,7 +2,9 @@
 
 One step on the trainer's ranks, colocated: this rank's prompts (`data.prompts`) are sampled
 `rl.group_size` times each with `fullshard.generate` (the optimizer state off the device
-meanwhile: `rl.offload`), the completions scored by the reward functions (`rl.rewards`), the
+meanwhile: `rl.offload`), each completion from its own stream keyed by its global index in the
+step (`rl.sampling`: the same completions at any world size and in engine processes), the
+completions scored by the reward functions (`rl.rewards`), the
 rewards turned into advantages within each prompt's group (`rl.advantages`), the old policy's
 log-probs (when `rl.epochs` > 1) and the reference's taken (`rl.phases`), and `rl.epochs`
 optimizer updates made on them (`rl.policy_update`: token-budget micro-batches, global
@@ -144,7 +146,9 @@ class GRPO(Objective):
         dp_rank = dims.coordinates(dist.get_rank() if dist.is_initialized() else 0)["dp"]
         on_device = next(model.parameters()).device.type != "cpu"
         started = time.perf_counter()
-        completions = self._sample(model, optimizer, rows, step, dp_rank, on_device, seconds)
+        # each data rank holds an equal, contiguous share of the step's prompts (data.prompts)
+        first = dp_rank * len(rows)
+        completions = self._sample(model, optimizer, rows, step, first, on_device, seconds)
         rewards, table = self._score(rows, completions)
         rollouts = self._rollouts(model, completions, rewards, seconds)
         update = self._update(model, optimizer, scheduler, rollouts, dims, on_device, seconds)
@@ -155,25 +159,27 @@ class GRPO(Objective):
         result = StepResult(update["grad_norm"], update["skipped"])
         return StepOutput(update["loss"], tokens, result, metrics, units)
 
-    def _sample(self, model, optimizer, rows, step, dp_rank, on_device, seconds):
+    def _sample(self, model, optimizer, rows, step, first, on_device, seconds):
+        """The completions of this rank's prompts (`first`: the first one's index in the step)."""
         from ..distributed import agreed
         from ..rl.phases import offload, onload
-        from ..rl.rollout import rollout_seed, sample
+        from ..rl.rollout import sample
+        from ..rl.sampling import completion_seeds
 
         with agreed(ConfigError):
             prompts = [self.data.prompt_ids(row) for row in rows]
         if self.engines is not None:
-            return self._from_engines(model, prompts, step, seconds)
+            return self._from_engines(model, prompts, step, first, seconds)
         started = time.perf_counter()
         if on_device:  # the optimizer state leaves the device while the KV cache needs it
             offload(None, optimizer)
         seconds["sync_s"] = time.perf_counter() - started
-        started = time.perf_counter()
+        started, group = time.perf_counter(), self.rl.group_size
         eos = self.tokenizer.eos_token_id
         completions = sample(
             model,
             prompts,
-            self.rl.group_size,
+            group,
             max_new_tokens=self.rl.max_new_tokens,
             temperature=self.rl.temperature,
             top_p=self.rl.top_p,
@@ -181,7 +187,7 @@ class GRPO(Objective):
             if self.tokenizer.pad_token_id is not None
             else eos,
             eos_token_id=eos,
-            seed=rollout_seed(self.seed, step, dp_rank),
+            seeds=completion_seeds(self.seed, step, first * group, len(prompts) * group),
         )
         seconds["generation_s"] = time.perf_counter() - started
         started = time.perf_counter()
@@ -190,8 +196,9 @@ class GRPO(Objective):
         seconds["sync_s"] += time.perf_counter() - started
         return completions
 
-    def _from_engines(self, model, prompts, step, seconds):
-        """The engines' samples; the first step sends them the weights they start from."""
+    def _from_engines(self, model, prompts, step, first, seconds):
+        """The engines' samples, from the streams colocated sampling uses; the first step sends
+        them the weights they start from."""
         seconds["sync_s"] = 0.0 if self.pushed else self.engines.push(model)
         self.pushed = True
         started, eos = time.perf_counter(), self.tokenizer.eos_token_id
@@ -200,6 +207,7 @@ class GRPO(Objective):
             self.rl.group_size,
             seed=self.seed,
             step=step,
+            first=first,
             eos_token_id=eos,
             pad_token_id=self.tokenizer.pad_token_id
             if self.tokenizer.pad_token_id is not None

@@ -6,7 +6,9 @@ The model is the checkpoint config's `AutoModelForSequenceClassification` class 
 finds the scored token by). From a causal-LM checkpoint the base loads as usual, the causal LM's
 head is not read, and the `score` head is new: drawn from the run's seed as transformers
 initialises it (normal, std `initializer_range`), the whole tensor on every rank and each rank's
-region copied in, so every world size starts from the same head.
+region copied in, so every world size starts from the same head. `checkpoint.init_from` a causal
+LM's training checkpoint (an SFT run's) is read the same way (`init_reward_from`): its base, not
+its LM head, and the same new head, so the run equals one started from that checkpoint's export.
 
 Where the score is read: transformers' `*ForSequenceClassification` apply `score` at every
 position and read each row at its last token that is not the pad token
@@ -147,6 +149,51 @@ def init_score_head(model: nn.Module, names: list[str], seed: int) -> None:
             full.normal_(0, std, generator=generator)
         local, region = local_region(param)
         local.copy_(full[region])
+
+
+SFT_OPTIMIZER = ("checkpoint.init_from={path!r} is a causal LM's checkpoint, whose optimizer state "
+                 "has none for the reward model's new score head: set "
+                 "checkpoint.init_optimizer=false (the weights are read, the optimizer starts anew)")
+
+
+def new_head_keys(metadata, model: nn.Module) -> list[str]:
+    """The score head's keys when a checkpoint's index (`metadata`) is a causal LM's of this reward
+    model's base (an SFT run's): every base weight there in its shape, no score head, nothing else
+    but the LM head (none saved when tied). [] otherwise: the checkpoint is read as it is (a
+    reward run's), strictly."""
+    from ..checkpoint.fit import weights_apart
+
+    missing, unexpected, reshaped = weights_apart(metadata, model.state_dict(), model)
+    head = sorted(f"score.{name}" for name, _ in score_head(model).named_parameters())
+    prefix = f"{getattr(model, 'base_model_prefix', 'model')}."
+    base_only = not reshaped and not any(k.startswith(prefix) for k in unexpected)
+    return head if missing == head and base_only else []
+
+
+def init_reward_from(manager, path, model: nn.Module, optimizer, seed: int) -> dict:
+    """`checkpoint.init_from` into a reward model: a reward run's checkpoint as it is; a causal
+    LM's as a causal-LM directory loads (its base read, its LM head not, the score head new, drawn
+    from `seed` as `load_reward_model` draws it). Returns the checkpoint's extra state."""
+    from pathlib import Path
+
+    from ..checkpoint.layout import resolve_run_checkpoint
+    from ..checkpoint.read import CheckpointReader
+    from ..distributed import broadcast_from_rank0, run_agreed
+    from ..errors import CheckpointError
+
+    checkpoint = broadcast_from_rank0(run_agreed(lambda: str(resolve_run_checkpoint(path)),
+                                                 on_rank=0, error_type=CheckpointError))
+    new = new_head_keys(CheckpointReader(Path(checkpoint), share=None).metadata, model)
+    if new and optimizer is not None:
+        raise ConfigError(SFT_OPTIMIZER.format(path=path))
+    extra = manager.init_from(checkpoint, model, optimizer, strict=not new)
+    if new:
+        init_score_head(model, new, seed)
+        std = getattr(model.config.get_text_config(), "initializer_range", 0.02)
+        log_rank0(f"checkpoint.init_from={path}: a causal LM's checkpoint, no score head: its base "
+                  f"read, its LM head not; a new score head drawn from train.seed={seed}, "
+                  f"normal(0, {std})")
+    return extra
 
 
 # --------------------------------------------------------------------------- the score

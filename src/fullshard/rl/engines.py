@@ -3,11 +3,12 @@ get the trainer's weights through `WeightSync` after every update, the place vLL
 in a deployment.
 
 Trainer rank 0 starts `num_engines` processes on its node and hosts the sync's rendezvous; every
-trainer rank joins it (`WeightSync.trainer`). A step: the ranks' prompts go to rank 0, which
-hands each engine a contiguous share with the step's seed and sends every rank its completions
-back; after the update every rank takes part in `push`, which the engines `pull` before they
-sample again. An engine that fails, or answers nothing within the timeout, fails the step on every
-rank in one line.
+trainer rank joins it (`WeightSync.trainer`). A step: the ranks' prompts go to rank 0 with their
+indices in the step, which hands each engine a contiguous share with every completion's stream
+(`rl.sampling`, the streams colocated sampling uses, so engines and colocated ranks sample the same
+completions from the same weights) and sends every rank its completions back; after the update
+every rank takes part in `push`, which the engines `pull` before they sample again. An engine that
+fails, or answers nothing within the timeout, fails the step on every rank in one line.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import torch.distributed as dist
 
 from ..distributed import agreed, broadcast_from_rank0, find_free_port, get_rank, get_world_size
 from ..errors import ConfigError
-from .rollout import Completions, left_padded, rollout_seed
+from .rollout import Completions, cut_completions, left_padded
+from .sampling import completion_seeds, sampling_options
 
 HOST = "127.0.0.1"
 
@@ -82,15 +84,17 @@ def _next(requests):
 
 @torch.no_grad()
 def _generate(model, request: dict) -> list[list[int]]:
+    """`group_size` completions of each prompt of the request, completion i from stream
+    `seeds[i]`, at the request's temperature and top-p."""
     ids, mask = left_padded(request["prompts"], request["pad_token_id"])
     group, device = request["group_size"], next(model.parameters()).device
-    torch.manual_seed(request["seed"])
+    sampling = dict(request["sampling"])
+    options = sampling_options(request["seeds"], sampling.pop("temperature"), sampling.pop("top_p"))
     out = model.generate(
         input_ids=ids.repeat_interleave(group, 0).to(device),
         attention_mask=mask.repeat_interleave(group, 0).to(device),
-        do_sample=True,
-        top_k=0,
-        **request["sampling"],
+        **options,
+        **sampling,
     )
     return out[:, ids.shape[1] :].tolist()
 
@@ -148,61 +152,55 @@ class Engines:
         *,
         seed: int,
         step: int,
+        first: int,
         pad_token_id: int,
         eos_token_id,
         **sampling,
     ) -> Completions:
-        """This rank's completions, `group_size` per prompt, sampled by the engines."""
+        """This rank's completions, `group_size` per prompt, sampled by the engines (`first`: the
+        index of this rank's first prompt in the step; ranks of one data rank send the same)."""
         everyone = [None] * get_world_size()
         if dist.is_initialized() and get_world_size() > 1:
-            dist.all_gather_object(everyone, prompts)
+            dist.all_gather_object(everyone, (first, prompts))
         else:
-            everyone = [prompts]
-        completions = None
+            everyone = [(first, prompts)]
+        answers = None
         with agreed(ConfigError):
             if get_rank() == 0:
-                flat = [p for part in everyone for p in part]
-                completions = self._ask(
-                    flat,
-                    group_size,
-                    seed,
-                    step,
-                    pad_token_id,
-                    dict(sampling, eos_token_id=eos_token_id, pad_token_id=pad_token_id),
-                )
-        completions = broadcast_from_rank0(completions)
-        start = sum(len(part) for part in everyone[: get_rank()]) * group_size
-        mine = completions[start : start + len(prompts) * group_size]
-        ends = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or ())
-        cut = [next((i + 1 for i, t in enumerate(row) if t in ends), None) for row in mine]
-        return Completions(
-            [p for p in prompts for _ in range(group_size)],
-            [row if stop is None else row[:stop] for row, stop in zip(mine, cut)],
-            [stop is None for stop in cut],
-        )
+                step_prompts = {at + i: p for at, part in everyone for i, p in enumerate(part)}
+                options = dict(sampling, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+                answers = self._ask(step_prompts, group_size, seed, step, options)
+        answers = broadcast_from_rank0(answers)
+        rows = [row for i in range(first, first + len(prompts)) for row in answers[i]]
+        return cut_completions([p for p in prompts for _ in range(group_size)], rows, eos_token_id)
 
-    def _ask(self, prompts, group_size, seed, step, pad_token_id, sampling) -> list[list[int]]:
-        """Each engine a contiguous share of the prompts; the completions in the prompts' order."""
-        share = -(-len(prompts) // self.num_engines)
+    def _ask(self, prompts: dict, group_size, seed, step, sampling) -> dict[int, list]:
+        """Each engine a contiguous share of the step's prompts (by index in the step); each
+        prompt's `group_size` completions by its index."""
+        order = sorted(prompts)
+        share = -(-len(order) // self.num_engines)
         asked = []
         for e in range(self.num_engines):
-            part = prompts[e * share : (e + 1) * share]
+            part = order[e * share : (e + 1) * share]
             if part:
+                seeds = [s for i in part for s in completion_seeds(seed, step, i * group_size,
+                                                                    group_size)]
                 self.requests[e].put(
                     {
-                        "prompts": part,
+                        "prompts": [prompts[i] for i in part],
                         "group_size": group_size,
-                        "pad_token_id": pad_token_id,
-                        "seed": rollout_seed(seed, step, e),
+                        "pad_token_id": sampling["pad_token_id"],
+                        "seeds": seeds,
                         "sampling": sampling,
                     }
                 )
-                asked.append(e)
-        rows = []
-        for e in asked:
-            value = self._answer(e)
-            rows.extend(value)
-        return rows
+                asked.append((e, part))
+        answers = {}
+        for e, part in asked:
+            rows = self._answer(e)
+            for k, i in enumerate(part):
+                answers[i] = rows[k * group_size : (k + 1) * group_size]
+        return answers
 
     def close(self) -> None:
         """Stop the engines (rank 0) and leave the sync."""

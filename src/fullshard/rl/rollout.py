@@ -2,9 +2,11 @@
 then laid out as the update reads them (`Rollouts`: prompt and completion right-padded, the
 completion's positions scored).
 
-Sampling draws from the global RNG seeded for the step and the data-parallel rank
-(`rollout_seed`), so a run sampled again from the same weights (a resume) draws the same
-completions, and ranks that share a data rank (tp) draw the same ones.
+Each completion draws from its own random stream (`rl.sampling`: keyed by the seed, the step and
+the completion's global index in the step), so what it samples depends on the weights alone, not
+on the batch it is generated in, the data-parallel layout or the process: a run at world 1 and at
+world 2, a resume at another world size, and engine processes (`rl.engines`) draw the same
+completions from the same weights, and ranks that share a data rank (tp) draw the same ones.
 """
 
 from __future__ import annotations
@@ -26,11 +28,6 @@ class Completions:
 
     def __len__(self) -> int:
         return len(self.completion_ids)
-
-
-def rollout_seed(seed: int, step: int, dp_rank: int) -> int:
-    """The sampling seed of a step on a data-parallel rank."""
-    return (seed * 1_000_003 + step * 7919 + dp_rank) % (2**63)
 
 
 def left_padded(prompts: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,36 +52,40 @@ def sample(
     top_p: float,
     pad_token_id: int,
     eos_token_id,
-    seed: int,
+    seeds: list[int],
     **model_inputs,
 ) -> Completions:
     """`group_size` completions of each prompt from the (sharded) model, at `temperature` and
-    `top_p` with no top-k cut; a collective on every rank of the model."""
+    `top_p` with no top-k cut, completion i from stream `seeds[i]` (`rl.sampling`); a collective
+    on every rank of the model."""
     from ..generation import generate
+    from .sampling import sampling_options
 
     ids, mask = left_padded(prompts, pad_token_id)
     ids, mask = ids.repeat_interleave(group_size, 0), mask.repeat_interleave(group_size, 0)
-    torch.manual_seed(seed)
     out = generate(
         model,
         ids,
         mask,
-        do_sample=True,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=0,
         max_new_tokens=max_new_tokens,
         pad_token_id=pad_token_id,
         eos_token_id=eos_token_id,
+        **sampling_options(seeds, temperature, top_p),
         **model_inputs,
     )
+    rows = out[:, ids.shape[1] :].tolist()
+    return cut_completions([p for p in prompts for _ in range(group_size)], rows, eos_token_id)
+
+
+def cut_completions(prompts: list[list[int]], rows: list[list[int]], eos_token_id) -> Completions:
+    """Generated rows cut after their first end of text (kept), or marked clipped without one."""
     ends = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or ())
     completions, clipped = [], []
-    for row in out[:, ids.shape[1] :].tolist():
+    for row in rows:
         stop = next((i for i, token in enumerate(row) if token in ends), None)
         completions.append(row if stop is None else row[: stop + 1])
         clipped.append(stop is None)
-    return Completions([p for p in prompts for _ in range(group_size)], completions, clipped)
+    return Completions(prompts, completions, clipped)
 
 
 def as_rollouts(completions: Completions, advantages: torch.Tensor, pad_token_id: int) -> Rollouts:

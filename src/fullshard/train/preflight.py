@@ -72,6 +72,7 @@ def _check_init_from(config: TrainConfig, model) -> None:
     from ..checkpoint.fit import fit_to_index
     from ..checkpoint.layout import resolve_run_checkpoint
     from ..checkpoint.read import CheckpointReader
+    from ..objectives.reward import SFT_OPTIMIZER, new_head_keys
 
     key = f"checkpoint.init_from={path!r}"
     try:
@@ -80,7 +81,12 @@ def _check_init_from(config: TrainConfig, model) -> None:
             raise ConfigError(f"{key} is a checkpoint of this run's own directory: continue it with "
                               "checkpoint.resume=auto, or write this run to another train.output_dir")
         index = CheckpointReader(checkpoint, share=None).metadata
-        fit_to_index(checkpoint, index, {"model": model.state_dict()}, strict=True, model=model)
+        if config.train.objective == "reward" and new_head_keys(index, model):
+            # an SFT run's checkpoint into a reward model: its base checked, the score head new
+            if config.checkpoint.init_optimizer:
+                raise ConfigError(SFT_OPTIMIZER.format(path=path))
+        else:
+            fit_to_index(checkpoint, index, {"model": model.state_dict()}, strict=True, model=model)
     except CheckpointError as err:
         raise ConfigError(f"{key}: {err}") from None
     if config.checkpoint.init_optimizer and not any(k.startswith("optim.") for k in index.state_dict_metadata):

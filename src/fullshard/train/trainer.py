@@ -287,7 +287,13 @@ class Trainer:
         if not source:
             return
         with_optimizer = self.config.checkpoint.init_optimizer
-        extra = manager.init_from(source, model, optimizer if with_optimizer else None)
+        optimizer = optimizer if with_optimizer else None
+        if self.config.train.objective == "reward":  # an SFT run's checkpoint: the score head new
+            from ..objectives.reward import init_reward_from
+
+            extra = init_reward_from(manager, source, model, optimizer, self.config.train.seed)
+        else:
+            extra = manager.init_from(source, model, optimizer)
         log_rank0(f"initialised from {manager.last_load_info['path']} (step {extra['step']} of that run): its weights"
                   + (" and optimizer state" if with_optimizer else "") + "; steps, data and schedule start anew")
 
