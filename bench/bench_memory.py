@@ -29,6 +29,8 @@ def rl_rows() -> list[tuple[str, int, int]]:
     rows = [(f"GRPO ({case}) {phase}", peak,
              grpo["estimate"][phase.replace("logprobs", "log-probs")])
             for case, grpo in results["grpo"].items() for phase, peak in grpo["peak"].items()]
+    rows += [(f"GRPO sampling ({name}) generation", row["peak"], row["estimate"])
+             for name, row in results["sampling"].items()]
     reward = results["reward"]
     return rows + [("reward model", reward["peak"], reward["estimate"])]
 
@@ -39,7 +41,8 @@ def rl_description() -> str:
             f"(`harness.rl_memory`: {m.PROMPTS * m.GROUP} completions a rank of {m.PROMPT_LEN} + "
             f"{m.NEW_TOKENS} tokens, a reference model, update micro-batches of {m.MAX_TOKENS} "
             "tokens; `fullshard.plan.rl.estimate_grpo`; fp32, and bf16 compute sampling with "
-            "top-p 0.9); the reward row a one-output "
+            "top-p 0.9; the sampling rows: generation of 32 rows over a 32K vocabulary, where the "
+            "sampled scores are most of the peak); the reward row a one-output "
             f"sequence-classification Llama's step ({m.REWARD_ROWS} x {m.REWARD_SEQ} tokens). ")
 
 

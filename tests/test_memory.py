@@ -172,7 +172,8 @@ def test_plan_of_a_dpo_run_counts_its_reference_and_says_which(tmp_path, capsys)
 def test_grpo_phases_and_a_reward_step_are_estimated_within_10_percent_of_their_peaks():
     """A tiny Llama's colocated GRPO step at world 2 (`harness.rl_memory`: 8 completions a rank,
     32 + 96 tokens, a reference model, two update micro-batches; fp32, and bf16 compute sampling
-    with top-p), each phase's peak measured apart,
+    with top-p), each phase's peak measured apart; generation where the sampled scores are most
+    of the peak (32 rows over a 32K vocabulary, with and without top-p);
     and a one-output reward model's step: estimate / peak in [1.00, 1.10] for each; the step's
     estimate is its largest phase's. The causal LM's estimate for the reward step's shape (the
     vocabulary's logits it does not have) is out of the band: the head counted is the score's."""
@@ -186,8 +187,10 @@ def test_grpo_phases_and_a_reward_step_are_estimated_within_10_percent_of_their_
     reward = results["reward"]
     ratios = {f"{case}: {phase}": grpo["estimate"][phase.replace("logprobs", "log-probs")] / peak
               for case, grpo in results["grpo"].items() for phase, peak in grpo["peak"].items()}
+    ratios.update({f"sampling, {name}": row["estimate"] / row["peak"]
+                   for name, row in results["sampling"].items()})
     ratios["reward"] = reward["estimate"] / reward["peak"]
-    assert len(ratios) == 7, ratios
+    assert len(ratios) == 9, ratios
     off = {name: round(ratio, 4) for name, ratio in ratios.items() if not 1.0 <= ratio <= 1.10}
     assert not off, (off, ratios)
     assert all(grpo["total"] == max(grpo["estimate"].values()) for grpo in results["grpo"].values())

@@ -54,6 +54,7 @@ def _phases(model, reference, optimizer, prompts, seed: int, case: dict) -> dict
     """The calls `objectives.grpo.GRPO.run_step` makes, each on what the one before made."""
     from fullshard.rl.phases import reference_logprobs, sequence_logprobs
     from fullshard.rl.rollout import as_rollouts, sample
+    from fullshard.rl.sampling import completion_seeds
     from fullshard.rl.update import UpdateConfig, policy_update
 
     temperature = case["temperature"]
@@ -72,7 +73,7 @@ def _phases(model, reference, optimizer, prompts, seed: int, case: dict) -> dict
             top_p=case["top_p"],
             pad_token_id=0,
             eos_token_id=None,
-            seed=seed,
+            seeds=completion_seeds(0, seed, 0, PROMPTS * GROUP),
         )
 
     def logprobs():
@@ -204,20 +205,60 @@ def measure_reward() -> dict:
     return {"peak": peak, "estimate": estimate.per_rank}
 
 
+# sampling's share of generation: many rows over a large vocabulary, a short prompt and completion
+SAMPLING = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=32768, max_position_embeddings=64,
+                tie_word_embeddings=False)
+SAMPLING_ROWS, SAMPLING_TOKENS = 32, 4
+
+
+def measure_sampling(top_p: float) -> dict:
+    """Generation where each decode step's scores are most of the peak: measured and estimated."""
+    import torch.distributed as dist
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fullshard.plan.memory import measured_phase_peaks
+    from fullshard.plan.rl import RLSetup, estimate_grpo
+    from fullshard.rl.rollout import sample
+    from fullshard.rl.sampling import completion_seeds
+
+    world, config = dist.get_world_size(), LlamaConfig(**SAMPLING)
+    strategy = _strategy(SAMPLING_ROWS, world)
+    torch.manual_seed(0)
+    model = strategy.prepare_model(LlamaForCausalLM._from_config(config, dtype=torch.float32),
+                                   is_training=True)
+    optimizer = strategy.create_optimizer(model, lr=1e-4)
+    prompts = torch.randint(1, config.vocab_size, (SAMPLING_ROWS, SAMPLING_TOKENS)).tolist()
+
+    def generation():
+        sample(model, prompts, 1, max_new_tokens=SAMPLING_TOKENS, temperature=0.7, top_p=top_p,
+               pad_token_id=0, eos_token_id=None, seeds=completion_seeds(0, 0, 0, SAMPLING_ROWS))
+
+    peak = measured_phase_peaks(model, optimizer, {"generation": generation})["generation"]
+    with torch.device("meta"):
+        planned = LlamaForCausalLM._from_config(config, dtype=torch.float32)
+    setup = RLSetup(SAMPLING_ROWS, SAMPLING_TOKENS, SAMPLING_TOKENS, top_p=top_p)
+    estimate = estimate_grpo(planned, {"mixed_precision": "fp32"}, world, setup, device_type="cpu")
+    return {"peak": peak, "estimate": estimate.phases["generation"].total}
+
+
 def measure_all(cases: list[str]) -> dict:
     from fullshard.distributed import barrier
 
-    out = {"grpo": {}}
+    out = {"grpo": {}, "sampling": {}}
     for name in cases:
         out["grpo"][name] = measure_grpo(name)
+        barrier()
+    for top_p in (1.0, 0.9):
+        out["sampling"][f"top-p {top_p}"] = measure_sampling(top_p)
         barrier()
     out["reward"] = measure_reward()
     return out
 
 
 def run(cases: list[str] | None = None, world: int = 2, timeout: float = 600) -> dict:
-    """{"grpo": case -> its phases' peaks and estimates, "reward": peak and estimate}, each
-    measured peak the largest over the ranks."""
+    """{"grpo": case -> its phases' peaks and estimates, "reward": peak and estimate, "sampling":
+    top-p -> generation's peak and estimate}, each measured peak the largest over the ranks."""
     from fullshard.testing.spawn import run_distributed
 
     ranks = run_distributed(measure_all, world, list(CASES) if cases is None else cases,
@@ -227,4 +268,6 @@ def run(cases: list[str] | None = None, world: int = 2, timeout: float = 600) ->
         case["peak"] = {phase: max(r["grpo"][name]["peak"][phase] for r in ranks)
                         for phase in case["peak"]}
     reward = dict(ranks[0]["reward"], peak=max(r["reward"]["peak"] for r in ranks))
-    return {"grpo": grpo, "reward": reward}
+    sampling = {name: dict(row, peak=max(r["sampling"][name]["peak"] for r in ranks))
+                for name, row in ranks[0]["sampling"].items()}
+    return {"grpo": grpo, "reward": reward, "sampling": sampling}

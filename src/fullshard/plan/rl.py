@@ -9,8 +9,8 @@ A colocated step has three phases with different peaks, and the step's peak is t
   of this rank's completions (prompt + new tokens, every layer's keys and values at the kv heads'
   width; transformers' dynamic cache grows by concatenation, so one layer's keys are held twice
   while they grow), and the larger of the prefill's transient activations (one layer's, no
-  gradients, and the causal mask) and a decoding step's sampling logits (the last position's
-  logits in the compute dtype, their fp32 copy and softmax, top-p's sort and cumulative sum).
+  gradients, and the causal mask) and a decoding step's scores (the last position's logits in
+  the compute dtype, their fp32 copy, the sampling stream's noise or top-p's sort).
 - log-probs: the old policy's (`rl.epochs` > 1) and the reference's (`rl.reference`: `model`, a
   frozen sharded copy, moved to the device for its forward on an accelerator; `adapter`, the same
   weights with LoRA's adapters off; `none`), without gradients, micro-batches of at most
@@ -32,16 +32,15 @@ from torch import nn
 
 from .memory import EstimateSetup, MemoryEstimate, estimate_memory, text_config
 
-ROLLOUT_BYTES_PER_TOKEN = (
-    8 + 8 + 4 + 4 + 4
-)  # ids, attention mask, response mask, old and reference log-probs
-SAMPLING_BYTES_PER_LOGIT = 12  # fp32 copy of the last logits, the tempered scores, their softmax
-TOP_P_BYTES_PER_LOGIT = (
-    20  # sorted scores and int64 indices, their softmax's cumulative sum, the mask
-)
-NO_GRAD_CHUNK_BYTES_PER_LOGIT = (
-    4  # a log-prob chunk's fp32 logits (logsumexp adds no copy: measured)
-)
+# ids, attention mask, response mask, old and reference log-probs
+ROLLOUT_BYTES_PER_TOKEN = 8 + 8 + 4 + 4 + 4
+# a decoding step's scores beyond the logits (`rl.sampling.StreamSampler`: the tempered scores,
+# the stream's Gumbel noise in int64 and float64), and what top-p's sort adds: measured at 16 and
+# 22 bytes per logit in all with fp32 logits (harness/rl_memory.py's sampling check), one more kept
+SAMPLING_BYTES_PER_LOGIT = 13
+TOP_P_BYTES_PER_LOGIT = 6
+# a log-prob chunk's fp32 logits without gradients (logsumexp adds no copy: measured)
+NO_GRAD_CHUNK_BYTES_PER_LOGIT = 4
 
 
 @dataclass
@@ -164,9 +163,8 @@ def generation_phase(
     values = inference_layer_values(config, prompt, on_device)
     prompt_cache = kv_cache_bytes(config, rows, prompt, compute_bytes) // setup.tp
     prefill = rows * prompt * (compute_bytes * values + prompt) + prompt_cache - cache
-    per_logit = (
-        compute_bytes + SAMPLING_BYTES_PER_LOGIT + (TOP_P_BYTES_PER_LOGIT if setup.top_p < 1 else 0)
-    )
+    top_p = TOP_P_BYTES_PER_LOGIT if setup.top_p < 1 else 0
+    per_logit = compute_bytes + SAMPLING_BYTES_PER_LOGIT + top_p
     decode = layer_keys + rows * config.vocab_size * per_logit
     parts = held_parts(update, setup, on_device, optimizer=not on_device)
     return Phase(
