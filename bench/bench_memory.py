@@ -20,6 +20,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the
 
 from bench.report import markdown_table, write_section  # noqa: E402
 from harness.memory_matrix import CELLS, LLAMA, QWEN3_MOE, SEQ, run_cells  # noqa: E402
+from harness import rl_memory  # noqa: E402
+
+
+def rl_rows() -> list[tuple[str, int, int]]:
+    """(row, measured peak, estimate) of a GRPO step's phases and a reward model's step."""
+    results = rl_memory.run()
+    rows = [(f"GRPO ({case}) {phase}", peak,
+             grpo["estimate"][phase.replace("logprobs", "log-probs")])
+            for case, grpo in results["grpo"].items() for phase, peak in grpo["peak"].items()]
+    rows += [(f"GRPO sampling ({name}) generation", row["peak"], row["estimate"])
+             for name, row in results["sampling"].items()]
+    reward = results["reward"]
+    return rows + [("reward model", reward["peak"], reward["estimate"])]
+
+
+def rl_description() -> str:
+    m = rl_memory
+    return ("The GRPO rows are one colocated step's phases, each measured apart "
+            f"(`harness.rl_memory`: {m.PROMPTS * m.GROUP} completions a rank of {m.PROMPT_LEN} + "
+            f"{m.NEW_TOKENS} tokens, a reference model, update micro-batches of {m.MAX_TOKENS} "
+            "tokens; `fullshard.plan.rl.estimate_grpo`; fp32, and bf16 compute sampling with "
+            "top-p 0.9; the sampling rows: generation of 32 rows over a 32K vocabulary, where the "
+            "sampled scores are most of the peak); the reward row a one-output "
+            f"sequence-classification Llama's step ({m.REWARD_ROWS} x {m.REWARD_SEQ} tokens). ")
 
 
 def main() -> int:
@@ -36,6 +60,13 @@ def main() -> int:
             rows.append([name, cell.world, where, f"{row['peak'] / 2**20:,.2f}", f"{row['estimate'] / 2**20:,.2f}",
                          f"{ratio:.3f}"])
             print(rows[-1], flush=True)
+    for name, peak, estimate in rl_rows():
+        ratio = estimate / peak
+        if not 1.0 <= ratio <= 1.10:
+            off.append((name, 0, ratio))
+        mib = [f"{value / 2**20:,.2f}" for value in (peak, estimate)]
+        rows.append([name, 2, "every rank", *mib, f"{ratio:.3f}"])
+        print(rows[-1], flush=True)
     body = ("`fullshard plan`'s per-rank memory estimate (`fullshard.train.memory.estimate_run`) against the "
             "measured peak of live tensor bytes (torch's FSDPMemTracker over one training step after a warm-up "
             "step: forward, token-normalised loss, backward, clip, AdamW), every layout of "
@@ -45,7 +76,8 @@ def main() -> int:
             f"layers, vocabulary {LLAMA['vocab_size']}; MoE rows: Qwen3-MoE with {QWEN3_MOE['num_experts']} experts. "
             "Under pp each stage's ranks are measured apart. The two config rows build the estimate's model from "
             "a config.json as `fullshard plan` does (one stating `torch_dtype: bfloat16`, one stating none) while "
-            "training keeps fp32 masters. The estimate must be at least the peak (ratio >= 1) and at most 10% "
+            "training keeps fp32 masters. " + rl_description()
+            + "The estimate must be at least the peak (ratio >= 1) and at most 10% "
             "above; `tests/test_memory.py` asserts it. On CPU no allocator rounding applies. No GPU was lent to "
             "the session that wrote this table: the GPU column (`estimate_rank_bytes(..., device_type=\"cuda\")` "
             f"against `torch.cuda.max_memory_allocated`) is still to be measured. Load average {load:.1f} at the "

@@ -2,10 +2,11 @@
 steps well above the first 5's on a task a random policy scores low on) with an engine process fed
 by `WeightSync`; in one spawned group the same colocated, sampling the engine's completions step by
 step, a resume in the middle equal to the uninterrupted run, a failing reward function as one line
-on every rank, engines (started by rank 0 in the group) under pp 2 and tp 2 equal to a world-1
-colocated run and under LoRA equal to LoRA colocated; beside the group, at world 1, the same run
-and a run resumed at world 2, equal to it; the pieces (per-completion sampling streams, rewards,
-prompts, rollout layout, refusals) in process."""
+on every rank, a trained reward model's scores against transformers' in one process and its run
+weighted beside a function, engines (started by rank 0 in the group) under pp 2 and tp 2 equal to
+a world-1 colocated run and under LoRA equal to LoRA colocated; beside the group, at world 1, the
+same run and a run resumed at world 2, equal to it; the pieces (per-completion sampling streams,
+rewards, prompts, rollout layout, refusals) in process."""
 
 import json
 import subprocess
@@ -48,6 +49,28 @@ def write_inputs(root):
     (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     (root / "rewards.py").write_text(REWARDS)
     (root / "template.jinja").write_text(TEMPLATE)
+
+
+RM_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</{{ m['role'] }}>"
+               "{% endfor %}")
+
+
+def write_reward_models(root):
+    """test_reward's tiny one-output Llama reward model (`base`, no chat template) and causal LM
+    (`causal`); `rm`: the reward model with a chat template of its own and a head scaled up (scores
+    of order 1), as TRL would be given it."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from test_reward import write_bases
+
+    write_bases(root)
+    model = AutoModelForSequenceClassification.from_pretrained(root / "base")
+    with torch.no_grad():
+        model.score.weight.mul_(20)
+    model.save_pretrained(root / "rm")
+    tokenizer = AutoTokenizer.from_pretrained(root / "base")
+    tokenizer.chat_template = RM_TEMPLATE
+    tokenizer.save_pretrained(root / "rm")
 
 
 def common(root, out: str, *extra) -> list[str]:
@@ -133,6 +156,7 @@ def _group_runs(root: str) -> dict:
                                    "--train.plot=false"))
     for name in ("boom", "too_few"):
         out[name] = _run(common(root, name, f"--rl.reward={root}/rewards.py:{name}", "--train.steps=2"))
+    _reward_model_runs(root, out)
     out.update(_engine_runs(root))
     return out
 
@@ -163,6 +187,51 @@ def _engine_runs(root) -> dict:
     return out
 
 
+def _reward_model_runs(root, out: dict) -> None:
+    """A reward model (sharded over both ranks) weighted with a function, each step's texts and
+    scores recorded; a reward model whose tokenizer has no chat template under conversations."""
+    from fullshard.rl.reward_model import RewardModel
+
+    seen, encode, scores = [], RewardModel.encode, RewardModel.scores
+
+    def recorded_encode(self, prompts, completions):
+        seen.append({"prompts": prompts, "completions": completions})
+        return encode(self, prompts, completions)
+
+    def recorded_scores(self, encoded):
+        values = scores(self, encoded)
+        seen[-1]["scores"] = values.tolist()
+        return values
+
+    RewardModel.encode, RewardModel.scores = recorded_encode, recorded_scores
+    try:  # a small token budget: several micro-batches, as many on each rank
+        out["rm"] = _run(common(
+            root, "rm", f"--rl.reward=[{root}/rm,{root}/rewards.py:digit_share]",
+            "--rl.reward_weights=[0.5,1.0]", "--train.steps=2", "--checkpoint.export=false",
+            "--train.plot=false", "--rl.max_tokens_per_micro_batch=160"))
+    finally:
+        RewardModel.encode, RewardModel.scores = encode, scores
+    out["rm_scored"] = seen
+    out["rm_alone"] = _rank_0_alone(root)
+    out["no_template"] = _run(common(root, "no_template", f"--rl.reward={root}/base",
+                                     "--train.steps=2", "--checkpoint.export=false",
+                                     "--train.plot=false"))
+
+
+UNEVEN = (["1+1=", "what comes after 3?", "a"], ["2", " 4", "bcdefghijklmnopqrstuvwxyz" * 3])
+
+
+def _rank_0_alone(root) -> list[float]:
+    """Scores from `fullshard.rl.reward_model` directly, texts on rank 0 only (two micro-batches of
+    at most 64 tokens): rank 1, with none, takes part in each sharded forward."""
+    from fullshard.engine import EngineConfig
+    from fullshard.rl.reward_model import load_reward_model
+
+    scorer = load_reward_model(f"{root}/rm", EngineConfig(), torch.float32, max_tokens=64)
+    prompts, completions = UNEVEN if torch.distributed.get_rank() == 0 else ([], [])
+    return scorer(prompts, completions)
+
+
 def _world_1_runs(root) -> dict:
     """In the test's process: the group's 6-step run at world 1, and the first half of a run the
     group resumes at world 2."""
@@ -178,6 +247,7 @@ def _world_1_runs(root) -> dict:
 def group(tmp_path_factory):
     root = tmp_path_factory.mktemp("grpo")
     write_inputs(root)
+    write_reward_models(root)
     single = _world_1_runs(root)
     results = run_distributed(_group_runs, 2, str(root), timeout=900)
     return root, results, single
@@ -300,6 +370,96 @@ def test_a_failing_reward_function_is_one_line_on_every_rank(group):
         boom, few = results[rank]["boom"]["error"], results[rank]["too_few"]["error"]
         assert "\n" not in boom and "rewards.py:boom" in boom and "ValueError: boom" in boom, boom
         assert "\n" not in few and "rewards.py:too_few" in few and "returned 1 values for 8 completions" in few, few
+
+
+@torch.no_grad()
+def plain_score(model, tokenizer, text: str) -> float:
+    """transformers' score of one text alone, tokenized as TRL tokenizes it for a reward model."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return model(torch.tensor([ids])).logits[0, 0].item()
+
+
+def test_reward_model_scores_equal_a_plain_one_process_scoring(group):
+    """The scores of a step's completions, from the reward model sharded over 2 ranks in token-
+    budget micro-batches, equal transformers' `AutoModelForSequenceClassification` scoring each
+    text alone in one process, the texts built as TRL's GRPOTrainer builds them."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from trl.data_utils import apply_chat_template
+    from trl.trainer.utils import get_config_model_id
+
+    root, results, _ = group
+    model = AutoModelForSequenceClassification.from_pretrained(str(root / "rm"),
+                                                               dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(root / "rm"))
+    scored = [call for rank in (0, 1) for call in results[rank]["rm_scored"]]
+    # 2 steps x 2 ranks, 8 completions each
+    assert len(scored) == 4 and all(len(call["scores"]) == 8 for call in scored)
+    kinds, ours, theirs = set(), [], []
+    for call in scored:
+        for prompt, completion, score in zip(call["prompts"], call["completions"], call["scores"]):
+            conversation = isinstance(prompt, list)
+            kinds.add(conversation)
+            text = (apply_chat_template({"messages": prompt + completion}, tokenizer)["text"]
+                    if conversation else prompt + completion)
+            theirs.append(plain_score(model, tokenizer, text))
+            ours.append(score)
+    assert kinds == {True, False}  # text prompts and conversations both scored
+    diff = max(abs(a - b) for a, b in zip(ours, theirs))
+    assert diff <= 1e-5 and len(set(theirs)) > 1 and max(map(abs, theirs)) > 0.1, (diff, theirs[:4])
+    assert get_config_model_id(model.config).split("/")[-1] == "rm"  # TRL's metric name for it
+    expected = [plain_score(model, tokenizer, p + c) for p, c in zip(*UNEVEN)]
+    assert results[1]["rm_alone"] == [] and len(results[0]["rm_alone"]) == 3
+    assert max(abs(a - b) for a, b in zip(results[0]["rm_alone"], expected)) <= 1e-5
+
+
+def test_grpo_with_a_reward_model_weighted_with_a_function(group):
+    root, results, _ = group
+    assert "error" not in results[0]["rm"], results[0]["rm"]
+    rows = [r for r in read_metrics(root / "rm" / "metrics.jsonl") if r["kind"] == "train"]
+    assert [r["step"] for r in rows] == [1, 2]
+    scored = [call["scores"] for rank in (0, 1) for call in results[rank]["rm_scored"]]
+    for step, row in enumerate(rows):  # rank 0's and rank 1's calls of this step
+        values = scored[step] + scored[2 + step]
+        assert row["rewards/rm/mean"] == pytest.approx(sum(values) / len(values), abs=1e-6)
+        total = 0.5 * row["rewards/rm/mean"] + row["rewards/digit_share/mean"]
+        assert row["reward"] == pytest.approx(total, abs=1e-6), row
+
+
+def test_a_reward_model_without_a_chat_template_is_one_line_on_every_rank(group):
+    _, results, _ = group
+    for rank in (0, 1):
+        error = results[rank]["no_template"].get("error", "")
+        assert "\n" not in error and "has no chat template" in error and "/base" in error, error
+
+
+@pytest.mark.parametrize("entry, message", [
+    ("empty", "is a directory without config.json"),
+    ("causal", "is a LlamaForCausalLM checkpoint, not a sequence-classification model"),
+    ("three", "checkpoint with 3 outputs"),
+    ("untokenized", "holds no tokenizer"),
+    ("accuracy", "is both a built-in and a directory here"),
+    ("twice", "both log as rewards/rm/mean"),
+])
+def test_bad_reward_model_directories_are_one_line_before_launch(tmp_path, monkeypatch, entry,
+                                                                  message):
+    from transformers import LlamaConfig
+
+    from fullshard.train.config import load_config
+
+    classifier = "LlamaForSequenceClassification"
+    for name, kind, labels in (("causal", "LlamaForCausalLM", 1), ("three", classifier, 3),
+                               ("untokenized", classifier, 1), ("a/rm", classifier, 1),
+                               ("b/rm", classifier, 1)):
+        LlamaConfig(num_labels=labels, architectures=[kind]).save_pretrained(tmp_path / name)
+    for name in ("a/rm", "b/rm"):
+        (tmp_path / name / "tokenizer.json").write_text("{}")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "accuracy").mkdir()
+    monkeypatch.chdir(tmp_path)
+    spec = {"twice": "[a/rm,b/rm]", "accuracy": "accuracy"}.get(entry, str(tmp_path / entry))
+    with pytest.raises(ConfigError, match=message) as raised:
+        load_config(None, ["--train.objective=grpo", f"--rl.reward={spec}"])
+    assert "\n" not in str(raised.value)
 
 
 # ---------------------------------------------------------------------------------------------- in process

@@ -167,3 +167,75 @@ def test_plan_of_a_dpo_run_counts_its_reference_and_says_which(tmp_path, capsys)
     assert _mib(precompute, total)[0] < _mib(offloaded, total)[0]
     assert _mib(precompute, "loss: logits (all, or a chunk's) and gradients")[0] > _mib(
         sft, "loss: logits (all, or a chunk's) and gradients")[0]
+
+
+def test_grpo_phases_and_a_reward_step_are_estimated_within_10_percent_of_their_peaks():
+    """A tiny Llama's colocated GRPO step at world 2 (`harness.rl_memory`: 8 completions a rank,
+    32 + 96 tokens, a reference model, two update micro-batches; fp32, and bf16 compute sampling
+    with top-p), each phase's peak measured apart; generation where the sampled scores are most
+    of the peak (32 rows over a 32K vocabulary, with and without top-p);
+    and a one-output reward model's step: estimate / peak in [1.00, 1.10] for each; the step's
+    estimate is its largest phase's. The causal LM's estimate for the reward step's shape (the
+    vocabulary's logits it does not have) is out of the band: the head counted is the score's."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fullshard.plan.memory import estimate_run
+    from harness.memory_matrix import LLAMA
+    from harness.rl_memory import REWARD_ROWS, REWARD_SEQ, run
+
+    results = run()
+    reward = results["reward"]
+    ratios = {f"{case}: {phase}": grpo["estimate"][phase.replace("logprobs", "log-probs")] / peak
+              for case, grpo in results["grpo"].items() for phase, peak in grpo["peak"].items()}
+    ratios.update({f"sampling, {name}": row["estimate"] / row["peak"]
+                   for name, row in results["sampling"].items()})
+    ratios["reward"] = reward["estimate"] / reward["peak"]
+    assert len(ratios) == 9, ratios
+    off = {name: round(ratio, 4) for name, ratio in ratios.items() if not 1.0 <= ratio <= 1.10}
+    assert not off, (off, ratios)
+    assert all(grpo["total"] == max(grpo["estimate"].values()) for grpo in results["grpo"].values())
+    with torch.device("meta"):
+        causal = LlamaForCausalLM._from_config(LlamaConfig(**LLAMA), dtype=torch.float32)
+    as_causal = estimate_run(causal, {"mixed_precision": "fp32"}, 2, REWARD_ROWS, REWARD_SEQ,
+                             accumulation_steps=1, device_type="cpu").per_rank
+    assert as_causal / reward["peak"] > 1.10, as_causal / reward["peak"]
+
+
+def test_plan_of_a_grpo_run_names_each_phase_and_of_a_reward_run_its_score_head(tmp_path, capsys):
+    """`fullshard plan --train.objective=grpo` prints each phase's figure and the largest as the
+    total: generation's KV cache (every layer's keys and values in bf16), the reference's shards
+    on the device only for its log-probs, with engines no generation on the trainer ranks but the
+    weight push's buffers; and
+    `--train.objective=reward` no logits over the vocabulary."""
+    llama = _config_dir(tmp_path, "llama8b", "bfloat16", **LLAMA3_8B)
+    grpo = ["--train.objective=grpo", "--train.global_batch_size=64", "--rl.max_new_tokens=1024"]
+
+    def plan(*extra):
+        assert main(["plan", str(llama), *EIGHT_GPUS, *extra]) == 0
+        return capsys.readouterr().out
+
+    colocated, kl, engines = (plan(*grpo), plan(*grpo, "--rl.kl_coef=0.04"),
+                              plan(*grpo, "--rl.rollout=engines"))
+    # 8 completions a rank of 4096 + 1024 positions, 32 layers of 8 kv heads x 128, bf16
+    assert _mib(colocated, "generation: KV cache (8 sequences x 5120 positions)") == [
+        pytest.approx(2 * 32 * 8 * 8 * 128 * 5120 * 2 / 2**20, abs=0.01)]
+    assert "prompts of 4096 tokens (the plan's seq-len" in colocated
+    assert "log-probs phase" not in colocated  # kl_coef 0, one epoch: on-policy, no reference
+    phases = {row: _mib(kl, f"{row} phase total")[0]
+              for row in ("generation", "log-probs", "update")}
+    total = re.search(r"total \(the largest phase: ([\w-]+)\) +([\d,.]+) MiB", kl)
+    largest = max(phases.values())
+    assert float(total[2].replace(",", "")) == largest and phases[total[1]] == largest
+    shard = _mib(kl, "update: parameters (shard)")[0]
+    assert _mib(kl, "log-probs: reference model (shard, on the device for its forward)") == [shard]
+    assert "generation: reference" not in kl and "reference model" in kl
+    assert "generation phase" not in engines and "engines: the engine processes generate" in engines
+    # the first rank's two 256 MiB buckets in turn and a third for the 2 GiB fp32 embedding
+    embedding = 128256 * 4096 * 4 / 2**20
+    assert _mib(engines, "weight push: the first rank's bucket buffers") == [512 + embedding]
+    assert re.search(r"most completions per rank that fit: \d+", colocated)
+    sft, reward = plan(), plan("--train.objective=reward", "--data.format=preference")
+    head = "loss: logits (all, or a chunk's) and gradients"
+    assert _mib(reward, head)[0] < 0.001 * _mib(sft, head)[0]  # a score a token, not 128K logits
+    activations = "activations (one micro-batch)"
+    assert _mib(sft, activations)[0] - _mib(reward, activations)[0] > 0

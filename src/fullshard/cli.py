@@ -201,7 +201,14 @@ def cmd_plan(argv: list[str]) -> int:
         accumulation = None
     options = dict(optimizer=config.optim.name, accumulation_steps=accumulation, device_type=DEVICES[device][0],
                    loss_chunk_tokens=config.train.loss_chunk_tokens, reference=planned_reference(config))
-    run = estimate_run(model, engine, nproc, micro, seq_len, **options)
+    if config.train.objective == "grpo":
+        run, largest = planned_grpo(config, model, engine, nproc, dims, seq_len,
+                                    DEVICES[device][0], capacity)
+    else:
+        run = estimate_run(model, engine, nproc, micro, seq_len, **options)
+
+        def largest():
+            return largest_micro_batch(model, engine, nproc, seq_len, capacity, **options)
     print(f"{type(model).__name__}: {sum(p.numel() for p in model.parameters()):,} parameters, {describe_mesh(dims)}\n")
     print(plan.describe(model, dims.fsdp_shard_size))
     if dims.tp > 1:
@@ -209,9 +216,37 @@ def cmd_plan(argv: list[str]) -> int:
               "slice of the split ones):\n" + describe_tp(model, assignments, dims.tp))
     if dims.ep > 1:
         print("\n" + describe_expert_parallel(model, dims.ep, dims.efsdp))
-    print_estimate(config, run, device, capacity, micro, seq_len, accumulation,
-                   lambda: largest_micro_batch(model, engine, nproc, seq_len, capacity, **options))
+    print_estimate(config, run, device, capacity, micro, seq_len, accumulation, largest)
     return 0
+
+
+def planned_grpo(config, model, engine, nproc: int, dims, seq_len: int, device_type: str, capacity):
+    """`train.objective=grpo`'s estimate, phase by phase (`plan.rl`), as a one-stage run, and the
+    line on the most completions per rank that fit."""
+    from .errors import ConfigError
+    from .plan.memory import RunEstimate, StageEstimate, dtype_assumptions
+    from .plan.rl import describe_setup, estimate_grpo, largest_completions, rl_setup
+
+    for key, size, why in (("pp_size", dims.pp, "generate does not run a pipelined model"),
+                           ("cp_size", dims.cp, "rollouts are not split over cp ranks")):
+        if size > 1:
+            raise ConfigError(f"train.objective=grpo: {config.key(key)} is not supported ({why})")
+    setup = rl_setup(config, dims.dp_size, seq_len, dims.tp)
+    kwargs = dict(optimizer=config.optim.name, device_type=device_type)
+    phased = estimate_grpo(model, engine, nproc, setup, **kwargs)
+    assumed = f"{dtype_assumptions(model, engine, config.optim.name)}; {describe_setup(setup)}"
+    run = RunEstimate([StageEstimate("every rank", phased)], assumed)
+
+    def largest() -> str:
+        best = largest_completions(model, engine, nproc, setup, capacity, config.rl.group_size,
+                                   **kwargs)
+        if not best:
+            return ("no group of completions fits: shard over more ranks, shorten "
+                    "rl.max_new_tokens, or lower rl.max_tokens_per_micro_batch")
+        return (f"most completions per rank that fit: {best} "
+                f"(train.global_batch_size {best * dims.dp_size})")
+
+    return run, largest
 
 
 def planned_reference(config) -> str | None:

@@ -26,7 +26,7 @@ from .base import Objective
 
 def check_config(config) -> None:
     """What train.objective=grpo does not run yet, or cannot: one line before launch."""
-    from ..rl.rewards import load_reward
+    from ..rl.rewards import check_names, check_reward
 
     data, mesh, rl = config.data, config.parallel, config.rl
     engines = rl.rollout == "engines"
@@ -58,7 +58,8 @@ def check_config(config) -> None:
             f"functions ({', '.join(specs)})"
         )
     for spec in specs:
-        load_reward(spec)
+        check_reward(spec)
+    check_names(specs)
 
 
 def reward_specs(config) -> list[str]:
@@ -69,15 +70,18 @@ def reward_specs(config) -> list[str]:
     if not specs:
         raise ConfigError(
             "train.objective=grpo needs rl.reward: a function (path/to/file.py:function or "
-            "module:function) or a built-in (accuracy, format, digits)"
+            "module:function), a built-in (accuracy, format, digits) or a reward model directory"
         )
     return specs
 
 
 def build_grpo(config, data, tokenizer, reference_model) -> "GRPO":
     """The objective with its reference (`rl.reference`): `reference_model()` builds the frozen
-    copy (kept on the host between its forwards on an accelerator)."""
+    copy (kept on the host between its forwards on an accelerator), and its reward models
+    (`rl.reward` directories: `rl.reward_model`, sharded over every rank, kept likewise)."""
+    from ..dtypes import DTYPES
     from ..rl.phases import offload
+    from ..rl.reward_model import load_reward_model
 
     kind = config.rl.resolved_reference(config.lora.enabled)
     reference = {"none": None, "adapter": "adapter"}.get(kind)
@@ -85,7 +89,10 @@ def build_grpo(config, data, tokenizer, reference_model) -> "GRPO":
         reference = reference_model()
         if next(reference.parameters()).device.type != "cpu":
             offload(reference)
-    return GRPO(config, data, tokenizer, reference)
+    engine, dtype = config.engine_config(), DTYPES[config.model.dtype]
+    max_tokens = config.rl.max_tokens_per_micro_batch
+    return GRPO(config, data, tokenizer, reference,
+                lambda spec: load_reward_model(spec, engine, dtype, max_tokens))
 
 
 def start_engines(config):
@@ -113,13 +120,13 @@ class GRPO(Objective):
     runs_own_step = True
     shown = ("reward", "kl", "entropy", "completions/mean_length", "generation_s", "update_s")
 
-    def __init__(self, config, data, tokenizer, reference=None):
+    def __init__(self, config, data, tokenizer, reference=None, load_model=None):
         from ..rl.rewards import Rewards
         from ..rl.update import UpdateConfig
 
         self.rl, self.data, self.seed = config.rl, data, config.train.seed
         self.tokenizer = getattr(tokenizer, "tokenizer", tokenizer)
-        self.rewards = Rewards(reward_specs(config), config.rl.reward_weights)
+        self.rewards = Rewards(reward_specs(config), config.rl.reward_weights, load_model)
         self.reference = reference  # a frozen model, "adapter", or None
         rl = config.rl
         self.update = UpdateConfig(
@@ -228,7 +235,7 @@ class GRPO(Objective):
             self.engines.close()
 
     def _score(self, rows, completions):
-        """Every completion's weighted reward and each function's values, agreed over the ranks."""
+        """Every completion's weighted reward and each reward's values, agreed over the ranks."""
         from ..distributed import agreed
 
         group = self.rl.group_size
@@ -241,8 +248,13 @@ class GRPO(Objective):
         records = [self.data.columns(row) for row in rows]
         keys = list(dict.fromkeys(k for record in records for k in record))
         columns = {k: [record.get(k) for record in records for _ in range(group)] for k in keys}
+        scores = {}
+        if self.rewards.models:
+            with agreed(ConfigError):  # a reward model's chat template may fail on one rank alone
+                encoded = self.rewards.encode(prompts, shown)
+            scores = self.rewards.model_scores(encoded)  # sharded forwards: every rank in step
         with agreed(ConfigError):
-            return self.rewards.score(prompts, shown, completions.completion_ids, columns)
+            return self.rewards.score(prompts, shown, completions.completion_ids, columns, scores)
 
     def _rollouts(self, model, completions, rewards, seconds):
         """The update's input: advantages within each group, old and reference log-probs."""

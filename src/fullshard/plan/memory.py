@@ -56,6 +56,7 @@ OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0}
 LOSS_TRANSIENT_BYTES_PER_LOGIT = 8  # the logits' fp32 copy and the log-softmax gradient, beyond the saved output
 CHUNK_BYTES_PER_LOGIT = 4  # a chunk's fp32 logits, softmax and gradient in one buffer (measured with MemTracker)
 LOGPROB_CHUNK_BYTES_PER_LOGIT = 12  # log-probs' backward: a chunk's recomputed logits, softmax and gradient
+ENTROPY_CHUNK_BYTES_PER_LOGIT = 16  # with entropies (RL): the softmax-weighted logits too
 REFERENCES = {  # preference.reference -> what the estimate assumes it holds
     "model": "a frozen sharded copy of the base weights (no gradients or optimizer state), gathered for its forward",
     "offloaded": "a frozen sharded copy of the base weights in host memory (offload_reference), gathered to the "
@@ -92,6 +93,8 @@ class MemoryEstimate:
     reference: int = 0  # preference.reference=model: the frozen copy's shards on the device
     reference_gathered: int = 0  # the reference forward's gathered units, after the policy's forward
     host_reference: int = 0  # offload_reference: the frozen copy's shards in host memory
+    whole_model: int = 0  # every unit all-gathered at once (generation: `generation.gathered`)
+    base_shard: int = 0  # this rank's shard of what a frozen reference copy holds (no adapters)
 
     @property
     def device_gradients(self) -> int:
@@ -193,10 +196,11 @@ def checkpointed_layers(layers: int, mode, every: int = 2) -> int:
 def activation_bytes(config, micro_batch_size: int, seq_len: int, compute_bytes: int,
                      activation_checkpointing=False, chunked_loss: bool = False,
                      layers: int | None = None, first: bool = True, last: bool = True, tp: int = 1,
-                     cp: int = 1, ac_every: int = 2) -> int:
+                     cp: int = 1, ac_every: int = 2, outputs: int | None = None) -> int:
     """What autograd saves for one micro-batch: the layers, the embedding and final norm (3H), the
     rotary cos/sin shared by the layers, the int64 ids, labels and positions, and the loss's fp32
-    log-softmax (4V bytes), or, chunked, the hidden states' gradient it holds (H values). A pipeline
+    log-softmax (4V bytes, V the head's `outputs`: the vocabulary unless given), or, chunked, the
+    hidden states' gradient it holds (H values). A pipeline
     stage holds `layers` of them, the embedding only if `first`, the final norm and loss only if
     `last`. A checkpointed layer keeps its input (H), under `selective` also the outputs its policy
     keeps."""
@@ -212,7 +216,8 @@ def activation_bytes(config, micro_batch_size: int, seq_len: int, compute_bytes:
     tokens = micro_batch_size * seq_len
     ends = (2 if first else 0) + (1 if last else 0)  # the embedding's output and its copy; the final norm's
     norms = 2 * (layers - recomputed) + (1 if last else 0)
-    loss = (compute_bytes * config.hidden_size if chunked_loss else 4 * config.vocab_size) if last else 0
+    outputs = config.vocab_size if outputs is None else outputs
+    loss = (compute_bytes * config.hidden_size if chunked_loss else 4 * outputs) if last else 0
     return tokens * (compute_bytes * (layer_values + ends * config.hidden_size + rotary) + 3 * 8
                      + loss
                      + norms * norm_upcast_bytes(config, compute_bytes))
@@ -276,6 +281,7 @@ class EstimateSetup:
     float8: str = "none"
     float8_skip: tuple | list = ()
     reference: str | None = None  # train.objective=dpo: its reference strategy (`REFERENCES`); None: SFT
+    entropy: bool = False  # the head runs as log-probs with entropies (an RL update), no reference
 
     @classmethod
     def of(cls, model: nn.Module, engine, dims, micro_batch_size: int, seq_len: int, **run) -> EstimateSetup:
@@ -300,7 +306,7 @@ def estimate_memory(model: nn.Module, plan: ShardingPlan, setup: EstimateSetup |
     s = setup if isinstance(setup, EstimateSetup) else EstimateSetup(*(setup, *args)[setup is None:], **kwargs)
     (shard_size, micro_batch_size, seq_len, compute_dtype, activation_checkpointing, optimizer, accumulation_steps,
      device_type, reduce_dtype, tp_assignments, tp_size, cp_size, ep_size, loss_chunk_tokens, stage_rows, in_flight,
-     all_forwards_first, ac_every, activation_offload, float8, float8_skip, reference) = (
+     all_forwards_first, ac_every, activation_offload, float8, float8_skip, reference, entropy) = (
         getattr(s, f.name) for f in fields(s))
     from ..fsdp import ac_mode
 
@@ -314,15 +320,16 @@ def estimate_memory(model: nn.Module, plan: ShardingPlan, setup: EstimateSetup |
     config, compute_bytes = text_config(model.config), compute_dtype.itemsize
     stage = getattr(model, "fullshard_stage", None)  # a pipeline stage: its layers, ends and micro-batches
     layers, first, last = (len(stage.layers), stage.first, stage.last) if stage else (None, True, True)
-    if stage is not None:
-        micro_batch_size = stage_rows or micro_batch_size  # one pipeline micro-batch
+    micro_batch_size = (stage_rows or micro_batch_size) if stage else micro_batch_size
     tokens = micro_batch_size * seq_len
     # the layers' projections split over tp (the auto plan's are): their activations are split too
     layer_tp = tp_size if any(".layers." in f".{name}." for name in (tp_assignments or {})) else 1
     head = chunked_head(model, loss_chunk_tokens, tp_assignments or {}) if last else None
+    outputs = head_width(model, config)  # the vocabulary, or a reward model's one score
     activations = in_flight * activation_bytes(
         config, micro_batch_size, seq_len, compute_bytes, activation_checkpointing, chunked_loss=head is not None,
-        layers=layers, first=first, last=last, tp=layer_tp, cp=cp_size, ac_every=ac_every)
+        layers=layers, first=first, last=last, tp=layer_tp, cp=cp_size, ac_every=ac_every,
+        outputs=outputs)
     activations += in_flight * tokens * compute_bytes * layout_values(
         model, config, expert_units(model, ep_size, shard_size * cp_size), activation_checkpointing, layers,
         first, last, stage is not None, head is None)
@@ -331,7 +338,7 @@ def estimate_memory(model: nn.Module, plan: ShardingPlan, setup: EstimateSetup |
         activation_offload and device_type != "cpu") else (0, 0)
     activations -= host - kept
     loss, saved_loss = loss_bytes(config, head, tokens, compute_bytes, loss_chunk_tokens, in_flight,
-                                  logprobs=reference is not None) if last else (0, 0)
+                                  reference is not None, entropy, outputs) if last else (0, 0)
     recompute = recompute_bytes(config, tokens, compute_bytes, layer_tp, cp_size, layers, activation_checkpointing,
                                 ac_every)
     full = sorted(units["full"].values(), reverse=True)
@@ -343,15 +350,14 @@ def estimate_memory(model: nn.Module, plan: ShardingPlan, setup: EstimateSetup |
         gathered=sum(full[:2]), activations=activations, loss=loss,
         unit_gradients=units["numel"][largest] * reduce_copy + full[0] + units["grad"].get(largest, 0),
         allocator=units["rounding"], gradients_in_forward=accumulation_steps is None or accumulation_steps > 1,
-        largest_unit=full[0], saved_loss=saved_loss,
+        largest_unit=full[0], saved_loss=saved_loss, in_flight=in_flight if stage else 0,
         first_unit_gradients=max(units["grad"].values(), default=0), recompute=recompute,
-        input_unit_gradients=next(iter(units["grad"].values()), 0),
+        input_unit_gradients=next(iter(units["grad"].values()), 0), whole_model=sum(full),
         backward_gathered=sum(sorted(units["backward_full"].values(), reverse=True)[:2]),
-        in_flight=in_flight if stage is not None else 0,
         pipeline_gradients=units["trainable_numel"] * compute_bytes if stage is not None else 0,
         gradients_between_forwards=stage is not None and not all_forwards_first,
         host_activations=host, **reference_bytes(reference, units["base_shard"], sum(full[:2])),
-    )
+        base_shard=units["base_shard"])
 
 
 def reference_bytes(reference: str | None, shard: int, gathered: int) -> dict[str, int]:
@@ -390,27 +396,41 @@ def layout_values(model: nn.Module, config, experts: dict, activation_checkpoint
         # on the last stage the loss's few extra buffers (about 6H in all, measured at pp 2:
         # bench_memory), and its whole logits where the loss is not chunked
         values += ((0 if last else 2) + (0 if first else 6)) * config.hidden_size
-        values += config.vocab_size if last and whole_logits else 0
+        values += head_width(model, config) if last and whole_logits else 0
     return values
 
 
 def loss_bytes(config, head: nn.Module | None, tokens: int, compute_bytes: int, loss_chunk_tokens: int,
-               in_flight: int = 1, logprobs: bool = False) -> tuple[int, int]:
-    """(the loss's buffers beyond what it saves, what it saves) for `tokens` tokens: whole logits, or
-    chunked (`logprobs`: per-token log-probs, whose backward holds three buffers per chunk logit)."""
+               in_flight: int = 1, logprobs: bool = False, entropy: bool = False,
+               outputs: int | None = None) -> tuple[int, int]:
+    """(the loss's buffers beyond what it saves, what it saves) for `tokens` tokens: whole logits
+    (`outputs` per token: the vocabulary unless given), or chunked (`logprobs`: per-token log-probs,
+    whose backward holds three buffers per chunk logit, four with `entropy`)."""
+    outputs = config.vocab_size if outputs is None else outputs
     if head is None:
-        return tokens * config.vocab_size * LOSS_TRANSIENT_BYTES_PER_LOGIT, tokens * config.vocab_size * 4
+        return tokens * outputs * LOSS_TRANSIENT_BYTES_PER_LOGIT, tokens * outputs * 4
     # a chunk's logits; the head's gradient, made in the forward (each micro-batch in flight on a
     # pipeline stage holds its own); the head unit's all-gather buffer, which FSDP frees only when
     # the root's forward ends; and a second copy of the hidden states' gradient (the one it saves),
     # live while the final norm's backward takes it on (bench_loss measures these)
-    per_logit = LOGPROB_CHUNK_BYTES_PER_LOGIT if logprobs else CHUNK_BYTES_PER_LOGIT
+    per_logit = (ENTROPY_CHUNK_BYTES_PER_LOGIT if entropy else  # entropies are log-probs' too
+                 LOGPROB_CHUNK_BYTES_PER_LOGIT if logprobs else CHUNK_BYTES_PER_LOGIT)
     chunk_bytes = per_logit + (compute_bytes if compute_bytes < 4 else 0)
     head_bytes = sum(p.numel() for p in head.parameters()) * compute_bytes
     trains_head = any(p.requires_grad for p in head.parameters())  # a frozen head (LoRA) gets no gradient
     loss = (min(loss_chunk_tokens, tokens) * config.vocab_size * chunk_bytes
             + (1 + trains_head * in_flight) * head_bytes + tokens * config.hidden_size * compute_bytes)
     return loss, tokens * config.hidden_size * compute_bytes
+
+
+def head_width(model: nn.Module, config) -> int:
+    """Outputs per token of the model's head: the vocabulary of a causal LM; a sequence
+    classifier's labels (a reward model's one score, `objectives.reward`), which has no logits
+    over the vocabulary."""
+    score = getattr(model, "score", None)
+    if chunkable_head(model) is None and isinstance(score, nn.Linear):
+        return score.out_features
+    return config.vocab_size
 
 
 def chunked_head(model: nn.Module, loss_chunk_tokens: int, tp_assignments: dict[str, str]) -> nn.Linear | None:
@@ -557,13 +577,43 @@ def measured_peak_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, run,
     torch's FSDPMemTracker: every storage counted once, FSDP2's freed all-gather buffers
     (storages resized to 0) included. What the estimate's total predicts, without the runtime
     and allocator caching that a process's resident set or reserved memory adds."""
+    return measured_phase_peaks(model, optimizer, {"run": run}, inputs)["run"]
+
+
+def measured_phase_peaks(model: nn.Module, optimizer: torch.optim.Optimizer, phases: dict,
+                         inputs=()) -> dict[str, int]:
+    """`measured_peak_bytes` of each of `phases` (name -> a function, run in order, each may call
+    the model's forward many times: generation, micro-batches) in one tracker: a second tracker
+    on the same model fails on its first repeated forward, so one tracks them all, its peak
+    starting again at each phase."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed.fsdp import FSDPModule
 
     tracker = FSDPMemTracker(model, optimizer)
     tracker.track_inputs(tuple(inputs))
-    with tracker:
-        run()
-    return max(snapshot["Total"] for snapshot in tracker.get_tracker_snapshot("peak").values())
+    # the tracker refuses a second forward of a unit in one run: each unit's statistics start
+    # again at each forward of it (the peak is the tracker's, over everything)
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+    def again(module, *_):
+        if not tracker._mod_tracker.is_bw:
+            tracker.memory_tracking.pop(module, None)
+
+    peaks = {}
+    with tracker:  # registered after the tracker's own hooks, to run before them
+        handles = [m.register_forward_pre_hook(again, prepend=True) for m in units]
+        try:
+            for name, run in phases.items():
+                tracker._peak_mem_snap = tracker.get_tracker_snapshot()  # what __enter__ sets
+                snapshot = tracker._peak_mem_snap
+                tracker._peak_mem = {dev: snap["Total"] for dev, snap in snapshot.items()}
+                run()
+                peak = tracker.get_tracker_snapshot("peak")
+                peaks[name] = max(snap["Total"] for snap in peak.values())
+        finally:
+            for handle in handles:
+                handle.remove()
+    return peaks
 
 
 # ---------------------------------------------------------------------------------------------- a run's plan
@@ -628,8 +678,7 @@ def estimate_run(model: nn.Module, engine, world_size: int, micro_batch_size: in
         estimate.offloaded = engine.offload_params and device_type != "cpu"
         return estimate
 
-    assumptions = (f"master weights, gradients and {optimizer} state in {_name(master)}, compute in {_name(compute)}"
-                   + (f", gradients reduced in {_name(reduce)}" if reduce != compute else ""))
+    assumptions = dtype_assumptions(model, engine, optimizer)
     if reference is not None:
         assumptions += (f"; preference pairs, each row holding a pair's chosen and rejected sequences, per-token "
                         f"log-probs through the head a chunk at a time; reference strategy assumed: {reference} "
@@ -648,6 +697,16 @@ def estimate_run(model: nn.Module, engine, world_size: int, micro_batch_size: in
         stages.append(StageEstimate(label, one(stage, stage_rows=rows, in_flight=flight,
                                                all_forwards_first=engine.pp_schedule == "GPipe")))
     return RunEstimate(stages, assumptions + f", {engine.pp_schedule} over {pipeline_micro} pipeline micro-batches")
+
+
+def dtype_assumptions(model: nn.Module, engine, optimizer: str) -> str:
+    """The dtypes an estimate assumes (`training_dtypes`), for the plan's header."""
+    from ..engine import EngineConfig
+
+    master, compute, reduce = training_dtypes(model, EngineConfig.from_any(engine))
+    reduced = f", gradients reduced in {_name(reduce)}" if reduce != compute else ""
+    return (f"master weights, gradients and {optimizer} state in {_name(master)}, compute in "
+            f"{_name(compute)}{reduced}")
 
 
 def estimate_rank_bytes(model: nn.Module, engine, world_size: int, micro_batch_size: int, seq_len: int,

@@ -22,16 +22,21 @@ def stored_dtype(config) -> str | None:
 
 def print_estimate(config, run, device: str, capacity: int | None, micro: int, seq_len: int,
                    accumulation: int | None, largest_micro) -> None:
-    """The estimate's header (what it assumed), each rank's (or stage's) rows, and whether it fits."""
+    """The estimate's header (what it assumed), each rank's (or stage's) rows, and whether it fits.
+    `largest_micro()`: the largest micro batch that fits, or (a GRPO step) the line to print."""
     fsdp = config.fsdp
     stored = stored_dtype(config)
-    print(f"\nper-rank memory estimate (micro batch {micro} x {seq_len} tokens over cp {config.parallel.cp_size}, "
+    grpo = config.train.objective == "grpo"
+    batch = ("a GRPO step's phases" if grpo else
+             f"micro batch {micro} x {seq_len} tokens over cp {config.parallel.cp_size}")
+    print(f"\nper-rank memory estimate ({batch}, "
           f"activation checkpointing {fsdp.activation_checkpointing}"
           f"{f' (every {fsdp.ac_every})' if fsdp.activation_checkpointing == 'every_n' else ''}, "
           f"{'activation offload, ' if fsdp.activation_offload else ''}"
           f"{f'float8 {fsdp.float8}, ' if fsdp.float8 != 'none' else ''}"
           f"loss chunks of {config.train.loss_chunk_tokens or 'all the'} tokens, "
-          f"{accumulation or 'unknown'} micro-batch(es) per step, {device}):\n"
+          + ("" if grpo else f"{accumulation or 'unknown'} micro-batch(es) per step, ")
+          + f"{device}):\n"
           f"assumed: {run.assumptions} (model.dtype={config.model.dtype}, fsdp.mixed_precision={fsdp.mixed_precision}"
           + (f"; config.json's torch_dtype {stored} is only what is read from disk" if stored else "") + ")"
           + ("; LoRA: the frozen base has no gradients or optimizer state" if config.lora.enabled else "")
@@ -49,6 +54,9 @@ def print_estimate(config, run, device: str, capacity: int | None, micro: int, s
         print(f"\nfits: {run.per_rank / 2**30:.1f} of {capacity / 2**30:.1f} GiB ({device})" if fits else
               f"\ndoes NOT fit: {run.per_rank / 2**30:.1f} of {capacity / 2**30:.1f} GiB ({device})")
         best = largest_micro()
+        if grpo:
+            print(best)
+            return
         print(f"largest micro batch that fits at {seq_len} tokens: {best}" if best else
               f"no micro batch fits at {seq_len} tokens: shard over more ranks, checkpoint activations or offload")
 

@@ -121,8 +121,11 @@ def reference_logprobs(reference, input_ids: torch.Tensor, attention_mask: torch
             raise ValueError("reference='adapter' needs the policy (a peft.PeftModel)")
         with adapters_disabled(policy):
             return sequence_logprobs(policy, input_ids, attention_mask, **kwargs)
-    if not offloaded:
-        return sequence_logprobs(reference, input_ids, attention_mask, **kwargs)
+    if not offloaded:  # its root unit would stay gathered after a forward without gradients
+        try:
+            return sequence_logprobs(reference, input_ids, attention_mask, **kwargs)
+        finally:
+            reshard_all(reference)
     onload(reference)
     try:
         return sequence_logprobs(reference, input_ids, attention_mask, **kwargs)

@@ -6,7 +6,8 @@ sum and of its mean). `prompts` and `completions` are text, or chat turns when t
 conversation (`[{"role": "assistant", "content": text}]` per completion, as TRL passes them);
 every other column of the prompt's record comes as a keyword, a list with one value per
 completion. Only functions the run's config names are imported: `path/to/file.py:function` or
-`module:function`; a data file never names code.
+`module:function`; a data file never names code. An entry naming an existing directory is a
+trained reward model (`rl.reward_model`), scored as TRL scores a model it is given as a reward.
 """
 
 from __future__ import annotations
@@ -102,15 +103,35 @@ def digits(prompts, completions, completion_ids, **columns) -> list[float]:
 BUILTIN = {"accuracy": accuracy, "format": format_, "digits": digits}
 
 
+def check_reward(spec: str) -> None:
+    """What `spec` names exists and fits: a function (imported) or a reward model directory (its
+    config read); else one line naming it."""
+    from .reward_model import check_reward_model, is_reward_model
+
+    if is_reward_model(spec) and spec not in BUILTIN:
+        check_reward_model(spec)
+    else:
+        load_reward(spec)
+
+
 def load_reward(spec: str):
     """The function `spec` names: a built-in, `path/to/file.py:function` or `module:function`."""
+    from .reward_model import is_reward_model
+
+    if spec in BUILTIN and is_reward_model(spec):
+        raise ConfigError(
+            f"rl.reward={spec!r} is both a built-in and a directory here: write ./{spec} for the "
+            "reward model in that directory, or move it"
+        )
     if spec in BUILTIN:
         return BUILTIN[spec]
+    if is_reward_model(spec):
+        raise ConfigError(f"rl.reward={spec!r} names a reward model directory, not a function")
     where, sep, name = spec.rpartition(":")
     if not sep or not where or not name:
         raise ConfigError(
-            f"rl.reward={spec!r} is no built-in ({', '.join(BUILTIN)}) and not "
-            "path/to/file.py:function or module:function"
+            f"rl.reward={spec!r} is no built-in ({', '.join(BUILTIN)}), not "
+            "path/to/file.py:function or module:function, and no directory (a reward model)"
         )
     if where.endswith(".py"):
         path = Path(where).expanduser()
@@ -138,29 +159,67 @@ def load_reward(spec: str):
 
 
 def reward_name(spec: str) -> str:
-    """The name its metrics go under (`rewards/<name>/mean`): the function's name, as TRL's."""
+    """The name its metrics go under (`rewards/<name>/mean`), as TRL's: the function's name, or a
+    reward model directory's last part."""
+    from .reward_model import is_reward_model, reward_model_name
+
+    if spec not in BUILTIN and is_reward_model(spec):
+        return reward_model_name(spec)
     return spec.rpartition(":")[2] or spec
 
 
-class Rewards:
-    """The run's reward functions and weights: `score` gives each completion's weighted sum and
-    each function's values (NaN where it returned None)."""
+def check_names(specs: list[str]) -> None:
+    """Two rewards whose metrics would share a name (`rewards/<name>/mean`): one line."""
+    seen: dict[str, str] = {}
+    for spec in specs:
+        name = reward_name(spec)
+        if name in seen:
+            raise ConfigError(
+                f"rl.reward entries {seen[name]!r} and {spec!r} both log as rewards/{name}/mean: "
+                "rename a function or a reward model's directory"
+            )
+        seen[name] = spec
 
-    def __init__(self, specs: list[str], weights: list[float] | None = None):
+
+class Rewards:
+    """The run's rewards and weights: `score` gives each completion's weighted sum and each
+    reward's values (NaN where a function returned None). A reward model directory is built by
+    `load_model(spec)` (the trainer's: `rl.reward_model.load_reward_model` on every rank)."""
+
+    def __init__(self, specs: list[str], weights: list[float] | None = None, load_model=None):
+        from .reward_model import is_reward_model
+
         if not specs:
             raise ConfigError(
                 "train.objective=grpo needs rl.reward: name a function (path/to/file.py:function, "
-                f"module:function) or a built-in ({', '.join(BUILTIN)})"
+                f"module:function), a built-in ({', '.join(BUILTIN)}) or a reward model directory"
             )
         if weights is not None and len(weights) != len(specs):
             raise ConfigError(
                 f"rl.reward_weights has {len(weights)} weights for {len(specs)} reward functions"
             )
-        self.specs, self.functions = list(specs), [load_reward(spec) for spec in specs]
-        self.names = [reward_name(spec) for spec in specs]
+        check_names(specs)
+        models = [spec not in BUILTIN and is_reward_model(spec) for spec in specs]
+        if any(models) and load_model is None:
+            raise ConfigError(f"rl.reward={specs[models.index(True)]!r} is a reward model: "
+                              "Rewards needs load_model to build it")
+        self.specs, self.names = list(specs), [reward_name(spec) for spec in specs]
+        self.functions = [
+            load_model(spec) if model else load_reward(spec) for spec, model in zip(specs, models)
+        ]
+        self.models = [index for index, model in enumerate(models) if model]
         self.weights = torch.tensor(
             weights if weights is not None else [1.0] * len(specs), dtype=torch.float64
         )
+
+    def encode(self, prompts: list, completions: list) -> dict[int, list[list[int]]]:
+        """Each reward model's tokens of every prompt + completion (may fail on one rank alone:
+        the caller agrees on it before `model_scores`)."""
+        return {i: self.functions[i].encode(prompts, completions) for i in self.models}
+
+    def model_scores(self, encoded: dict[int, list[list[int]]]) -> dict[int, torch.Tensor]:
+        """The reward models' scores: their forwards, a collective every rank runs in step."""
+        return {i: self.functions[i].scores(ids) for i, ids in encoded.items()}
 
     def score(
         self,
@@ -168,11 +227,18 @@ class Rewards:
         completions: list,
         completion_ids: list[list[int]],
         columns: dict[str, list],
+        model_scores: dict[int, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(`[n]` weighted sums, `[n, functions]` values); a function that raises or returns other
-        than one number or None per completion is a `ConfigError` naming it."""
+        """(`[n]` weighted sums, `[n, rewards]` values); a function that raises or returns other
+        than one number or None per completion is a `ConfigError` naming it. `model_scores`: the
+        reward models' values when already taken (else taken here)."""
+        if model_scores is None:
+            model_scores = self.model_scores(self.encode(prompts, completions))
         table = torch.full((len(completions), len(self.functions)), math.nan, dtype=torch.float64)
         for index, (spec, function) in enumerate(zip(self.specs, self.functions)):
+            if index in model_scores:
+                table[:, index] = model_scores[index].double()
+                continue
             try:
                 values = function(
                     prompts=prompts,

@@ -333,11 +333,13 @@ class RLSection:
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
     """nucleus sampling: the smallest set of tokens whose probabilities add up to this"""
     reward: Optional[Union[str, list[str]]] = None
-    """reward functions: path/to/file.py:function, module:function, or a built-in (accuracy, format, digits), each
-    called as reward(prompts, completions, completion_ids, **columns) -> list[float | None]; unset without data.path:
-    the built-in toy (digits)"""
+    """reward functions: path/to/file.py:function, module:function, or a built-in (accuracy, format,
+    digits), each called as reward(prompts, completions, completion_ids, **columns) ->
+    list[float | None]; or a reward model: an existing directory holding a one-output
+    sequence-classification checkpoint (train.objective=reward's export), scoring prompt +
+    completion; unset without data.path: the built-in toy (digits)"""
     reward_weights: Optional[list[float]] = None
-    """each reward function's weight in the summed reward (unset: 1 each)"""
+    """each reward's weight in the summed reward (unset: 1 each)"""
     advantage: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
     """grpo: reward minus its group's mean, over the group's std; dr_grpo: not divided by the std; rloo: minus the
     mean of the others"""
