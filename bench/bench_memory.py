@@ -18,9 +18,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the test harnesses (harness/)
 
-from bench.report import markdown_table, write_section  # noqa: E402
-from harness.memory_matrix import CELLS, LLAMA, QWEN3_MOE, SEQ, run_cells  # noqa: E402
 from harness import rl_memory  # noqa: E402
+from harness.memory_matrix import CELLS, LLAMA, QWEN3_MOE, SEQ, run_cells  # noqa: E402
+
+from bench.report import markdown_table, write_section  # noqa: E402
 
 
 def rl_rows() -> list[tuple[str, int, int]]:

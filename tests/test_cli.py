@@ -18,11 +18,11 @@ from safetensors.torch import load_file
 
 from fullshard.cli import main, parse_train_args
 from fullshard.errors import ConfigError
+from fullshard.testing import run_distributed
 from fullshard.train.config import BUILTIN_MODELS, SECTIONS, load_config
 from fullshard.train.data import byte_tokenizer, load_data
 from fullshard.train.loss import target_count
 from fullshard.train.metrics import read_metrics
-from fullshard.testing import run_distributed
 
 CONFIG = """
 model:

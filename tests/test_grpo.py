@@ -59,9 +59,8 @@ def write_reward_models(root):
     """test_reward's tiny one-output Llama reward model (`base`, no chat template) and causal LM
     (`causal`); `rm`: the reward model with a chat template of its own and a head scaled up (scores
     of order 1), as TRL would be given it."""
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
     from test_reward import write_bases
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     write_bases(root)
     model = AutoModelForSequenceClassification.from_pretrained(root / "base")

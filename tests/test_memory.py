@@ -177,11 +177,11 @@ def test_grpo_phases_and_a_reward_step_are_estimated_within_10_percent_of_their_
     and a one-output reward model's step: estimate / peak in [1.00, 1.10] for each; the step's
     estimate is its largest phase's. The causal LM's estimate for the reward step's shape (the
     vocabulary's logits it does not have) is out of the band: the head counted is the score's."""
+    from harness.memory_matrix import LLAMA
+    from harness.rl_memory import REWARD_ROWS, REWARD_SEQ, run
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from fullshard.plan.memory import estimate_run
-    from harness.memory_matrix import LLAMA
-    from harness.rl_memory import REWARD_ROWS, REWARD_SEQ, run
 
     results = run()
     reward = results["reward"]

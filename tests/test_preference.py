@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from harness.trl_peer import in_order
 
 from fullshard.testing import run_distributed
-from harness.trl_peer import in_order
 
 PAIRS, STEPS, BATCH = 12, 3, 4
 TOL = 1e-5
@@ -328,8 +328,8 @@ def test_preference_formats_label_only_the_completions():
 
 
 def test_bad_preference_records_name_file_and_line(tmp_path):
-    from fullshard.data.prepare import prepare
     from fullshard.data.builtin import byte_tokenizer
+    from fullshard.data.prepare import prepare
     from fullshard.train import ConfigError, load_config
 
     path = tmp_path / "pairs.jsonl"

@@ -16,9 +16,9 @@ import random
 
 import pytest
 import torch
+from harness.trl_peer import in_order
 
 from fullshard.testing import run_distributed
-from harness.trl_peer import in_order
 
 PAIRS, STEPS, BATCH, CENTER = 12, 3, 4, 0.01
 TOL = 1e-5

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from harness.vlm_parity import vlm_against_reference, vlm_problems
 
 from fullshard.testing import run_distributed
-from harness.vlm_parity import vlm_against_reference, vlm_problems
 from fullshard.testing.vlm_zoo import VLMInputs, build_vlm, tiny_vlm_config, vlm_types
 
 MIN_TESTED = 30
@@ -442,11 +442,11 @@ def _load_checks(directories: dict) -> dict:
     """Each directory loaded with fullshard's from_pretrained (no model class named) against plain
     transformers' from_pretrained: every tensor, and what each rank read."""
     import transformers
+    from harness.compare import full_state
     from torch.distributed.tensor import DTensor
 
     from fullshard import FSDP2Engine, from_pretrained
     from fullshard.fsdp import model_class_name
-    from harness.compare import full_state
 
     out = {}
     for label, (directory, budget) in directories.items():
@@ -548,9 +548,10 @@ def _train_and_save(directories: dict, checkpoint_root: str) -> dict:
     then none), save a DCP checkpoint, train a third step; its weights out in the Hub layout
     (`_weights_out`) and whole; logits of the sharded model on image + text rows. The LoRA types
     also with adapters on the vision tower: merged out, and saved for the offline export."""
+    from harness.compare import full_state
+
     from fullshard import FSDP2Engine, from_pretrained
     from fullshard.checkpoint import CheckpointManager
-    from harness.compare import full_state
 
     out = {}
     for model_type, directory in directories.items():
@@ -600,9 +601,10 @@ def _steps(model, optimizer, model_type: str, steps, manager=None, save_after: i
 def _resume(directories: dict, checkpoint_root: str) -> dict:
     """Per model at world 1: the checkpoint loaded, its weights out in the Hub layout and whole,
     then the remaining steps trained."""
+    from harness.compare import full_state
+
     from fullshard import FSDP2Engine, from_pretrained
     from fullshard.checkpoint import CheckpointManager
-    from harness.compare import full_state
 
     out = {}
     for model_type, directory in directories.items():
