@@ -227,7 +227,9 @@ def planned_grpo(config, model, engine, nproc: int, dims, seq_len: int, device_t
     from .plan.memory import RunEstimate, StageEstimate, dtype_assumptions
     from .plan.rl import describe_setup, estimate_grpo, largest_completions, rl_setup
 
-    for key, size, why in (("pp_size", dims.pp, "generate does not run a pipelined model"),
+    pp_why = ("the plan does not estimate a pipelined GRPO step yet" if config.rl.rollout == "engines"
+              else "generate does not run a pipelined model: use rl.rollout=engines")
+    for key, size, why in (("pp_size", dims.pp, pp_why),
                            ("cp_size", dims.cp, "rollouts are not split over cp ranks")):
         if size > 1:
             raise ConfigError(f"train.objective=grpo: {config.key(key)} is not supported ({why})")
