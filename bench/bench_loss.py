@@ -18,7 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.report import markdown_table, write_section  # noqa: E402
-from bench.variants import run_variants, time_interleaved  # noqa: E402
+from bench.variants import peak_and_speed_cells, run_variants, time_interleaved  # noqa: E402
 
 MODEL = dict(vocab_size=128_256, hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False)
@@ -62,11 +62,10 @@ def main() -> None:
     tokens = WORLD * MICRO * SEQ
     rows = []
     for chunk, run in runs.items():
-        speed, base_speed = run["speed"](tokens), whole["speed"](tokens)
+        peak, speed = peak_and_speed_cells(run, whole, tokens)
         name = "whole logits (loss_chunk_tokens=0)" if chunk == 0 else f"chunked, {chunk} tokens"
-        rows.append([name, f"{run['peak'] / 2**20:,.0f}", f"{run['peak'] / whole['peak']:.2f}",
-                     f"{(run['peak'] - whole['peak']) / 2**20:+,.0f}", f"{run['estimate'] / run['peak']:.3f}",
-                     f"{speed:,.0f}", f"{speed / base_speed:.2f}", f"{run['last_loss']:.6f}"])
+        rows.append([name, *peak, f"{(run['peak'] - whole['peak']) / 2**20:+,.0f}",
+                     f"{run['estimate'] / run['peak']:.3f}", *speed, f"{run['last_loss']:.6f}"])
         print(rows[-1], flush=True)
     logits_mib = MICRO * SEQ * MODEL["vocab_size"] * 4 / 2**20
     body = (f"One training step (forward, token-normalised loss, backward, clip, AdamW) of a Llama with a "

@@ -35,7 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.report import markdown_table, write_section  # noqa: E402
-from bench.variants import run_variants, time_interleaved  # noqa: E402
+from bench.variants import peak_and_speed_cells, run_variants, time_interleaved  # noqa: E402
 
 MODEL = dict(vocab_size=128_256, hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False)
@@ -186,13 +186,11 @@ def main() -> None:
     one, load_before, _ = run_variants(partial(_world_1, str(root)), 1)
     two, _, load_after = run_variants(partial(_world_2, str(root)), 2)
     trl = one["TRL DPOTrainer (reference model)"]
-    base_speed = trl["speed"](trl["tokens"])
     rows = []
     for world, runs in ((1, one), (2, two)):
         for name, run in runs.items():
-            speed = run["speed"](run["tokens"] * world)
-            rows.append([name, world, f"{run['peak'] / 2**20:,.0f}", f"{run['peak'] / trl['peak']:.2f}",
-                         f"{speed:,.0f}", f"{speed / base_speed:.2f}", f"{run['last']:.6f}"])
+            peak, speed = peak_and_speed_cells(run, trl, run["tokens"] * world, trl["tokens"])
+            rows.append([name, world, *peak, *speed, f"{run['last']:.6f}"])
             print(rows[-1], flush=True)
     logits_mib = ROWS * SEQ * MODEL["vocab_size"] * 4 / 2**20
     body = (f"One DPO step (sigmoid, beta 0.1, AdamW) of a Llama with a {MODEL['vocab_size']:,}-token vocabulary, "

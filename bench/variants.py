@@ -1,5 +1,6 @@
 """Timing several variants of one step side by side in one process group, for the benchmarks that
-compare a setting's values (bench_loss: loss chunk sizes; bench_rl: log-prob chunk sizes).
+compare a setting's values (bench_loss: loss chunk sizes; bench_rl: log-prob chunk sizes;
+bench_preference: reference strategies against TRL).
 
 Each variant is a dict with `step(seed) -> out` and `measure() -> peak bytes`. The rounds are
 interleaved (each round times one step of every variant), so a change in the machine's load falls
@@ -46,3 +47,11 @@ def run_variants(body: Callable[[], dict], world: int) -> tuple[dict, tuple, tup
         run["peak"] = max(r[name]["peak"] for r in per_rank)
         run["speed"] = lambda tokens, times=run["times"]: tokens / statistics.median(times)
     return runs, load_before, load_after
+
+
+def peak_and_speed_cells(run: dict, base: dict, tokens: int, base_tokens: int | None = None) -> tuple[list, list]:
+    """A variant's peak (MiB) and tokens/s, each with its ratio to `base`'s: the two pairs of cells
+    every variant table holds (`base_tokens`: the base's token count, when its world differs)."""
+    speed, base_speed = run["speed"](tokens), base["speed"](tokens if base_tokens is None else base_tokens)
+    return ([f"{run['peak'] / 2**20:,.0f}", f"{run['peak'] / base['peak']:.2f}"],
+            [f"{speed:,.0f}", f"{speed / base_speed:.2f}"])
