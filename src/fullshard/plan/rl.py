@@ -138,14 +138,21 @@ def kv_cache_bytes(config, rows: int, positions: int, compute_bytes: int) -> int
 
 
 def held_parts(update: MemoryEstimate, setup: RLSetup, on_device: bool, optimizer: bool) -> list:
-    """What every phase holds: the shards, (where it is on the device) the optimizer state and
-    the reference copy, the rollouts. Under `fsdp.offload_params` the shards and the optimizer
-    state live in host memory."""
+    """What the generation, log-prob and push phases hold: the shards, (where it is on the device)
+    the optimizer state, and `beside_training`. Under `fsdp.offload_params` the shards and the
+    optimizer state live in host memory."""
     parts = [("allocator rounding", update.allocator)]
     if not update.offloaded:
         parts.insert(0, ("parameters (shard)", update.parameters))
     if optimizer and not update.offloaded:
         parts.append(("optimizer state (shard)", update.optimizer))
+    return parts + beside_training(update, setup, on_device)
+
+
+def beside_training(update: MemoryEstimate, setup: RLSetup, on_device: bool) -> list:
+    """What every phase holds that the training estimate does not count: the reference copy (on
+    a CPU, where it never moves) and the rollouts."""
+    parts = []
     if setup.reference == "model" and not on_device:  # on a CPU the frozen copy never moves
         parts.append(("reference model (shard)", update.base_shard))
     tokens = setup.completions * setup.seq_len
@@ -216,11 +223,6 @@ def logprob_phase(
 
 def update_phase(update: MemoryEstimate, setup: RLSetup, on_device: bool) -> Phase:
     """The update: the training estimate of one micro-batch, the rollouts beside it."""
-    held = [
-        part
-        for part in held_parts(update, setup, on_device, optimizer=False)
-        if part[0] not in ("parameters (shard)", "allocator rounding")
-    ]
     return Phase(
         "update",
         [
@@ -229,7 +231,7 @@ def update_phase(update: MemoryEstimate, setup: RLSetup, on_device: bool) -> Pha
                 f"{setup.micro_batches} micro-batches)",
                 update.total,
             ),
-            *held,
+            *beside_training(update, setup, on_device),
         ],
     )
 
