@@ -269,7 +269,8 @@ def estimate_grpo(
     engine = EngineConfig.from_any(engine)
     if engine.pp_size > 1:
         raise ValueError(
-            "a GRPO step does not run a pipelined model (generate needs the whole model)"
+            "the GRPO estimate has no pipeline stages (colocated generate needs the whole model; "
+            "with engines a pipelined step trains but is not estimated)"
         )
     dims = ParallelDims(
         engine.dp_replicate,
