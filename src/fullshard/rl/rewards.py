@@ -103,12 +103,20 @@ def digits(prompts, completions, completion_ids, **columns) -> list[float]:
 BUILTIN = {"accuracy": accuracy, "format": format_, "digits": digits}
 
 
+def names_reward_model(spec: str) -> bool:
+    """Whether an `rl.reward` entry is a reward model: a directory that is not a built-in's name
+    (one that is both is refused by `load_reward`)."""
+    from .reward_model import is_reward_model
+
+    return spec not in BUILTIN and is_reward_model(spec)
+
+
 def check_reward(spec: str) -> None:
     """What `spec` names exists and fits: a function (imported) or a reward model directory (its
     config read); else one line naming it."""
-    from .reward_model import check_reward_model, is_reward_model
+    from .reward_model import check_reward_model
 
-    if is_reward_model(spec) and spec not in BUILTIN:
+    if names_reward_model(spec):
         check_reward_model(spec)
     else:
         load_reward(spec)
@@ -161,9 +169,9 @@ def load_reward(spec: str):
 def reward_name(spec: str) -> str:
     """The name its metrics go under (`rewards/<name>/mean`), as TRL's: the function's name, or a
     reward model directory's last part."""
-    from .reward_model import is_reward_model, reward_model_name
+    from .reward_model import reward_model_name
 
-    if spec not in BUILTIN and is_reward_model(spec):
+    if names_reward_model(spec):
         return reward_model_name(spec)
     return spec.rpartition(":")[2] or spec
 
@@ -187,8 +195,6 @@ class Rewards:
     `load_model(spec)` (the trainer's: `rl.reward_model.load_reward_model` on every rank)."""
 
     def __init__(self, specs: list[str], weights: list[float] | None = None, load_model=None):
-        from .reward_model import is_reward_model
-
         if not specs:
             raise ConfigError(
                 "train.objective=grpo needs rl.reward: name a function (path/to/file.py:function, "
@@ -199,7 +205,7 @@ class Rewards:
                 f"rl.reward_weights has {len(weights)} weights for {len(specs)} reward functions"
             )
         check_names(specs)
-        models = [spec not in BUILTIN and is_reward_model(spec) for spec in specs]
+        models = [names_reward_model(spec) for spec in specs]
         if any(models) and load_model is None:
             raise ConfigError(f"rl.reward={specs[models.index(True)]!r} is a reward model: "
                               "Rewards needs load_model to build it")
