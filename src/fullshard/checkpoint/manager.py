@@ -50,6 +50,13 @@ from .rng import capture_rng_state, rederive_rng_state, restore_rng_state
 MB = 2**20
 
 
+def agreed_run_checkpoint(path: str | os.PathLike) -> Path:
+    """The checkpoint `path` names (a checkpoint, save directory or run directory), as the first
+    rank resolves it, on every rank; a `CheckpointError` on every rank if it names none."""
+    return Path(broadcast_from_rank0(run_agreed(lambda: str(layout.resolve_run_checkpoint(path)), on_rank=0,
+                                                error_type=CheckpointError)))
+
+
 class CheckpointManager:
     """Saves and resumes training under `save_dir`, keeping at most `max_num` checkpoints and
     `max_mem` MB (the newest complete one is always kept, whatever its size).
@@ -313,8 +320,7 @@ class CheckpointManager:
         their values (the caller has checked which). Returns the checkpoint's extra_state with
         "step" added."""
         self.wait()
-        checkpoint = Path(broadcast_from_rank0(run_agreed(lambda: str(layout.resolve_run_checkpoint(path)), on_rank=0,
-                                                          error_type=CheckpointError)))
+        checkpoint = agreed_run_checkpoint(path)
         settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups] \
             if optimizer is not None else []
         extra = self._load_from(checkpoint, model, optimizer, None, {}, strict=strict,

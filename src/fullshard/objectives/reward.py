@@ -174,16 +174,11 @@ def init_reward_from(manager, path, model: nn.Module, optimizer, seed: int) -> d
     """`checkpoint.init_from` into a reward model: a reward run's checkpoint as it is; a causal
     LM's as a causal-LM directory loads (its base read, its LM head not, the score head new, drawn
     from `seed` as `load_reward_model` draws it). Returns the checkpoint's extra state."""
-    from pathlib import Path
-
-    from ..checkpoint.layout import resolve_run_checkpoint
+    from ..checkpoint.manager import agreed_run_checkpoint
     from ..checkpoint.read import CheckpointReader
-    from ..distributed import broadcast_from_rank0, run_agreed
-    from ..errors import CheckpointError
 
-    checkpoint = broadcast_from_rank0(run_agreed(lambda: str(resolve_run_checkpoint(path)),
-                                                 on_rank=0, error_type=CheckpointError))
-    new = new_head_keys(CheckpointReader(Path(checkpoint), share=None).metadata, model)
+    checkpoint = agreed_run_checkpoint(path)
+    new = new_head_keys(CheckpointReader(checkpoint, share=None).metadata, model)
     if new and optimizer is not None:
         raise ConfigError(SFT_OPTIMIZER.format(path=path))
     extra = manager.init_from(checkpoint, model, optimizer, strict=not new)
